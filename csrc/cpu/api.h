@@ -1,0 +1,64 @@
+// Raw-pointer C++ API of the CPU kernels behind moe_comm._C.
+//
+// No torch or pybind11 types appear here: callers pass data pointers, sizes and a thread count, so
+// one build works with any torch version. Argument order: outputs, const inputs, sizes, knobs.
+// Errors are thrown as std::invalid_argument with the offending values in the message.
+#pragma once
+
+#include <cstdint>
+
+namespace moe_comm::cpu {
+
+// Element types the combine reduction reads and writes (accumulation is always fp32).
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// One field of a row record: `num_cols` elements of `elem_bytes` bytes at `data + row * row_stride
+// + col * col_stride`, stored contiguously at byte `offset` inside each record.
+struct Segment {
+    uint8_t* data;
+    int64_t row_stride;  // bytes between consecutive rows of the field
+    int64_t col_stride;  // bytes between consecutive elements of one row
+    int64_t elem_bytes;
+    int64_t num_cols;
+    int64_t offset;      // byte offset of the field inside a record
+};
+
+// Routing histograms of `topk_idx` (DeepEP's get_dispatch_layout). Entries of -1 are skipped; a
+// token counts once per destination rank however many of that rank's experts it picked.
+//   num_tokens_per_rank[r]   = #{t : some k has topk_idx[t,k] / (num_experts/num_ranks) == r}
+//   num_tokens_per_expert[e] = #{(t, k) : topk_idx[t,k] == e}
+//   is_token_in_rank[t * num_ranks + r] = token t goes to rank r
+// Requires num_experts % num_ranks == 0 and every id in [-1, num_experts).
+void dispatch_layout(int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert, bool* is_token_in_rank,
+                     const int64_t* topk_idx,
+                     int64_t num_tokens, int64_t num_topk, int64_t num_ranks, int64_t num_experts,
+                     int num_threads);
+
+// Gathers source rows into records: record i (at records + i * record_bytes) receives, for every
+// segment, row src_rows[i] of that segment's field.
+void pack_rows(uint8_t* records,
+               const Segment* segments, int num_segments, const int64_t* src_rows,
+               int64_t num_rows, int64_t record_bytes,
+               int num_threads);
+
+// Scatters records into fields: row i of every segment's field receives its bytes of record i.
+void unpack_rows(const Segment* segments, int num_segments,
+                 const uint8_t* records,
+                 int64_t num_rows, int64_t record_bytes,
+                 int num_threads);
+
+// Normal-mode combine reduction, in a fixed order so results are bitwise reproducible:
+//   acc = 0; for r in 0..num_ranks-1: if send_pos[t, r] >= 0: acc += x(record send_pos[t, r])
+//   out[t] = dtype(acc + bias0[t] + bias1[t])        (each bias optional, fp32 adds)
+// x is `hidden` elements of `dtype` at byte 0 of each record. When out_weights is non-null it
+// receives the same sum (no bias) of the `num_topk` fp32 weights at byte `weights_offset`.
+void combine_reduce(void* out, float* out_weights,
+                    const uint8_t* records, const int32_t* send_pos, const void* bias0, const void* bias1,
+                    int64_t num_tokens, int64_t num_ranks, int64_t hidden, DType dtype,
+                    int64_t record_bytes, int64_t weights_offset, int64_t num_topk,
+                    int num_threads);
+
+// Number of hardware threads, the default for num_threads.
+int hardware_threads();
+
+}  // namespace moe_comm::cpu

@@ -1,0 +1,103 @@
+// The only file that sees pybind11: turns Python ints (tensor data_ptr()s) into raw pointers and
+// releases the GIL around every kernel so communication threads keep running.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "../cpu/api.h"
+
+namespace py = pybind11;
+namespace cpu = moe_comm::cpu;
+
+namespace {
+
+template <typename T>
+T* ptr(std::uintptr_t address) {
+    return reinterpret_cast<T*>(address);
+}
+
+// (data_ptr, row_stride_bytes, col_stride_bytes, elem_bytes, num_cols, offset_bytes)
+using SegmentTuple = std::tuple<std::uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+std::vector<cpu::Segment> to_segments(const std::vector<SegmentTuple>& tuples) {
+    std::vector<cpu::Segment> segments;
+    segments.reserve(tuples.size());
+    for (const auto& [data, row_stride, col_stride, elem_bytes, num_cols, offset] : tuples)
+        segments.push_back({ptr<uint8_t>(data), row_stride, col_stride, elem_bytes, num_cols, offset});
+    return segments;
+}
+
+py::dict build_info() {
+    py::dict info;
+    info["version"] = MOE_COMM_VERSION;
+    info["cpu"] = true;
+    info["cuda"] = false;
+    info["ascend"] = false;
+    info["bang"] = false;
+    info["hardware_threads"] = cpu::hardware_threads();
+    return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+    m.doc() = "moe-comm native kernels (raw-pointer API; no libtorch linkage)";
+    m.def("build_info", &build_info, "What this build of moe_comm._C contains.");
+
+    m.def(
+        "dispatch_layout",
+        [](std::uintptr_t num_tokens_per_rank, std::uintptr_t num_tokens_per_expert, std::uintptr_t is_token_in_rank,
+           std::uintptr_t topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_ranks, int64_t num_experts,
+           int num_threads) {
+            py::gil_scoped_release release;
+            cpu::dispatch_layout(ptr<int32_t>(num_tokens_per_rank), ptr<int32_t>(num_tokens_per_expert),
+                                 ptr<bool>(is_token_in_rank), ptr<const int64_t>(topk_idx), num_tokens, num_topk,
+                                 num_ranks, num_experts, num_threads);
+        },
+        py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"),
+        py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_ranks"), py::arg("num_experts"),
+        py::arg("num_threads"));
+
+    m.def(
+        "pack_rows",
+        [](std::uintptr_t records, const std::vector<SegmentTuple>& segments, std::uintptr_t src_rows,
+           int64_t num_rows, int64_t record_bytes, int num_threads) {
+            const auto segs = to_segments(segments);
+            py::gil_scoped_release release;
+            cpu::pack_rows(ptr<uint8_t>(records), segs.data(), static_cast<int>(segs.size()),
+                           ptr<const int64_t>(src_rows), num_rows, record_bytes, num_threads);
+        },
+        py::arg("records"), py::arg("segments"), py::arg("src_rows"), py::arg("num_rows"), py::arg("record_bytes"),
+        py::arg("num_threads"));
+
+    m.def(
+        "unpack_rows",
+        [](const std::vector<SegmentTuple>& segments, std::uintptr_t records, int64_t num_rows, int64_t record_bytes,
+           int num_threads) {
+            const auto segs = to_segments(segments);
+            py::gil_scoped_release release;
+            cpu::unpack_rows(segs.data(), static_cast<int>(segs.size()), ptr<const uint8_t>(records), num_rows,
+                             record_bytes, num_threads);
+        },
+        py::arg("segments"), py::arg("records"), py::arg("num_rows"), py::arg("record_bytes"), py::arg("num_threads"));
+
+    m.def(
+        "combine_reduce",
+        [](std::uintptr_t out, std::uintptr_t out_weights, std::uintptr_t records, std::uintptr_t send_pos,
+           std::uintptr_t bias0, std::uintptr_t bias1, int64_t num_tokens, int64_t num_ranks, int64_t hidden,
+           int dtype, int64_t record_bytes, int64_t weights_offset, int64_t num_topk, int num_threads) {
+            py::gil_scoped_release release;
+            cpu::combine_reduce(ptr<void>(out), ptr<float>(out_weights), ptr<const uint8_t>(records),
+                                ptr<const int32_t>(send_pos), ptr<const void>(bias0), ptr<const void>(bias1),
+                                num_tokens, num_ranks, hidden, static_cast<cpu::DType>(dtype), record_bytes,
+                                weights_offset, num_topk, num_threads);
+        },
+        py::arg("out"), py::arg("out_weights"), py::arg("records"), py::arg("send_pos"), py::arg("bias0"),
+        py::arg("bias1"), py::arg("num_tokens"), py::arg("num_ranks"), py::arg("hidden"), py::arg("dtype"),
+        py::arg("record_bytes"), py::arg("weights_offset"), py::arg("num_topk"), py::arg("num_threads"));
+
+    m.def("hardware_threads", &cpu::hardware_threads);
+}

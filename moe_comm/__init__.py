@@ -1,0 +1,19 @@
+"""moe-comm: expert-parallel MoE dispatch/combine with DeepEP's v1 ``Buffer`` API, on any device.
+
+    import moe_comm
+    buf = moe_comm.Buffer(group)
+    recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event = buf.dispatch(
+        x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts)
+    y, _, _ = buf.combine(expert_out, handle)
+"""
+from ._native import build_info
+from .buffer import Buffer, topk_idx_t
+from .config import Config
+from .errors import CommTimeoutError, CrossRankMismatchError
+from .event import EventHandle, EventOverlap
+from .launch import init_from_env, spawn
+
+__version__ = "0.1.0"
+
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "CommTimeoutError", "CrossRankMismatchError",
+           "topk_idx_t", "build_info", "init_from_env", "spawn", "__version__"]

@@ -1,0 +1,302 @@
+"""``Buffer``: DeepEP v1's ``deep_ep.Buffer`` API on any ``torch.distributed`` group and device.
+
+The facade checks arguments and shapes results into DeepEP's tuples; normal-mode work happens in
+``normal.py`` and bytes move through a transport (``moe_comm.transport``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import env, transport as transports
+from .checks import check_int, describe
+from .config import Config
+from .configs import combine_config, dispatch_config
+from .errors import bad_argument
+from .event import EventHandle, EventOverlap
+from .handle import NormalHandle
+from .normal import NormalMode
+from .normal_args import (TOPK_IDX_T, check_combine_args, check_dispatch_routing, check_num_experts, check_topk_idx,
+                          split_x)
+from .ops import dispatch_layout
+
+__all__ = ["Buffer"]
+
+XType = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+class Buffer:
+    """The expert-parallel communication buffer of one group (DeepEP v1 ``Buffer``).
+
+    Construction is collective: every rank of ``group`` must build its ``Buffer`` (buffers on one
+    group pair up in creation order). Keywords that size or tune DeepEP's NVLink/RDMA buffers
+    (``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``,
+    ``allow_mnnvl``, ``use_fabric``, ``enable_shrink``) are accepted and checked but have no effect
+    on the collective transport, which allocates per call.
+
+    Args (besides DeepEP's):
+        transport: ``"auto"`` (default; env ``MOE_COMM_TRANSPORT`` may name one) or a name from
+            ``moe_comm.transport.available()``.
+        timeout_s: deadline for every wait (default: env ``MOE_COMM_TIMEOUT_S``, else 300 s); a missed
+            deadline raises ``moe_comm.CommTimeoutError`` naming the ranks not heard from.
+    """
+
+    #: SMs DeepEP's normal kernels use; only feeds the default configs here.
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Any = None, *,
+                 transport: str = "auto", timeout_s: Optional[float] = None) -> None:
+        op = "Buffer"
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
+                            ("num_qps_per_rank", num_qps_per_rank)):
+            check_int(op, name, value, minimum=0)
+        for name, value in (("low_latency_mode", low_latency_mode),
+                            ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
+                            ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
+                            ("explicitly_destroy", explicitly_destroy), ("enable_shrink", enable_shrink)):
+            if not isinstance(value, bool):
+                bad_argument(op, name, "a bool", describe(value), kind=TypeError)
+        if group is None:
+            if comm is not None:
+                raise NotImplementedError("Buffer: an mpi4py communicator (comm=...) needs the MPI transport, which "
+                                          "is not built yet; pass a torch.distributed group instead")
+            if not dist.is_initialized():
+                bad_argument(op, "group", "a torch.distributed ProcessGroup (or None after init_process_group)",
+                             "None, and torch.distributed is not initialized")
+            group = dist.group.WORLD
+        elif not isinstance(group, dist.ProcessGroup):
+            bad_argument(op, "group", "a torch.distributed ProcessGroup", describe(group), kind=TypeError)
+        if timeout_s is None:
+            timeout_s = env.timeout_s()
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            bad_argument(op, "timeout_s", "a positive number of seconds", describe(timeout_s))
+        if not isinstance(transport, str):
+            bad_argument(op, "transport", "a str", describe(transport), kind=TypeError)
+
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self.timeout_s = float(timeout_s)
+        self.transport_name = transports.resolve(transport, group)
+        self.runtime: Optional[transports.Transport] = transports.create(self.transport_name, group, self.timeout_s)
+        self._normal = NormalMode(self.runtime)
+
+    # ------------------------------------------------------------------ static helpers
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets the class-wide SM count used by ``get_dispatch_config``/``get_combine_config`` (even)."""
+        check_int("Buffer.set_num_sms", "new_num_sms", new_num_sms, minimum=0)
+        if new_num_sms % 2:
+            bad_argument("Buffer.set_num_sms", "new_num_sms", "even", new_num_sms)
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An ``EventOverlap`` for the current point of the current stream (pass as ``previous_event``)."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """False: this build has no SM90 CUDA kernels (FP8 tuples still dispatch on every device)."""
+        return False
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """DeepEP's recommended dispatch ``Config``; any ``num_ranks`` >= 1 (no whitelist)."""
+        return dispatch_config(num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """DeepEP's recommended combine ``Config``; any ``num_ranks`` >= 1 (no whitelist)."""
+        return combine_config(num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes DeepEP's low-latency buffer needs (its formula, BF16 sized; independent of num_ranks)."""
+        op = "Buffer.get_low_latency_rdma_size_hint"
+        m = check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        h = check_int(op, "hidden", hidden, minimum=128)
+        check_int(op, "num_ranks", num_ranks, minimum=1)
+        e = check_int(op, "num_experts", num_experts, minimum=1)
+        scales = h // 128
+        dispatch_msg = 16 + max(2 * h, h + 4 * scales)
+        combine_msg = 4 * scales + 2 * h
+        send = max(m * dispatch_msg, e * m * combine_msg)
+        recv = max(e * m * dispatch_msg, e * m * combine_msg)
+        signal = -(-4 * e // 128) * 128
+        total = 2 * (send + recv + signal)
+        return -(-total // 128) * 128
+
+    # ------------------------------------------------------------------ lifetime
+    def destroy(self) -> None:
+        """Releases the buffer; only allowed with ``explicitly_destroy=True`` (as DeepEP). Idempotent."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("Buffer.destroy: needs Buffer(..., explicitly_destroy=True); otherwise the buffer "
+                               "is released when it is garbage collected")
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None
+
+    def _alive(self, op: str) -> None:
+        if self.runtime is None:
+            raise RuntimeError(f"{op}: this Buffer was destroyed")
+
+    # ------------------------------------------------------------------ async plumbing
+    @staticmethod
+    def _begin(op: str, previous_event: Any, async_finish: Any, allocate_on_comm_stream: Any) -> None:
+        for name, value in (("async_finish", async_finish), ("allocate_on_comm_stream", allocate_on_comm_stream)):
+            if not isinstance(value, bool):
+                bad_argument(op, name, "a bool", describe(value), kind=TypeError)
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            bad_argument(op, "previous_event", "an EventOverlap or None", describe(previous_event), kind=TypeError)
+        if allocate_on_comm_stream and not (previous_event is not None and async_finish):
+            bad_argument(op, "allocate_on_comm_stream", "False unless previous_event is given and async_finish=True "
+                         "(as DeepEP asserts)", f"True with previous_event={previous_event!r}, "
+                         f"async_finish={async_finish}")
+        if previous_event is not None and previous_event.event is not None:
+            previous_event.event.current_stream_wait()
+
+    @staticmethod
+    def _end(finish: Callable[[], None], async_finish: bool, extra: tuple) -> EventOverlap:
+        if async_finish:
+            return EventOverlap(EventHandle(finish), extra)
+        finish()
+        return EventOverlap()
+
+    # ------------------------------------------------------------------ normal mode
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False
+                            ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        """Routing histograms of ``topk_idx``. Local (no communication); blocks the host on CPU.
+
+        Args:
+            topk_idx: `[num_tokens, num_topk]` ``topk_idx_t`` (int64), expert ids or -1 (no selection).
+            num_experts: total experts, a multiple of the group size; expert e lives on rank
+                ``e // (num_experts // num_ranks)``.
+        Returns:
+            ``(num_tokens_per_rank [R] int32`` (a token counts once per rank), ``num_tokens_per_rdma_rank``
+            (always None: the group is one node), ``num_tokens_per_expert [E] int32``,
+            ``is_token_in_rank [T, R] bool``, ``event)``.
+        """
+        op = "get_dispatch_layout"
+        self._alive(op)
+        self._begin(op, previous_event, async_finish, allocate_on_comm_stream)
+        check_num_experts(op, num_experts, self.group_size)
+        topk_idx = check_topk_idx(op, topk_idx, num_experts, None, None)
+        layout = dispatch_layout(topk_idx, self.group_size, num_experts)
+        event = EventOverlap(EventHandle()) if async_finish else EventOverlap()
+        return layout.num_tokens_per_rank, None, layout.num_tokens_per_expert, layout.is_token_in_rank, event
+
+    def dispatch(self, x: XType, handle: Optional[tuple] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False, *, num_experts: Optional[int] = None
+                 ) -> tuple[XType, Optional[torch.Tensor], Optional[torch.Tensor], Optional[list[int]], Optional[tuple],
+                            EventOverlap]:
+        """Sends each token to every rank holding one of its experts. Collective; blocks the host for
+        the count exchange; the payload exchange overlaps with the caller when ``async_finish=True``
+        (the returned tensors are filled by ``event.current_stream_wait()``).
+
+        Args:
+            x: `[T, H]` tensor of any dtype, or ``(x_fp8 [T, H] float8, scales [T, S] float32|int32)``
+                with scales of any strides.
+            handle: from a non-cached dispatch: re-send with the same routing (topk must be None);
+                returns ``(recv_x, None, None, None, None, event)``.
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from ``get_dispatch_layout``;
+                when all None, computed from ``topk_idx`` and the keyword ``num_experts`` (moe-comm only).
+            num_tokens_per_rdma_rank: accepted and ignored (one node).
+            topk_idx, topk_weights: `[T, K]` int64 / float32, given together.
+            expert_alignment: each entry of the per-expert list is rounded up to a multiple of it.
+            num_worst_tokens: if > 0, outputs have this many rows (padding: x and scales 0,
+                ``recv_topk_idx`` -1, weights 0, ``handle[3]`` -1) and the per-expert list is ``[]``.
+            config: accepted for compatibility; ``num_sms // 2`` sets the handle's channel count.
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``.
+            Rows arrive grouped by source rank ascending, then source token ascending, one row per
+            (token, rank). ``recv_topk_idx`` holds local expert ids or -1 (weight 0.0 there). The
+            handle is DeepEP's 6-tuple; ``handle[0]`` is the inclusive rank prefix matrix, ``handle[3]``
+            the source token of each row, ``handle[4]`` ``is_token_in_rank``.
+        """
+        op = "dispatch"
+        self._alive(op)
+        config = self._config(op, config, Buffer.get_dispatch_config)
+        data, scales = split_x(op, x)
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                bad_argument(op, "topk_idx and topk_weights", "None in cached mode (handle given)",
+                             f"topk_idx={describe(topk_idx)}, topk_weights={describe(topk_weights)}")
+            cached = NormalHandle.from_tuple(op, handle, self.rank, self.group_size, data.device)
+            if cached.is_token_in_rank.shape[0] != data.shape[0]:
+                bad_argument(op, "x", f"{cached.is_token_in_rank.shape[0]} rows (the tokens of the handle's dispatch)",
+                             describe(data))
+            self._begin(op, previous_event, async_finish, allocate_on_comm_stream)
+            result = self._normal.cached_dispatch(data, scales, cached)
+        else:
+            routing = check_dispatch_routing(op, data, self.group_size, num_tokens_per_rank, is_token_in_rank,
+                                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                             num_worst_tokens, num_experts)
+            self._begin(op, previous_event, async_finish, allocate_on_comm_stream)
+            result = self._normal.dispatch(data, scales, routing.topk_idx, routing.topk_weights, routing.layout,
+                                           expert_alignment, num_worst_tokens, config.num_channels)
+        recv_x = result.recv_x if scales is None else (result.recv_x, result.recv_scales)
+        outputs = (result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights)
+        event = self._end(result.finish, async_finish, (data, scales) + outputs)
+        handle_out = None if result.handle is None else result.handle.as_tuple()
+        return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
+                handle_out, event)
+
+    def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """Returns each received row to its source rank and sums per token, **without** weights.
+        Collective; blocks the host for the count exchange; overlaps like ``dispatch``.
+
+        Args:
+            x: `[N, H]` bf16 | fp16 | fp32, rows in the order ``dispatch`` returned them (N = rows
+                received, or the padded ``num_worst_tokens``; padding rows are ignored).
+            handle: from the non-cached dispatch.
+            topk_weights: optional `[N, K]` float32, summed the same way.
+            bias: None, a tensor or a 2-tuple of `[T, H]` tensors of x's dtype, added to the sum.
+        Returns:
+            ``(combined_x [T, H]`` x's dtype, ``combined_topk_weights [T, K]`` float32 or None, ``event)``,
+            ``combined_x[t] = ((sum over ranks r ascending of rank r's row for t) + bias0[t]) + bias1[t]``,
+            every add in fp32, rounded once: bitwise reproducible.
+        """
+        op = "combine"
+        self._alive(op)
+        self._config(op, config, Buffer.get_combine_config)
+        if not isinstance(x, torch.Tensor):
+            bad_argument(op, "x", "a tensor", describe(x), kind=TypeError)
+        parsed = NormalHandle.from_tuple(op, handle, self.rank, self.group_size, x.device)
+        x, topk_weights, bias0, bias1 = check_combine_args(op, x, parsed, self.rank, topk_weights, bias)
+        self._begin(op, previous_event, async_finish, allocate_on_comm_stream)
+        out, out_weights, finish = self._normal.combine(x, parsed, topk_weights, bias0, bias1)
+        event = self._end(finish, async_finish, (x, topk_weights, bias0, bias1, out, out_weights))
+        return out, out_weights, event
+
+    def _config(self, op: str, config: Any, default: Callable[[int], Config]) -> Config:
+        if config is None:
+            return default(self.group_size)
+        if not isinstance(config, Config):
+            bad_argument(op, "config", "a moe_comm.Config or None", describe(config), kind=TypeError)
+        return config
+
+
+topk_idx_t = TOPK_IDX_T

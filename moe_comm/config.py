@@ -1,0 +1,99 @@
+"""``Config``: DeepEP's performance-tuning knobs, with the same constructor, invariants and size hints.
+
+On the collective transport the chunk sizes do not change results or speed; they are kept so that
+code written for DeepEP runs unchanged, and ``num_sms // 2`` still sets the channel count recorded
+in dispatch handles.
+"""
+from __future__ import annotations
+
+from .errors import bad_argument
+
+__all__ = ["Config", "NUM_MAX_NVL_PEERS"]
+
+NUM_MAX_NVL_PEERS = 8
+_MAX_TOPK = 128  # DeepEP sizes its buffers for up to 128 top-k entries and 128 scales per token
+_MAX_SCALES = 128
+_SOURCE_META_BYTES = 8
+_INT4_BYTES = 16
+
+
+def _align(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+class Config:
+    """Tuning knobs of the normal (high-throughput) kernels.
+
+    Invariants (checked here, as DeepEP does): ``num_sms >= 0``; NVL send/recv chunks > 0 and
+    ``send < recv``; RDMA send/recv chunks > 0; the RDMA recv chunk is rounded up to a multiple of
+    the send chunk, after which ``send < recv`` and ``send <= recv / 2``.
+    """
+
+    def __init__(self, num_sms: int = 20,
+                 num_max_nvl_chunked_send_tokens: int = 6, num_max_nvl_chunked_recv_tokens: int = 256,
+                 num_max_rdma_chunked_send_tokens: int = 6, num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        op = "Config"
+        values = dict(num_sms=num_sms, num_max_nvl_chunked_send_tokens=num_max_nvl_chunked_send_tokens,
+                      num_max_nvl_chunked_recv_tokens=num_max_nvl_chunked_recv_tokens,
+                      num_max_rdma_chunked_send_tokens=num_max_rdma_chunked_send_tokens,
+                      num_max_rdma_chunked_recv_tokens=num_max_rdma_chunked_recv_tokens)
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                bad_argument(op, name, "an int", repr(value), kind=TypeError)
+        if num_sms < 0:
+            bad_argument(op, "num_sms", ">= 0", num_sms)
+        for name in ("num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+                     "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
+            if values[name] <= 0:
+                bad_argument(op, name, "> 0", values[name])
+        if num_max_nvl_chunked_send_tokens >= num_max_nvl_chunked_recv_tokens:
+            bad_argument(op, "num_max_nvl_chunked_send_tokens",
+                         f"< num_max_nvl_chunked_recv_tokens ({num_max_nvl_chunked_recv_tokens})",
+                         num_max_nvl_chunked_send_tokens)
+        rdma_recv = _align(num_max_rdma_chunked_recv_tokens, num_max_rdma_chunked_send_tokens)
+        if not (num_max_rdma_chunked_send_tokens < rdma_recv and num_max_rdma_chunked_send_tokens <= rdma_recv // 2):
+            bad_argument(op, "num_max_rdma_chunked_send_tokens",
+                         f"< and <= half of num_max_rdma_chunked_recv_tokens rounded up to a multiple of it "
+                         f"({rdma_recv})", num_max_rdma_chunked_send_tokens)
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = rdma_recv
+
+    @property
+    def num_channels(self) -> int:
+        """Channels of the normal kernels: ``num_sms // 2`` (at least 1 for handle bookkeeping)."""
+        return max(self.num_sms // 2, 1)
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes DeepEP's intranode buffer needs for ``hidden_bytes`` per token (``hidden * max(elem, 2)``).
+
+        Same formula as DeepEP; rank counts above 8 that are not multiples of 8 round the node count up
+        instead of failing. moe-comm's collective transport allocates per call and ignores this size.
+        """
+        num_rdma_ranks = max(-(-num_ranks // NUM_MAX_NVL_PEERS) if num_ranks > NUM_MAX_NVL_PEERS else 1, 1)
+        num_nvl_ranks = min(num_ranks, NUM_MAX_NVL_PEERS)
+        slots = (self.num_sms // 2) * num_nvl_ranks
+        per_token = hidden_bytes + _SOURCE_META_BYTES + _MAX_TOPK * 8 + _MAX_TOPK * 4 + _MAX_SCALES * 4
+        total = slots * (2 * num_rdma_ranks + 3) * 4 + slots * self.num_max_nvl_chunked_recv_tokens * per_token
+        return _align(total, 128)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes DeepEP's internode (RDMA) buffer needs; 0 for 8 ranks or fewer, as in DeepEP."""
+        if num_ranks <= NUM_MAX_NVL_PEERS:
+            return 0
+        num_rdma_ranks = -(-num_ranks // NUM_MAX_NVL_PEERS)
+        slots = (self.num_sms // 2) * num_rdma_ranks
+        per_token = hidden_bytes + _SOURCE_META_BYTES + _MAX_TOPK * 8 + _MAX_TOPK * 4 + _MAX_SCALES * 4 + _INT4_BYTES
+        total = slots * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
+        total += slots * self.num_max_rdma_chunked_recv_tokens * per_token * 2
+        total += 1 << 20  # DeepEP's safety margin
+        return _align(total, 128)
+
+    def __repr__(self) -> str:
+        return (f"Config(num_sms={self.num_sms}, "
+                f"num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}, "
+                f"num_max_nvl_chunked_recv_tokens={self.num_max_nvl_chunked_recv_tokens}, "
+                f"num_max_rdma_chunked_send_tokens={self.num_max_rdma_chunked_send_tokens}, "
+                f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})")

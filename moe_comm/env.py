@@ -1,0 +1,44 @@
+"""Every environment variable moe-comm reads, in one place. moe-comm never writes any.
+
+MOE_COMM_TRANSPORT   transport for ``Buffer(transport="auto")``: ``collective`` (default) or a
+                     name listed by ``moe_comm.transport.available()``.
+MOE_COMM_TIMEOUT_S   deadline in seconds for every wait (default 300); ``Buffer(timeout_s=...)``
+                     overrides it.
+MOE_COMM_NUM_THREADS threads the CPU kernels of ``moe_comm._C`` may use (default: all cores).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+__all__ = ["transport", "timeout_s", "num_threads"]
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def transport() -> Optional[str]:
+    """The transport named by ``MOE_COMM_TRANSPORT``, or None when unset or empty."""
+    value = os.environ.get("MOE_COMM_TRANSPORT", "").strip()
+    return value or None
+
+
+def _positive(name: str, value: str, cast: type) -> float:
+    try:
+        parsed = cast(value)
+    except ValueError:
+        parsed = None
+    if parsed is None or parsed <= 0:
+        raise ValueError(f"environment variable {name} must be a positive {cast.__name__}, got {value!r}")
+    return parsed
+
+
+def timeout_s() -> float:
+    """Deadline for waits from ``MOE_COMM_TIMEOUT_S``, else the default (300 s)."""
+    value = os.environ.get("MOE_COMM_TIMEOUT_S")
+    return DEFAULT_TIMEOUT_S if value is None else float(_positive("MOE_COMM_TIMEOUT_S", value, float))
+
+
+def num_threads() -> Optional[int]:
+    """Thread count for CPU kernels from ``MOE_COMM_NUM_THREADS``, or None (use all cores)."""
+    value = os.environ.get("MOE_COMM_NUM_THREADS")
+    return None if value is None else int(_positive("MOE_COMM_NUM_THREADS", value, int))

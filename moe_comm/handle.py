@@ -1,0 +1,69 @@
+"""The normal-mode dispatch handle: DeepEP's 6-tuple, named inside the library."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .checks import check_tensor
+from .errors import bad_argument
+
+__all__ = ["NormalHandle"]
+
+
+@dataclass(frozen=True)
+class NormalHandle:
+    """Routing of one non-cached dispatch, as seen by one rank (R ranks, C channels, T tokens sent,
+    N rows received, N = num_worst_tokens when that was set).
+
+    The DeepEP tuple order is kept by ``as_tuple``; callers index it (``handle[0]``, ``handle[3]``,
+    ``handle[4]``).
+    """
+
+    # rank_prefix_matrix[i, j] = rows ranks 0..i send to rank j (inclusive prefix)         [R, R] int32
+    rank_prefix_matrix: torch.Tensor
+    # channel_prefix_matrix[r, c] = tokens this rank sends to rank r from channels 0..c,
+    # channel c holding tokens [c * ceil(T / C), (c + 1) * ceil(T / C))                    [R, C] int32
+    channel_prefix_matrix: torch.Tensor
+    # recv_channel_prefix_matrix[r, c] = first row of source r's channel c within r's block [R, C] int32
+    recv_channel_prefix_matrix: torch.Tensor
+    # recv_src_idx[i] = index in its source rank's x of received row i; -1 on padding rows  [N] int32
+    recv_src_idx: torch.Tensor
+    # is_token_in_rank[t, r] = token t was sent to rank r                                    [T, R] bool
+    is_token_in_rank: torch.Tensor
+    # send_head[t, r] = row of token t in this rank's send block order (grouped by
+    # destination rank, then token), i.e. where combine finds it among the rows rank r returns; -1
+    # if not sent. (DeepEP stores a ring-buffer slot here; only combine reads it.)        [T, R] int32
+    send_head: torch.Tensor
+
+    def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        return (self.rank_prefix_matrix, self.channel_prefix_matrix, self.recv_channel_prefix_matrix,
+                self.recv_src_idx, self.is_token_in_rank, self.send_head)
+
+    def num_recv_rows(self, rank: int) -> int:
+        """Real rows ``rank`` received (without num_worst_tokens padding)."""
+        return int(self.rank_prefix_matrix[-1, rank].item())
+
+    @staticmethod
+    def from_tuple(op: str, handle: Any, rank: int, num_ranks: int, device: torch.device) -> "NormalHandle":
+        """Checks a DeepEP-style handle tuple for this rank and wraps it."""
+        if not isinstance(handle, (tuple, list)) or len(handle) != 6:
+            bad_argument(op, "handle", "the 6-tuple returned by a non-cached dispatch",
+                         f"{type(handle).__name__} of length {len(handle) if hasattr(handle, '__len__') else '?'}",
+                         kind=TypeError)
+        prefix, chan, recv_chan, src_idx, in_rank, send_head = handle
+        check_tensor(op, "handle[0] (rank_prefix_matrix)", prefix, shape=(num_ranks, num_ranks), dtype=torch.int32,
+                     device=device)
+        check_tensor(op, "handle[1] (channel_prefix_matrix)", chan, shape=(num_ranks, None), dtype=torch.int32)
+        check_tensor(op, "handle[2] (recv_channel_prefix_matrix)", recv_chan, shape=(num_ranks, None), dtype=torch.int32)
+        check_tensor(op, "handle[3] (recv_src_idx)", src_idx, shape=(None,), dtype=torch.int32)
+        check_tensor(op, "handle[4] (is_token_in_rank)", in_rank, shape=(None, num_ranks), dtype=torch.bool,
+                     device=device)
+        check_tensor(op, "handle[5] (send_head)", send_head, shape=(in_rank.shape[0], num_ranks), dtype=torch.int32,
+                     device=device)
+        handle = NormalHandle(prefix, chan, recv_chan, src_idx, in_rank, send_head)
+        if handle.num_recv_rows(rank) > src_idx.shape[0]:
+            bad_argument(op, "handle[3] (recv_src_idx)", f"at least rank_prefix_matrix[-1, {rank}] = "
+                         f"{handle.num_recv_rows(rank)} rows", list(src_idx.shape))
+        return handle

@@ -1,0 +1,161 @@
+"""Starting process groups: from a launcher's environment (torchrun, mpirun) or as local ranks.
+
+``init_from_env`` reads, in order: torchrun's ``RANK``/``WORLD_SIZE``, MPICH/Hydra's
+``PMI_RANK``/``PMI_SIZE``, Open MPI's ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE``; the rendezvous
+is ``MASTER_ADDR`` (default 127.0.0.1) : ``MASTER_PORT`` (default 29500).
+``LocalWorld`` / ``spawn`` start N processes on this host with a gloo group each and run picklable
+functions on every rank, with a deadline.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["init_from_env", "launcher_rank", "LocalWorld", "spawn", "RankFailure"]
+
+_LAUNCHER_VARS = (("RANK", "WORLD_SIZE", "torchrun"), ("PMI_RANK", "PMI_SIZE", "mpirun (MPICH/Hydra)"),
+                  ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "mpirun (Open MPI)"))
+
+
+def launcher_rank() -> Optional[tuple[int, int, str]]:
+    """``(rank, world_size, launcher)`` from the environment, or None outside a launcher."""
+    for rank_var, size_var, launcher in _LAUNCHER_VARS:
+        if rank_var in os.environ and size_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ[size_var]), launcher
+    return None
+
+
+def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> dist.ProcessGroup:
+    """Initialises the default process group from the launcher's environment; returns the WORLD group.
+
+    Raises RuntimeError, naming the variables looked for, when no launcher set them.
+    """
+    found = launcher_rank()
+    if found is None:
+        names = ", ".join(f"{r}/{s}" for r, s, _ in _LAUNCHER_VARS)
+        raise RuntimeError(f"init_from_env: no launcher environment found (looked for {names}); "
+                           f"start with torchrun or mpirun, or use moe_comm.spawn")
+    rank, world_size, _ = found
+    if not dist.is_initialized():
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = os.environ.get("MASTER_PORT", "29500")
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.group.WORLD
+
+
+class RankFailure(RuntimeError):
+    """A function run by ``LocalWorld`` raised on one or more ranks; the message has their tracebacks."""
+
+
+def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float, threads: int,
+            tasks: Any, results: Any) -> None:
+    os.environ.setdefault("MOE_COMM_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    group = dist.group.WORLD
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, True, fn(group, *args)))
+        except BaseException:  # reported to the parent with the traceback
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class LocalWorld:
+    """``world_size`` local processes, each in one gloo group, that run functions on request.
+
+    ``run(fn, *args)`` calls ``fn(group, *args)`` on every rank and returns the per-rank results
+    (picklable); one process group serves many calls. After a failed or timed-out call the world is
+    closed, since ranks may be out of step.
+    """
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", timeout_s: float = 300.0,
+                 threads_per_rank: Optional[int] = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"LocalWorld: world_size must be >= 1, got {world_size}")
+        self.world_size, self.timeout_s = world_size, timeout_s
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.TemporaryDirectory(prefix="moe_comm_world_")
+        init_file = os.path.join(self._dir.name, "rendezvous")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, backend, timeout_s, threads,
+                                                         self._tasks[r], self._results), daemon=True)
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+        self.closed = False
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: Optional[float] = None) -> list[Any]:
+        """Runs ``fn(group, *args)`` on every rank; returns results indexed by rank.
+
+        Raises RankFailure with every failing rank's traceback, or TimeoutError naming the ranks that
+        did not finish within ``timeout_s`` (default: the world's).
+        """
+        if self.closed:
+            raise RuntimeError("LocalWorld.run: this world is closed")
+        for q in self._tasks:
+            q.put((fn, args))
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        done: dict[int, tuple[bool, Any]] = {}
+        while len(done) < self.world_size:
+            try:
+                rank, ok, value = self._results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                done[rank] = (ok, value)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in done]
+                if dead or time.monotonic() >= deadline:
+                    missing = sorted(set(range(self.world_size)) - set(done))
+                    self.close(force=True)
+                    why = f"ranks {dead} exited" if dead else f"timed out after {timeout_s or self.timeout_s:g} s"
+                    raise TimeoutError(f"LocalWorld.run({getattr(fn, '__name__', fn)}): {why}; "
+                                       f"ranks not finished: {missing}")
+        failures = {r: v for r, (ok, v) in done.items() if not ok}
+        if failures:
+            self.close(force=True)
+            raise RankFailure("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
+        return [done[r][1] for r in range(self.world_size)]
+
+    def close(self, force: bool = False) -> None:
+        """Stops the workers: asks idle ones to leave their group, kills the rest (all of them when
+        ``force``, as after a failure ranks may be blocked in a collective). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=0 if force else 5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._dir.cleanup()
+
+    def __enter__(self) -> "LocalWorld":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+          timeout_s: float = 300.0) -> list[Any]:
+    """Runs ``fn(group, *args)`` once on ``world_size`` fresh local ranks; returns per-rank results."""
+    with LocalWorld(world_size, backend=backend, timeout_s=timeout_s) as world:
+        return world.run(fn, *args)

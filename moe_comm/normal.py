@@ -1,0 +1,243 @@
+"""Normal (high-throughput) mode: dispatch and combine over any transport, on any device.
+
+    dispatch:  handshake (args, row counts)  ->  expert counts  ->  pack records  ->  all-to-all  ->  unpack
+    combine:   handshake (args, row counts)  ->  pack records   ->  all-to-all    ->  fixed-order reduce
+
+The handshakes block the host (the receive sizes must be known, as in DeepEP); the payload exchange
+is asynchronous, and ``finish()`` completes it and fills the returned tensors. Row order is DeepEP's:
+received rows are grouped by source rank ascending and, within a block, by source token ascending.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .errors import CrossRankMismatchError
+from .handle import NormalHandle
+from .handshake import dtype_code, handshake
+from .ops import DispatchLayout, RecordLayout, combine_reduce, pack_rows, unpack_rows
+from .transport import Transport
+
+__all__ = ["NormalMode", "DispatchResult", "SendPlan", "plan_sends"]
+
+_DISPATCH, _CACHED, _COMBINE = 1, 2, 3
+
+
+@dataclass(frozen=True)
+class SendPlan:
+    """Send order of one dispatch: grouped by destination rank ascending, then token ascending."""
+
+    # send_rows[i] = source token of send row i                                          [S] int64
+    send_rows: torch.Tensor
+    # send_counts[r] = rows sent to rank r
+    send_counts: list[int]
+    # send_pos[t, r] = send row carrying token t to rank r, or -1                        [T, R] int32
+    send_pos: torch.Tensor
+
+
+def plan_sends(is_token_in_rank: torch.Tensor) -> SendPlan:
+    """The send order for ``is_token_in_rank`` `[T, R]` bool."""
+    num_tokens, num_ranks = is_token_in_rank.shape
+    pairs = is_token_in_rank.t().nonzero()  # (rank, token), rank-major, tokens ascending
+    send_rows = pairs[:, 1].contiguous()
+    send_pos = torch.full((num_tokens, num_ranks), -1, dtype=torch.int32, device=is_token_in_rank.device)
+    send_pos[pairs[:, 1], pairs[:, 0]] = torch.arange(pairs.shape[0], dtype=torch.int32, device=send_pos.device)
+    counts = is_token_in_rank.sum(0).tolist()
+    return SendPlan(send_rows, counts, send_pos)
+
+
+def channel_prefix(is_token_in_rank: torch.Tensor, num_channels: int) -> torch.Tensor:
+    """``[R, C]`` int32: tokens sent to rank r from channels 0..c (DeepEP's channel split of tokens)."""
+    num_tokens, num_ranks = is_token_in_rank.shape
+    per_channel = max(-(-num_tokens // num_channels), 1)
+    pairs = is_token_in_rank.nonzero()
+    flat = pairs[:, 1] * num_channels + pairs[:, 0] // per_channel
+    counts = torch.bincount(flat, minlength=num_ranks * num_channels).view(num_ranks, num_channels)
+    return counts.cumsum(1).to(torch.int32)
+
+
+@dataclass
+class DispatchResult:
+    recv_x: torch.Tensor
+    recv_scales: Optional[torch.Tensor]
+    recv_topk_idx: Optional[torch.Tensor]
+    recv_topk_weights: Optional[torch.Tensor]
+    num_recv_tokens_per_expert_list: Optional[list[int]]
+    handle: Optional[NormalHandle]
+    # completes the exchange and fills the tensors above; idempotent use is the caller's job
+    finish: Callable[[], None]
+
+
+def _fill_padding(tensors: list[Optional[torch.Tensor]], values: list[float], start: int) -> None:
+    for t, v in zip(tensors, values):
+        if t is not None and t.shape[0] > start:
+            t[start:].fill_(v)
+
+
+class NormalMode:
+    """Normal-mode operations of one ``Buffer`` over its transport."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.rank, self.num_ranks = transport.rank, transport.num_ranks
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                 topk_weights: Optional[torch.Tensor], layout: DispatchLayout, expert_alignment: int,
+                 num_worst_tokens: int, num_channels: int) -> DispatchResult:
+        """Non-cached dispatch of checked arguments (see ``Buffer.dispatch``)."""
+        R, me, device = self.num_ranks, self.rank, x.device
+        num_experts = layout.num_tokens_per_expert.numel()
+        experts_per_rank = num_experts // R
+        plan = plan_sends(layout.is_token_in_rank)
+        fields = dict(op=_DISPATCH, hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
+                      num_scales=-1 if scales is None else scales.shape[1],
+                      scales_dtype=dtype_code(None if scales is None else scales.dtype),
+                      num_topk=-1 if topk_idx is None else topk_idx.shape[1], num_experts=num_experts,
+                      num_channels=num_channels, num_worst_tokens=num_worst_tokens)
+        shake = handshake(self.transport, "dispatch", fields, plan.send_counts, None,
+                          ("hidden", "x_dtype", "num_scales", "scales_dtype", "num_topk", "num_experts",
+                           "num_channels"), device)
+        recv_counts = shake.recv_counts(me)
+        num_recv = sum(recv_counts)
+        self._check_worst(shake)
+        rank_prefix = shake.sent.cumsum(0).to(torch.int32).to(device)
+
+        # Expert counts and channel prefixes per destination: the width is now known to agree.
+        chan_prefix = channel_prefix(layout.is_token_in_rank, num_channels)
+        meta = torch.cat([layout.num_tokens_per_expert.view(R, experts_per_rank).to(torch.int64),
+                          chan_prefix.to(torch.int64)], dim=1).contiguous()
+        got = torch.empty_like(meta)
+        self.transport.all_to_all(got, meta, [1] * R, [1] * R, op="dispatch").wait()
+        got = got.cpu()
+        per_expert = got[:, :experts_per_rank].sum(0)
+        per_expert = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
+        recv_chan = (got[:, experts_per_rank:] - got[:, experts_per_rank:].diff(dim=1, prepend=torch.zeros(R, 1, dtype=torch.int64)))
+        recv_chan = recv_chan.to(torch.int32).to(device)
+
+        # Payload: one record per (token, destination rank).
+        num_tokens = x.shape[0]
+        src_index = torch.arange(num_tokens, dtype=torch.int32, device=device).unsqueeze(1)
+        specs = [("x", x.dtype, x.shape[1])]
+        fields_in: list[torch.Tensor] = [x]
+        if scales is not None:
+            specs.append(("scales", scales.dtype, scales.shape[1]))
+            fields_in.append(scales)
+        if topk_idx is not None:
+            specs += [("topk_idx", topk_idx.dtype, topk_idx.shape[1]), ("topk_weights", torch.float32, topk_idx.shape[1])]
+            fields_in += [topk_idx, topk_weights]
+        specs.append(("src_idx", torch.int32, 1))
+        fields_in.append(src_index)
+        records_layout = RecordLayout.build(specs)
+        records = pack_rows(records_layout, fields_in, plan.send_rows)
+        recv_records = torch.empty(num_recv, records_layout.record_bytes, dtype=torch.uint8, device=device)
+        pending = self.transport.all_to_all(recv_records, records, recv_counts, plan.send_counts, op="dispatch")
+
+        rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
+        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=device)
+        recv_scales = None if scales is None else torch.empty(rows, scales.shape[1], dtype=scales.dtype, device=device)
+        recv_topk_idx = recv_topk_weights = None
+        if topk_idx is not None:
+            recv_topk_idx = torch.empty(rows, topk_idx.shape[1], dtype=topk_idx.dtype, device=device)
+            recv_topk_weights = torch.empty(rows, topk_idx.shape[1], dtype=torch.float32, device=device)
+        recv_src_idx = torch.empty(rows, dtype=torch.int32, device=device)
+        outputs = [t for t in (recv_x, recv_scales, recv_topk_idx, recv_topk_weights) if t is not None]
+        outputs.append(recv_src_idx.unsqueeze(1))
+
+        def finish() -> None:
+            pending.wait()
+            unpack_rows(records_layout, recv_records, outputs)
+            if recv_topk_idx is not None:
+                idx, weights = recv_topk_idx[:num_recv], recv_topk_weights[:num_recv]
+                idx.sub_(me * experts_per_rank)
+                foreign = (idx < 0) | (idx >= experts_per_rank)
+                idx.masked_fill_(foreign, -1)
+                weights.masked_fill_(foreign, 0.0)
+            _fill_padding([recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx],
+                          [0, 0, -1, 0.0, -1], num_recv)
+
+        handle = NormalHandle(rank_prefix, chan_prefix.to(device), recv_chan, recv_src_idx,
+                              layout.is_token_in_rank, plan.send_pos)
+        expert_list = [] if num_worst_tokens > 0 else per_expert.tolist()
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_list, handle, finish)
+
+    def _check_worst(self, shake) -> None:
+        worst = shake.field("num_worst_tokens")
+        received = shake.sent.sum(0).tolist()
+        over = [(r, received[r], w) for r, w in enumerate(worst) if 0 < w < received[r]]
+        if over:
+            shown = "; ".join(f"rank {r} receives {n} rows but num_worst_tokens={w}" for r, n, w in over)
+            raise CrossRankMismatchError(f"dispatch: {shown}; num_worst_tokens must be at least the rows a rank "
+                                         f"receives (num_tokens * num_ranks is always enough)")
+
+    def cached_dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor],
+                        handle: NormalHandle) -> DispatchResult:
+        """Dispatch that reuses the routing of ``handle`` (see ``Buffer.dispatch``)."""
+        R, me, device = self.num_ranks, self.rank, x.device
+        plan = plan_sends(handle.is_token_in_rank)
+        prefix = handle.rank_prefix_matrix.cpu().to(torch.int64)
+        expected = prefix.diff(dim=0, prepend=torch.zeros(1, R, dtype=torch.int64))[:, me].tolist()
+        fields = dict(op=_CACHED, hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
+                      num_scales=-1 if scales is None else scales.shape[1],
+                      scales_dtype=dtype_code(None if scales is None else scales.dtype))
+        handshake(self.transport, "dispatch", fields, plan.send_counts, expected,
+                  ("hidden", "x_dtype", "num_scales", "scales_dtype"), device)
+        num_recv = sum(expected)
+        specs = [("x", x.dtype, x.shape[1])] + ([] if scales is None else [("scales", scales.dtype, scales.shape[1])])
+        records_layout = RecordLayout.build(specs)
+        records = pack_rows(records_layout, [x] if scales is None else [x, scales], plan.send_rows)
+        recv_records = torch.empty(num_recv, records_layout.record_bytes, dtype=torch.uint8, device=device)
+        pending = self.transport.all_to_all(recv_records, records, expected, plan.send_counts, op="dispatch")
+        rows = handle.recv_src_idx.shape[0]
+        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=device)
+        recv_scales = None if scales is None else torch.empty(rows, scales.shape[1], dtype=scales.dtype, device=device)
+        outputs = [recv_x] if recv_scales is None else [recv_x, recv_scales]
+
+        def finish() -> None:
+            pending.wait()
+            unpack_rows(records_layout, recv_records, outputs)
+            _fill_padding([recv_x, recv_scales], [0, 0], num_recv)
+
+        return DispatchResult(recv_x, recv_scales, None, None, None, None, finish)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: torch.Tensor, handle: NormalHandle, topk_weights: Optional[torch.Tensor],
+                bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor]
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor], Callable[[], None]]:
+        """Combine of checked arguments (see ``Buffer.combine``): returns (out, out_weights, finish)."""
+        R, me, device = self.num_ranks, self.rank, x.device
+        prefix = handle.rank_prefix_matrix.cpu().to(torch.int64)
+        return_counts = prefix.diff(dim=0, prepend=torch.zeros(1, R, dtype=torch.int64))[:, me].tolist()
+        num_return = sum(return_counts)
+        expected = handle.is_token_in_rank.sum(0).tolist()
+        fields = dict(op=_COMBINE, hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
+                      num_topk=-1 if topk_weights is None else topk_weights.shape[1],
+                      has_weights=int(topk_weights is not None))
+        handshake(self.transport, "combine", fields, return_counts, expected,
+                  ("hidden", "x_dtype", "num_topk", "has_weights"), device)
+
+        specs = [("x", x.dtype, x.shape[1])]
+        if topk_weights is not None:
+            specs.append(("weights", torch.float32, topk_weights.shape[1]))
+        records_layout = RecordLayout.build(specs)
+        if topk_weights is None and records_layout.record_bytes == x.shape[1] * x.element_size() and x.is_contiguous():
+            records = x[:num_return].view(torch.uint8).view(num_return, records_layout.record_bytes)  # one record a row
+        else:
+            rows = torch.arange(num_return, dtype=torch.int64, device=device)
+            records = pack_rows(records_layout, [x] if topk_weights is None else [x, topk_weights], rows)
+        recv_records = torch.empty(sum(expected), records_layout.record_bytes, dtype=torch.uint8, device=device)
+        pending = self.transport.all_to_all(recv_records, records, expected, return_counts, op="combine")
+
+        num_tokens = handle.is_token_in_rank.shape[0]
+        out = torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=device)
+        out_weights = None
+        if topk_weights is not None:
+            out_weights = torch.empty(num_tokens, topk_weights.shape[1], dtype=torch.float32, device=device)
+
+        def finish() -> None:
+            pending.wait()
+            combine_reduce(records_layout, recv_records, handle.send_head, bias0, bias1, out, out_weights)
+
+        return out, out_weights, finish

@@ -1,0 +1,71 @@
+"""The normal-mode combine reduction: sum each token's returned rows in rank order, plus biases."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._native import cpu_threads, native
+from .records import RecordLayout
+
+__all__ = ["combine_reduce", "combine_reduce_reference", "REDUCE_DTYPES"]
+
+# dtype -> code of moe_comm::cpu::DType
+REDUCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def combine_reduce(layout: RecordLayout, records: torch.Tensor, send_pos: torch.Tensor,
+                   bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor],
+                   out: torch.Tensor, out_weights: Optional[torch.Tensor]) -> None:
+    """Reduces returned rows per original token. Local; deterministic.
+
+    Args:
+        layout: record layout with field ``x`` (`[hidden]` of a REDUCE_DTYPES dtype) and, when
+            ``out_weights`` is given, field ``weights`` (`[num_topk]` float32).
+        records: `[num_returned, record_bytes]` uint8.
+        send_pos: `[num_tokens, num_ranks]` int32: record of token t from rank r, or -1.
+        bias0, bias1: optional `[num_tokens, hidden]` of x's dtype, contiguous.
+        out: `[num_tokens, hidden]` x's dtype, contiguous, written with
+            ``out[t] = round(((0 + x_r0 + x_r1 + ...) + bias0[t]) + bias1[t])`` over ranks r ascending
+            where send_pos[t, r] >= 0, all adds in fp32.
+        out_weights: optional `[num_tokens, num_topk]` float32, contiguous: the weights summed the
+            same way, without biases.
+    Reference: ``combine_reduce_reference`` (tests compare bitwise).
+    """
+    if records.device.type != "cpu":
+        return combine_reduce_reference(layout, records, send_pos, bias0, bias1, out, out_weights)
+    x_field = layout.field("x")
+    num_tokens, num_ranks = send_pos.shape
+    w_offset, num_topk = 0, 0
+    if out_weights is not None:
+        w_field = layout.field("weights")
+        w_offset, num_topk = w_field.offset, w_field.num_cols
+    send_pos = send_pos.contiguous()
+    native().combine_reduce(out.data_ptr(), 0 if out_weights is None else out_weights.data_ptr(), records.data_ptr(),
+                            send_pos.data_ptr(), 0 if bias0 is None else bias0.data_ptr(),
+                            0 if bias1 is None else bias1.data_ptr(), num_tokens, num_ranks, x_field.num_cols,
+                            REDUCE_DTYPES[x_field.dtype], layout.record_bytes, w_offset, num_topk, cpu_threads())
+
+
+def combine_reduce_reference(layout: RecordLayout, records: torch.Tensor, send_pos: torch.Tensor,
+                             bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor],
+                             out: torch.Tensor, out_weights: Optional[torch.Tensor]) -> None:
+    """Plain-torch specification of ``combine_reduce``; also the path for non-CPU devices."""
+    x_field = layout.field("x")
+    num_tokens, num_ranks = send_pos.shape
+    x = layout.view(records, "x").float()
+    acc = torch.zeros(num_tokens, x_field.num_cols, dtype=torch.float32, device=records.device)
+    w = layout.view(records, "weights") if out_weights is not None else None
+    wacc = None if w is None else torch.zeros(num_tokens, w.shape[1], dtype=torch.float32, device=records.device)
+    for r in range(num_ranks):
+        pos = send_pos[:, r].long()
+        hit = pos >= 0
+        acc[hit] += x[pos[hit]]
+        if wacc is not None:
+            wacc[hit] += w[pos[hit]]
+    for bias in (bias0, bias1):
+        if bias is not None:
+            acc += bias.float()
+    out.copy_(acc)
+    if out_weights is not None:
+        out_weights.copy_(wacc)

@@ -1,0 +1,62 @@
+"""Routing histograms for normal-mode dispatch (DeepEP's ``get_dispatch_layout``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._native import cpu_threads, native
+
+__all__ = ["DispatchLayout", "dispatch_layout", "dispatch_layout_reference"]
+
+
+@dataclass(frozen=True)
+class DispatchLayout:
+    """Where each token goes. Experts map to ranks in contiguous blocks: ``rank = e // (E / R)``."""
+
+    # num_tokens_per_rank[r] = #{t : token t picked at least one expert of rank r}   [R] int32
+    num_tokens_per_rank: torch.Tensor
+    # num_tokens_per_expert[e] = #{(t, k) : topk_idx[t, k] == e}                      [E] int32
+    num_tokens_per_expert: torch.Tensor
+    # is_token_in_rank[t, r] = token t picked at least one expert of rank r           [T, R] bool
+    is_token_in_rank: torch.Tensor
+
+    def __post_init__(self) -> None:
+        assert self.num_tokens_per_rank.dtype == torch.int32
+        assert self.num_tokens_per_expert.dtype == torch.int32
+        assert self.is_token_in_rank.dtype == torch.bool
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_ranks: int, num_experts: int) -> DispatchLayout:
+    """Histograms of ``topk_idx``. Local; no communication.
+
+    Args:
+        topk_idx: `[num_tokens, num_topk]` int64, contiguous, ids in [0, num_experts) or -1 (skipped).
+        num_ranks: ranks of the group; ``num_experts % num_ranks == 0``.
+    Returns:
+        DispatchLayout on ``topk_idx``'s device; counts are exact (a token counts once per rank).
+    Reference: ``dispatch_layout_reference`` (tests compare exactly).
+    """
+    if topk_idx.device.type != "cpu":
+        return dispatch_layout_reference(topk_idx, num_ranks, num_experts)
+    num_tokens, num_topk = topk_idx.shape
+    per_rank = torch.empty(num_ranks, dtype=torch.int32)
+    per_expert = torch.empty(num_experts, dtype=torch.int32)
+    in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool)
+    native().dispatch_layout(per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(), topk_idx.data_ptr(),
+                             num_tokens, num_topk, num_ranks, num_experts, cpu_threads())
+    return DispatchLayout(per_rank, per_expert, in_rank)
+
+
+def dispatch_layout_reference(topk_idx: torch.Tensor, num_ranks: int, num_experts: int) -> DispatchLayout:
+    """Plain-torch specification of ``dispatch_layout``; also the path for non-CPU devices."""
+    num_tokens = topk_idx.shape[0]
+    valid = topk_idx >= 0
+    experts = topk_idx[valid]
+    per_expert = torch.bincount(experts, minlength=num_experts).to(torch.int32)
+    token_of = torch.arange(num_tokens, device=topk_idx.device).unsqueeze(1).expand_as(topk_idx)
+    rank_of = topk_idx // (num_experts // num_ranks)
+    in_rank = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
+    in_rank[token_of[valid], rank_of[valid]] = True
+    per_rank = in_rank.sum(0, dtype=torch.int32)
+    return DispatchLayout(per_rank, per_expert, in_rank)

@@ -1,0 +1,133 @@
+"""Row records: several per-token fields packed into one row of bytes, so one exchange moves them all.
+
+A record is the concatenation of fields (e.g. hidden bytes, FP8 scales, top-k ids, top-k weights,
+source index); each field starts at an 8-byte-aligned offset so it can be viewed in place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .._native import cpu_threads, native
+
+__all__ = ["Field", "RecordLayout", "pack_rows", "pack_rows_reference", "unpack_rows", "unpack_rows_reference"]
+
+_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    dtype: torch.dtype
+    num_cols: int
+    offset: int  # byte offset inside a record, a multiple of 8
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_cols * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Byte layout of one record; ``record_bytes`` is a multiple of 8."""
+
+    fields: tuple[Field, ...]
+    record_bytes: int
+
+    @staticmethod
+    def build(specs: Sequence[tuple[str, torch.dtype, int]]) -> "RecordLayout":
+        """Lays out ``(name, dtype, num_cols)`` fields in order, each 8-byte aligned."""
+        fields, offset = [], 0
+        for name, dtype, num_cols in specs:
+            fields.append(Field(name, dtype, num_cols, offset))
+            offset += -(-num_cols * dtype.itemsize // _ALIGN) * _ALIGN
+        return RecordLayout(tuple(fields), max(offset, _ALIGN))
+
+    def field(self, name: str) -> Field:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(f"RecordLayout has no field {name!r}; fields: {[f.name for f in self.fields]}")
+
+    def view(self, records: torch.Tensor, name: str) -> torch.Tensor:
+        """Field ``name`` of every record as a strided ``[rows, num_cols]`` tensor of its dtype."""
+        f = self.field(name)
+        return records[:, f.offset:f.offset + f.nbytes].view(f.dtype)
+
+
+def _segments(layout: RecordLayout, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, int, int, int, int]]:
+    segs = []
+    for f, t in zip(layout.fields, tensors):
+        if f.num_cols == 0:
+            continue
+        item = t.element_size()
+        segs.append((t.data_ptr(), t.stride(0) * item, t.stride(1) * item, item, f.num_cols, f.offset))
+    return segs
+
+
+def _check(layout: RecordLayout, tensors: Sequence[torch.Tensor], op: str) -> None:
+    if len(tensors) != len(layout.fields):
+        raise ValueError(f"{op}: expected {len(layout.fields)} tensors ({[f.name for f in layout.fields]}), "
+                         f"got {len(tensors)}")
+    for f, t in zip(layout.fields, tensors):
+        if t.dim() != 2 or t.shape[1] != f.num_cols or t.dtype.itemsize != f.dtype.itemsize:
+            raise ValueError(f"{op}: field {f.name} must be [rows, {f.num_cols}] with {f.dtype.itemsize}-byte "
+                             f"elements, got {list(t.shape)} {t.dtype}")
+
+
+def pack_rows(layout: RecordLayout, fields: Sequence[torch.Tensor], src_rows: torch.Tensor) -> torch.Tensor:
+    """Gathers rows into records. Local; no host sync on non-CPU devices.
+
+    Args:
+        fields: one 2-D tensor per layout field, any strides, rows indexed by ``src_rows``.
+        src_rows: `[num_records]` int64, the source row of each record (any order, repeats allowed).
+    Returns:
+        `[num_records, record_bytes]` uint8; bytes between fields are unspecified.
+    Reference: ``pack_rows_reference`` (tests compare the field bytes exactly).
+    """
+    _check(layout, fields, "pack_rows")
+    device = src_rows.device
+    if device.type != "cpu":
+        return pack_rows_reference(layout, fields, src_rows)
+    num_rows = src_rows.shape[0]
+    records = torch.empty(num_rows, layout.record_bytes, dtype=torch.uint8)
+    src_rows = src_rows.contiguous()
+    native().pack_rows(records.data_ptr(), _segments(layout, fields), src_rows.data_ptr(), num_rows,
+                       layout.record_bytes, cpu_threads())
+    return records
+
+
+def pack_rows_reference(layout: RecordLayout, fields: Sequence[torch.Tensor], src_rows: torch.Tensor) -> torch.Tensor:
+    """Plain-torch specification of ``pack_rows``; also the path for non-CPU devices."""
+    records = torch.zeros(src_rows.shape[0], layout.record_bytes, dtype=torch.uint8, device=src_rows.device)
+    for f, t in zip(layout.fields, fields):
+        if f.num_cols:
+            rows = t.index_select(0, src_rows).contiguous()
+            records[:, f.offset:f.offset + f.nbytes] = rows.view(torch.uint8).reshape(rows.shape[0], f.nbytes)
+    return records
+
+
+def unpack_rows(layout: RecordLayout, records: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
+    """Scatters records into ``outputs``: row i of each output receives its field of record i.
+
+    Args:
+        records: `[num_records, record_bytes]` uint8, rows contiguous.
+        outputs: one 2-D tensor per layout field with at least ``num_records`` rows, written in place.
+    Reference: ``unpack_rows_reference``.
+    """
+    _check(layout, outputs, "unpack_rows")
+    if records.device.type != "cpu":
+        return unpack_rows_reference(layout, records, outputs)
+    num_rows = records.shape[0]
+    native().unpack_rows(_segments(layout, outputs), records.data_ptr(), num_rows, layout.record_bytes,
+                         cpu_threads())
+
+
+def unpack_rows_reference(layout: RecordLayout, records: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
+    """Plain-torch specification of ``unpack_rows``; also the path for non-CPU devices."""
+    num_rows = records.shape[0]
+    for f, out in zip(layout.fields, outputs):
+        if f.num_cols:
+            out[:num_rows].copy_(layout.view(records, f.name).view(out.dtype))

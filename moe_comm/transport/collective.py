@@ -1,0 +1,168 @@
+"""The ``collective`` transport: ``torch.distributed.all_to_all_single`` with uneven splits.
+
+Works on every backend that implements ``all_to_all_single`` (gloo on CPU, nccl, hccl, cncl, ...)
+and on any device, with no copy through the host. It is the semantic reference that the other
+transports are tested against.
+
+Deadlines: every exchange is posted asynchronously and waited with the buffer's deadline. Before
+posting, each rank records in the process group's store how many exchanges it has entered, so a
+rank that times out can name the ranks that never arrived, and say whether a peer on this host has
+exited (ranks swap host and pid when the transport is built).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import zlib
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommTimeoutError, CrossRankMismatchError
+from .base import Pending, Transport
+
+__all__ = ["CollectiveTransport"]
+
+# Types gloo's all-to-all cannot carry; they travel as their bytes.
+_BYTE_VIEW_DTYPES = {d for d in (getattr(torch, n, None) for n in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "bool",
+    "uint16", "uint32", "uint64", "complex64", "complex128")) if d is not None}
+
+
+def _as_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as the backend will send it: dtypes it lacks as bytes (splits count rows, so a
+    wider last dimension changes nothing)."""
+    return tensor.view(torch.uint8) if tensor.dtype in _BYTE_VIEW_DTYPES else tensor
+
+
+class _ArrivalBook:
+    """Per-rank counters in the process group's store: how many exchanges each rank has entered."""
+
+    def __init__(self, store: Optional[dist.Store], prefix: str, rank: int, num_ranks: int) -> None:
+        self._store, self._prefix, self._rank, self._num_ranks = store, prefix, rank, num_ranks
+        self.entered = 0
+
+    def enter(self) -> None:
+        self.entered += 1
+        if self._store is not None:
+            self._store.set(f"{self._prefix}/{self._rank}", str(self.entered))
+
+    def missing(self) -> Optional[list[int]]:
+        """Ranks that have entered fewer exchanges than this one, or None without a store."""
+        if self._store is None:
+            return None
+        late = []
+        for peer in range(self._num_ranks):
+            key = f"{self._prefix}/{peer}"
+            seen = int(self._store.get(key)) if self._store.check([key]) else 0
+            if seen < self.entered:
+                late.append(peer)
+        return late
+
+
+class _CollectivePending:
+    def __init__(self, transport: "CollectiveTransport", work: Optional[dist.Work], op: str) -> None:
+        self._transport, self._work, self._op = transport, work, op
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        work, self._work = self._work, None
+        transport = self._transport
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=transport.timeout_s))
+        except RuntimeError as exc:
+            transport.raise_failure(self._op, exc)
+
+
+class CollectiveTransport(Transport):
+    """``all_to_all_single`` over a ``torch.distributed`` process group."""
+
+    name = "collective"
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+        """Collective over ``group``: every rank of the group must construct it, in the same order
+        as any other transport on the group (the n-th construction on each rank pairs up)."""
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.timeout_s = timeout_s
+        self._backend = str(dist.get_backend(group))
+        self._device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" \
+            else torch.device("cpu")
+        store = _default_store()
+        scope = f"moe_comm/{getattr(group, 'group_name', 'default')}"
+        instance = store.add(f"{scope}/instances/{self.rank}", 1) if store is not None else 0
+        self._book = _ArrivalBook(store, f"{scope}/arrivals/{instance}", self.rank, self.num_ranks)
+        self._host = zlib.crc32(socket.gethostname().encode())
+        # NOTES: a failure inside _meet reports liveness from _peers, so give it a placeholder first.
+        self._peers = [(self._host, os.getpid())] * self.num_ranks
+        self._peers = self._meet(instance)
+
+    def _meet(self, instance: int) -> list[tuple[int, int]]:
+        """Exchanges (host, pid, instance) with every rank, with the deadline; checks the pairing."""
+        mine = torch.tensor([self._host, os.getpid(), instance], dtype=torch.int64, device=self._device)
+        got = torch.empty(self.num_ranks, 3, dtype=torch.int64, device=self._device)
+        self.all_to_all(got, mine.expand(self.num_ranks, 3).contiguous(), [1] * self.num_ranks,
+                        [1] * self.num_ranks, op="Buffer()").wait()
+        rows = got.cpu().tolist()
+        instances = [r[2] for r in rows]
+        if len(set(instances)) > 1:
+            raise CrossRankMismatchError(
+                f"Buffer(): ranks have created different numbers of buffers on this group "
+                f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(instances))}); create buffers collectively, "
+                f"in the same order on every rank")
+        return [(host, pid) for host, pid, _ in rows]
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   output_splits: Sequence[int], input_splits: Sequence[int], *, op: str) -> Pending:
+        self._book.enter()
+        if self.num_ranks == 1:
+            if input.numel():
+                output.copy_(input)
+            return _CollectivePending(self, None, op)
+        try:
+            work = dist.all_to_all_single(_as_wire(output), _as_wire(input), list(output_splits),
+                                          list(input_splits), group=self.group, async_op=True)
+        except RuntimeError as exc:
+            self.raise_failure(op, exc)
+        return _CollectivePending(self, work, op)
+
+    def raise_failure(self, op: str, exc: RuntimeError) -> None:
+        """Re-raises a backend error as CommTimeoutError (deadline) or RuntimeError naming ranks."""
+        missing = self._book.missing()
+        detail = self._liveness(missing)
+        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            raise CommTimeoutError(op, self.rank, self.timeout_s, missing, detail) from exc
+        who = "unknown" if missing is None else str(missing)
+        raise RuntimeError(f"{op}: rank {self.rank}: {self._backend} exchange failed ({exc}); "
+                           f"ranks not heard from: {who}" + (f"; {detail}" if detail else "")) from exc
+
+    def _liveness(self, ranks: Optional[list[int]]) -> str:
+        """Which of ``ranks`` run on this host and have exited."""
+        dead = []
+        for peer in ranks or []:
+            peer_host, pid = self._peers[peer]
+            if peer_host != self._host:
+                continue
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                dead.append(f"rank {peer} (pid {pid}) has exited")
+            except PermissionError:
+                pass
+        return ", ".join(dead)
+
+    def close(self) -> None:
+        self._book = _ArrivalBook(None, "", self.rank, self.num_ranks)
+
+
+def _default_store() -> Optional[dist.Store]:
+    # NOTES: the default store is how torch.distributed itself rendezvoused; it is private API, so
+    # losing it only costs the names of late ranks in timeout errors.
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
