@@ -53,6 +53,11 @@ def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> dist.Proce
     return dist.group.WORLD
 
 
+# After one rank fails, how long to wait for the others to report (they typically fail at their
+# next communication deadline) before giving up on them.
+_FAILURE_GRACE_S = 30.0
+
+
 class RankFailure(RuntimeError):
     """A function run by ``LocalWorld`` raised on one or more ranks; the message has their tracebacks."""
 
@@ -112,24 +117,34 @@ class LocalWorld:
             raise RuntimeError("LocalWorld.run: this world is closed")
         for q in self._tasks:
             q.put((fn, args))
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        limit = timeout_s or self.timeout_s
+        deadline = time.monotonic() + limit
         done: dict[int, tuple[bool, Any]] = {}
         while len(done) < self.world_size:
             try:
                 rank, ok, value = self._results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
                 done[rank] = (ok, value)
+                if not ok:  # peers of a failed rank usually fail too, at their next deadline
+                    deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+                continue
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in done]
-                if dead or time.monotonic() >= deadline:
-                    missing = sorted(set(range(self.world_size)) - set(done))
-                    self.close(force=True)
-                    why = f"ranks {dead} exited" if dead else f"timed out after {timeout_s or self.timeout_s:g} s"
-                    raise TimeoutError(f"LocalWorld.run({getattr(fn, '__name__', fn)}): {why}; "
-                                       f"ranks not finished: {missing}")
+                pass
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in done]
+            if dead or time.monotonic() >= deadline:
+                break
+        missing = sorted(set(range(self.world_size)) - set(done))
         failures = {r: v for r, (ok, v) in done.items() if not ok}
-        if failures:
+        if failures or missing:
             self.close(force=True)
-            raise RankFailure("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
+            name = getattr(fn, "__name__", fn)
+            if failures:
+                unfinished = f"\nranks not finished: {missing}" if missing else ""
+                raise RankFailure(f"LocalWorld.run({name}) failed on ranks {sorted(failures)}:\n"
+                                  + "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+                                  + unfinished)
+            exited = [r for r in missing if not self._procs[r].is_alive()]
+            why = f"ranks {exited} exited" if exited else f"timed out after {limit:g} s"
+            raise TimeoutError(f"LocalWorld.run({name}): {why}; ranks not finished: {missing}")
         return [done[r][1] for r in range(self.world_size)]
 
     def close(self, force: bool = False) -> None:

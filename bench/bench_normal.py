@@ -1,0 +1,348 @@
+"""Normal-mode benchmark: moe-comm dispatch/combine vs the naive all-gather / reduce-scatter baseline.
+
+    python bench/bench_normal.py --ranks 4                   # 4 local ranks (moe_comm.launch.LocalWorld)
+    torchrun --nproc-per-node 4 bench/bench_normal.py        # launcher detected from the environment
+    mpirun -n 4 python bench/bench_normal.py
+
+Every case runs in the same launch on the same inputs; rank 0 prints a table and writes JSON.
+Time of one iteration = max over ranks of (perf_counter around the op, after a barrier).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from moe_comm._native import cpu_threads
+from moe_comm.launch import LocalWorld, init_from_env, launcher_rank
+
+BYTE_RULE = ("DeepEP test_intranode: dispatch BF16 bytes = recv_x.numel()*2 (rows received, own rank "
+             "included, x H*2 bytes; top-k ids/weights not counted); FP8 = BF16 bytes*(1+4/128)/2; combine = "
+             "the BF16 dispatch bytes. naive_dispatch = bytes each rank holds after the all-gathers "
+             "(R*T rows of x bf16 + topk ids int64 + weights fp32); naive_combine = the [R*T, H] bf16 "
+             "tensor each rank feeds the reduce-scatter. a2a_ceiling = the BF16 dispatch bytes.")
+BANDWIDTH_RULE = ("GB/s per rank = (mean over ranks of that rank's bytes) / median iteration time / 1e9; "
+                  "aggregate bytes = sum over ranks (in JSON)")
+DISPATCH_CASES = ("moe_dispatch_bf16", "moe_dispatch_fp8", "naive_dispatch", "a2a_ceiling")
+
+
+# ---------------------------------------------------------------------------- helpers shared with bench_kernels
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100] (numpy's default method)."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(seconds: Sequence[float]) -> dict[str, float]:
+    """Median, p10/p90 and min/max of per-iteration seconds, in microseconds."""
+    us = [s * 1e6 for s in seconds]
+    return {"median_us": percentile(us, 50), "p10_us": percentile(us, 10), "p90_us": percentile(us, 90),
+            "min_us": min(us), "max_us": max(us)}
+
+
+def git_commit() -> dict[str, Any]:
+    """HEAD of the repository holding this file and whether the tree has changes; None on failure."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True,
+                               timeout=10).stdout.strip() != ""
+        return {"commit": head, "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def machine_info() -> dict[str, Any]:
+    """Host, CPU count, platform and library versions, for the JSON record."""
+    return {"hostname": socket.gethostname(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "torch": torch.__version__, "moe_comm": moe_comm.__version__, "gpu": torch.cuda.is_available()}
+
+
+def format_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]]) -> str:
+    """Fixed-width table; ``columns`` are (key, header); floats get 1-3 decimals by size."""
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+        return str(v)
+    cells = [[cell(r.get(k)) for k, _ in columns] for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (_, h) in enumerate(columns)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, ((_, h), w) in enumerate(zip(columns, widths)))]
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+              for row in cells]
+    return "\n".join(lines)
+
+
+def write_json(path: str, record: dict[str, Any]) -> None:
+    """Writes ``record`` (with date, machine and commit added) to ``path``, creating folders."""
+    record = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine_info(), "git": git_commit(), **record}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(record, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------- DeepEP's test helpers
+def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP tests/utils.py: per token, per 128 channels, e4m3 with fp32 scale amax/448."""
+    m, n = x.shape
+    view = x.view(m, -1, 128)
+    amax = view.abs().float().amax(dim=2).view(m, -1).clamp(1e-4)
+    x_fp8 = (view * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, n)
+    return x_fp8, (amax / 448.0).view(m, -1)
+
+
+def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    m, n = x_fp8.shape
+    return (x_fp8.float().view(m, -1, 128) * scales.unsqueeze(2)).view(m, n).bfloat16()
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepEP's dissimilarity: 0 for identical tensors."""
+    x, y = x.double() + 1, y.double() + 1
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+# torch 2.13 deprecates the *_into_tensor / *_tensor names in favour of *_single.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ---------------------------------------------------------------------------- the per-rank work
+def _time_cases(cases: dict[str, Callable[[], Any]], group: dist.ProcessGroup, warmup: int,
+                iters: int) -> dict[str, list[float]]:
+    """Per-iteration max-over-ranks seconds of every case. Cases take turns each iteration, so
+    that noise from other tenants of a shared machine spreads over all of them alike."""
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    times = torch.zeros(len(cases), iters, dtype=torch.float64)
+    for i in range(iters):
+        for c, fn in enumerate(cases.values()):
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            fn()
+            times[c, i] = time.perf_counter() - t0
+    # elementwise MAX = the per-iteration max over ranks, taken in one collective after the loop
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return {name: times[c].tolist() for c, name in enumerate(cases)}
+
+
+def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """Checks, then times, every case on this rank; returns the results on rank 0, else None.
+
+    Collective over ``group``; module-level so ``LocalWorld`` can pickle it by name."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    T, H, K, E = cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"]
+    torch.manual_seed(cfg["seed"] + rank)
+    x = torch.randn(T, H).bfloat16()
+    topk_idx = (torch.randn(T, E).abs() + 1).topk(K, dim=1).indices  # DeepEP's routing: random top-k
+    topk_weights = torch.rand(T, K)
+    x_fp8, scales = per_token_cast_to_fp8(x)
+    x_e4m3 = (x_fp8, scales.T.contiguous().T)  # column-major scales, as DeepEP's tests pass them
+
+    buf = moe_comm.Buffer(group)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
+    routing = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                   topk_idx=topk_idx, topk_weights=topk_weights)
+    checks: dict[str, float] = {}
+
+    # --- correctness, once, before anything is timed
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, **routing)
+    combined, _, _ = buf.combine(recv_x, handle)
+    copies = in_rank.sum(1, keepdim=True).float()  # ranks each token went to
+    expected = x.float() * copies
+    checks["combine_bf16_calc_diff"] = calc_diff(combined, expected)
+    ok = torch.allclose(combined.float(), expected, rtol=2 ** -7, atol=0) and checks["combine_bf16_calc_diff"] < 5e-6
+    (recv_fp8, recv_scales), _, _, _, _, _ = buf.dispatch(x_e4m3, **routing)
+    checks["dispatch_fp8_calc_diff"] = calc_diff(per_token_cast_back(recv_fp8, recv_scales), recv_x)
+    ok &= checks["dispatch_fp8_calc_diff"] < 5e-4
+
+    # naive baseline (vLLM allgather_reducescatter): every rank gets every token, computes its own
+    # experts' share (here: x itself for tokens routed to it, else 0), and a reduce-scatter sums.
+    def naive_dispatch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # allocated per call, as vLLM's all_gatherv does
+        gx, gi, gw = torch.empty(R * T, H, dtype=x.dtype), torch.empty(R * T, K, dtype=topk_idx.dtype), \
+            torch.empty(R * T, K, dtype=topk_weights.dtype)
+        works = [_all_gather(o, i, group=group, async_op=True) for o, i in ((gx, x), (gi, topk_idx), (gw, topk_weights))]
+        for w in works:
+            w.wait()
+        return gx, gi, gw
+
+    gx, gi, _ = naive_dispatch()
+    mine = ((gi // (E // R)) == rank).any(dim=1, keepdim=True)
+    expert_out = gx * mine  # [R*T, H] bf16
+
+    def naive_combine() -> torch.Tensor:
+        out = torch.empty(T, H, dtype=x.dtype)
+        _reduce_scatter(out, expert_out, group=group)
+        return out
+
+    naive_out = naive_combine()
+    checks["naive_combine_calc_diff"] = calc_diff(naive_out, expected)
+    ok &= torch.allclose(naive_out.float(), expected, rtol=2 ** -6, atol=0)
+
+    # measured ceiling: one raw gloo all_to_all_single of exactly the bf16 dispatch payload rows,
+    # pre-gathered and into a preallocated buffer (no handshake, no packing, no allocation).
+    send_counts = in_rank.sum(0).to(torch.int64)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_rows = x[in_rank.t().nonzero()[:, 1]]
+    a2a_out = torch.empty(int(recv_counts.sum()), H, dtype=x.dtype)
+    sc, rc = send_counts.tolist(), recv_counts.tolist()
+
+    flags = torch.tensor([0.0 if ok else 1.0])
+    dist.all_reduce(flags, group=group)
+    if flags.item():
+        raise RuntimeError(f"bench_normal: correctness check failed on {int(flags.item())} rank(s); rank {rank}: "
+                           f"{checks}; refusing to time broken ops")
+
+    cases: dict[str, Callable[[], Any]] = {
+        "moe_dispatch_bf16": lambda: buf.dispatch(x, **routing),
+        "moe_dispatch_fp8": lambda: buf.dispatch(x_e4m3, **routing),
+        "naive_dispatch": naive_dispatch,
+        "a2a_ceiling": lambda: dist.all_to_all_single(a2a_out, send_rows, rc, sc, group=group),
+        "moe_combine_bf16": lambda: buf.combine(recv_x, handle),
+        "naive_combine": naive_combine,
+    }
+    times = _time_cases(cases, group, cfg["warmup"], cfg["iters"])
+
+    # bytes each rank accounts for, gathered so rank 0 can report mean and aggregate
+    bf16 = recv_x.shape[0] * H * 2
+    mine_bytes = {"moe_dispatch_bf16": bf16, "moe_dispatch_fp8": bf16 * (1 + 4 / 128) / 2,
+                  "naive_dispatch": R * T * (2 * H + 8 * K + 4 * K), "a2a_ceiling": bf16,
+                  "moe_combine_bf16": bf16, "naive_combine": R * T * H * 2}
+    all_bytes = torch.zeros(R, len(cases), dtype=torch.float64)
+    all_bytes[rank] = torch.tensor([mine_bytes[n] for n in cases], dtype=torch.float64)
+    dist.all_reduce(all_bytes, group=group)
+    checks_max = torch.tensor(list(checks.values()), dtype=torch.float64)
+    dist.all_reduce(checks_max, op=dist.ReduceOp.MAX, group=group)
+    if rank != 0:
+        return None
+    return {"times_s": times, "bytes": {n: all_bytes[:, c].tolist() for c, n in enumerate(cases)},
+            "checks_max_over_ranks": dict(zip(checks, checks_max.tolist())),
+            "recv_rows_rank0": recv_x.shape[0], "threads_per_rank": torch.get_num_threads(),
+            "kernel_threads_per_rank": cpu_threads()}
+
+
+# ---------------------------------------------------------------------------- reporting
+def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str, json_path: str) -> None:
+    """Prints the table and writes the JSON record (rank 0 only)."""
+    R = cfg["ranks"]
+    rows = []
+    for name, secs in res["times_s"].items():
+        stats = summarize(secs)
+        per_rank = res["bytes"][name]
+        mean_bytes = sum(per_rank) / len(per_rank)
+        rows.append({"case": name, "ranks": R, "tokens": cfg["tokens"], "hidden": cfg["hidden"],
+                     "topk": cfg["topk"], "experts": cfg["experts"], **stats,
+                     "p10_p90": f"{stats['p10_us']:.0f}/{stats['p90_us']:.0f}",
+                     "bytes_per_rank_mean": mean_bytes, "bytes_aggregate": sum(per_rank),
+                     "GBps_per_rank": mean_bytes / (stats["median_us"] * 1e-6) / 1e9, "times_us": [s * 1e6 for s in secs]})
+    by = {r["case"]: r for r in rows}
+    for r in rows:
+        base = by["naive_dispatch" if r["case"] in DISPATCH_CASES else "naive_combine"]
+        r["vs_baseline"] = base["median_us"] / r["median_us"] if r["case"] != "a2a_ceiling" else None
+        r["vs_ceiling"] = r["GBps_per_rank"] / by["a2a_ceiling"]["GBps_per_rank"]
+    columns = [("case", "case"), ("ranks", "ranks"), ("tokens", "tokens/rank"), ("hidden", "hidden"),
+               ("topk", "topk"), ("experts", "experts"), ("median_us", "median_us"), ("p10_p90", "p10/p90_us"),
+               ("GBps_per_rank", "GB/s/rank"), ("vs_baseline", "speedup_vs_naive(x)"),
+               ("vs_ceiling", "GB/s_vs_a2a_ceiling")]
+    print(format_table(columns, rows))
+    for r in rows:
+        r.pop("p10_p90")  # table only; JSON has the numbers
+    notes = [
+        "speedup_vs_naive = naive median time / case median time; dispatch cases vs naive_dispatch, "
+        "combine vs naive_combine (FP8 dispatch is compared with the BF16 naive all-gather)",
+        "naive_combine uses torch.distributed.reduce_scatter_single on gloo; torch's ProcessGroupGloo implements "
+        "it as an all_reduce of the whole [R*T, H] tensor followed by a copy of this rank's slice, so the wire "
+        "traffic is an all-reduce's, not a true reduce-scatter's",
+        "gloo sums bf16 in bf16 (naive_combine); moe-comm's combine sums in fp32 and rounds once",
+        "moe-comm dispatch is non-cached with top-k ids/weights and a precomputed get_dispatch_layout "
+        "(the per-layer call of an MoE forward); it includes the blocking count handshake",
+        "a2a_ceiling: one raw gloo all_to_all_single of the pre-gathered BF16 dispatch rows into a preallocated "
+        "buffer; GB/s_vs_a2a_ceiling = case GB/s / ceiling GB/s",
+        f"{R} ranks share {os.cpu_count()} CPU cores ({res['threads_per_rank']} torch / "
+        f"{res['kernel_threads_per_rank']} moe_comm._C thread(s) per rank); shared, noisy VM",
+    ]
+    print(f"\nbytes: per rank (mean over ranks); {BANDWIDTH_RULE}\nchecks (max over ranks): "
+          f"{ {k: f'{v:.2e}' for k, v in res['checks_max_over_ranks'].items()} }")
+    write_json(json_path, {"bench": "bench_normal", "command": command, "launcher": launcher, "config": cfg,
+                           "threads_per_rank": res["threads_per_rank"],
+                           "kernel_threads_per_rank": res["kernel_threads_per_rank"], "byte_rule": BYTE_RULE,
+                           "bandwidth_rule": BANDWIDTH_RULE, "timing": "per iteration: dist.barrier, then "
+                           "perf_counter around the op (async_finish=False); max over ranks; stats over iterations",
+                           "notes": notes, "checks_max_over_ranks": res["checks_max_over_ranks"], "cases": rows})
+    print(f"wrote {json_path}")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2, help="local ranks to spawn (ignored under torchrun/mpirun)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size, a multiple of 128 (FP8 scales)")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=64, help="total experts, a multiple of the rank count")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads-per-rank", type=int, default=0, help="0: cpu_count // local ranks, at least 1")
+    p.add_argument("--json", default=str(Path(__file__).resolve().parent / "out" / "bench_normal.json"))
+    return p.parse_args(argv)
+
+
+def _check_shapes(args: argparse.Namespace, ranks: int) -> None:
+    if args.experts % ranks:
+        raise SystemExit(f"bench_normal: --experts ({args.experts}) must be a multiple of the rank count ({ranks})")
+    if args.hidden % 128:
+        raise SystemExit(f"bench_normal: --hidden ({args.hidden}) must be a multiple of 128 for the FP8 scales")
+    if not 1 <= args.topk <= args.experts or args.iters < 1:
+        raise SystemExit(f"bench_normal: need 1 <= --topk <= --experts and --iters >= 1, got {vars(args)}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    found = launcher_rank()
+    ranks = found[1] if found else args.ranks
+    _check_shapes(args, ranks)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("MPI_LOCALNRANKS", ranks)))
+    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // local_ranks)
+    cfg = {k: getattr(args, k) for k in ("tokens", "hidden", "topk", "experts", "warmup", "iters", "seed")}
+    cfg["ranks"] = ranks
+    command = " ".join([Path(sys.executable).name] + sys.argv)
+    if found is None:
+        with LocalWorld(ranks, threads_per_rank=threads, timeout_s=1800) as world:
+            res = world.run(run_rank, cfg)[0]
+        report(res, cfg, command, "moe_comm.launch.LocalWorld (spawn)", args.json)
+        return
+    # Under a launcher: cap the kernel and torch threads before any kernel runs (cpu_threads is cached).
+    os.environ.setdefault("MOE_COMM_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
+    group = init_from_env()
+    try:
+        res = run_rank(group, cfg)
+        if res is not None:
+            report(res, cfg, f"{found[2]} x{ranks}: {command}", found[2], args.json)
+        dist.barrier(group)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
