@@ -95,12 +95,13 @@ def _per_rank(shake: Handshake, name: str) -> str:
 
 
 def _check(shake: Handshake, op: str, compare: Sequence[str]) -> None:
-    for name in ("op", *compare):
+    hint = ("every rank must call the same operation with the same hidden size, dtypes, top-k, number of "
+            "experts and config")
+    if len(set(shake.field("op"))) > 1:  # no local prefix: every rank must word it the same
+        raise CrossRankMismatchError(f"ranks called different operations: {_per_rank(shake, 'op')}; {hint}")
+    for name in compare:
         if len(set(shake.field(name))) > 1:
-            what = "called different operations" if name == "op" else f"disagree on {name}"
-            raise CrossRankMismatchError(f"{op}: ranks {what}: {_per_rank(shake, name)}; every rank must call "
-                                         f"the same operation with the same hidden size, dtypes, top-k, number of "
-                                         f"experts and config")
+            raise CrossRankMismatchError(f"{op}: ranks disagree on {name}: {_per_rank(shake, name)}; {hint}")
     known = shake.expected >= 0
     bad = (known & (shake.expected != shake.sent.t())).nonzero().tolist()
     if bad:

@@ -59,7 +59,8 @@ _FAILURE_GRACE_S = 30.0
 
 
 class RankFailure(RuntimeError):
-    """A function run by ``LocalWorld`` raised on one or more ranks; the message has their tracebacks."""
+    """A function run by ``LocalWorld`` raised on one or more ranks; the message has their tracebacks
+    and ``results`` maps the ranks that finished to their values."""
 
 
 def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float, threads: int,
@@ -111,7 +112,8 @@ class LocalWorld:
         """Runs ``fn(group, *args)`` on every rank; returns results indexed by rank.
 
         Raises RankFailure with every failing rank's traceback, or TimeoutError naming the ranks that
-        did not finish within ``timeout_s`` (default: the world's).
+        exited or did not finish within ``timeout_s`` (default: the world's); either exception's
+        ``results`` holds the values of the ranks that did finish.
         """
         if self.closed:
             raise RuntimeError("LocalWorld.run: this world is closed")
@@ -130,21 +132,29 @@ class LocalWorld:
             except queue.Empty:
                 pass
             dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in done]
-            if dead or time.monotonic() >= deadline:
+            if dead:
+                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+                if len(done) + len(dead) == self.world_size:
+                    break
+            if time.monotonic() >= deadline:
                 break
         missing = sorted(set(range(self.world_size)) - set(done))
         failures = {r: v for r, (ok, v) in done.items() if not ok}
         if failures or missing:
+            exited = [r for r in missing if not self._procs[r].is_alive()]
+            stuck = [r for r in missing if r not in exited]
             self.close(force=True)
             name = getattr(fn, "__name__", fn)
+            notes = (f"; ranks {exited} exited" if exited else "") + \
+                    (f"; ranks {stuck} did not finish within {limit:g} s" if stuck else "")
+            error: Exception
             if failures:
-                unfinished = f"\nranks not finished: {missing}" if missing else ""
-                raise RankFailure(f"LocalWorld.run({name}) failed on ranks {sorted(failures)}:\n"
-                                  + "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-                                  + unfinished)
-            exited = [r for r in missing if not self._procs[r].is_alive()]
-            why = f"ranks {exited} exited" if exited else f"timed out after {limit:g} s"
-            raise TimeoutError(f"LocalWorld.run({name}): {why}; ranks not finished: {missing}")
+                error = RankFailure(f"LocalWorld.run({name}) failed on ranks {sorted(failures)}{notes}:\n"
+                                    + "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
+            else:
+                error = TimeoutError(f"LocalWorld.run({name}): not every rank finished{notes}")
+            error.results = {r: v for r, (ok, v) in done.items() if ok}  # type: ignore[attr-defined]
+            raise error
         return [done[r][1] for r in range(self.world_size)]
 
     def close(self, force: bool = False) -> None:

@@ -24,7 +24,7 @@ def split_x(op: str, x: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``x`` or ``(x_fp8, scales)`` -> (data `[T, H]`, scales `[T, S]` float32/int32 any strides or None)."""
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
-            bad_argument(op, "x", "a tensor or a 2-tuple (x_fp8, x_scales)", f"a tuple of length {len(x)}",
+            bad_argument(op, "x", "a tensor or a 2-tuple (x_fp8, x_scales)", f"a {type(x).__name__} of length {len(x)}",
                          kind=TypeError)
         data, scales = x
         check_tensor(op, "x[0]", data, shape=(None, None), dtype=_FLOAT8)

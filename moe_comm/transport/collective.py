@@ -133,30 +133,43 @@ class CollectiveTransport(Transport):
     def raise_failure(self, op: str, exc: RuntimeError) -> None:
         """Re-raises a backend error as CommTimeoutError (deadline) or RuntimeError naming ranks."""
         missing = self._book.missing()
-        detail = self._liveness(missing)
+        detail = self._liveness([r for r in range(self.num_ranks) if r != self.rank])
         if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
             raise CommTimeoutError(op, self.rank, self.timeout_s, missing, detail) from exc
         who = "unknown" if missing is None else str(missing)
         raise RuntimeError(f"{op}: rank {self.rank}: {self._backend} exchange failed ({exc}); "
                            f"ranks not heard from: {who}" + (f"; {detail}" if detail else "")) from exc
 
-    def _liveness(self, ranks: Optional[list[int]]) -> str:
+    def _liveness(self, ranks: list[int]) -> str:
         """Which of ``ranks`` run on this host and have exited."""
         dead = []
-        for peer in ranks or []:
+        for peer in ranks:
             peer_host, pid = self._peers[peer]
             if peer_host != self._host:
                 continue
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if not _process_alive(pid):
                 dead.append(f"rank {peer} (pid {pid}) has exited")
-            except PermissionError:
-                pass
         return ", ".join(dead)
 
     def close(self) -> None:
         self._book = _ArrivalBook(None, "", self.rank, self.num_ranks)
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs on this host; an exited process that is not yet reaped (zombie) counts as dead."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no procfs: fall back to signal 0
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
 
 def _default_store() -> Optional[dist.Store]:

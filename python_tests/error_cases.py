@@ -1,0 +1,131 @@
+"""Bad inputs, run inside a rank: each case makes one bad call and reports what it raised."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import moe_comm
+
+T, H, K, E = 8, 128, 2, 8
+
+
+def _inputs(num_ranks: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    topk_idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    return dict(x=torch.randn(T, H, generator=g).to(torch.bfloat16), topk_idx=topk_idx,
+                topk_weights=torch.rand(T, K, generator=g))
+
+
+def _dispatch(buf: moe_comm.Buffer, **overrides: Any) -> Any:
+    args = _inputs(buf.group_size)
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(args["topk_idx"], E)
+    args.update(num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte)
+    args.update(overrides)
+    return buf.dispatch(**{k: v for k, v in args.items() if v is not _DROP})
+
+
+_DROP = object()
+
+
+def _combine(buf: moe_comm.Buffer, **overrides: Any) -> Any:
+    recv_x, _, recv_w, _, handle, _ = _dispatch(buf)
+    args = dict(x=recv_x, handle=handle, topk_weights=recv_w)
+    args.update(overrides)
+    return buf.combine(**args)
+
+
+def _handle(buf: moe_comm.Buffer) -> tuple:
+    return _dispatch(buf)[4]
+
+
+# name -> bad call on a Buffer; the test module holds the expected exception and message.
+CASES: dict[str, Callable[[moe_comm.Buffer], Any]] = {
+    "layout_topk_dtype": lambda b: b.get_dispatch_layout(_inputs(1)["topk_idx"].int(), E),
+    "layout_topk_dims": lambda b: b.get_dispatch_layout(_inputs(1)["topk_idx"].view(-1), E),
+    "layout_topk_range": lambda b: b.get_dispatch_layout(_inputs(1)["topk_idx"] + E, E),
+    "layout_topk_below": lambda b: b.get_dispatch_layout(_inputs(1)["topk_idx"] - 5, E),
+    "layout_num_experts": lambda b: b.get_dispatch_layout(_inputs(1)["topk_idx"], 0),
+    "layout_num_experts_type": lambda b: b.get_dispatch_layout(_inputs(1)["topk_idx"], 8.0),
+    "dispatch_x_dims": lambda b: _dispatch(b, x=torch.zeros(T, H, 1)),
+    "dispatch_x_type": lambda b: _dispatch(b, x=[1, 2, 3]),
+    "dispatch_x_strides": lambda b: _dispatch(b, x=torch.zeros(H, T).T),
+    "dispatch_fp8_tuple_len": lambda b: _dispatch(b, x=(torch.zeros(T, H, dtype=torch.float8_e4m3fn),)),
+    "dispatch_fp8_dtype": lambda b: _dispatch(b, x=(torch.zeros(T, H), torch.ones(T, 1))),
+    "dispatch_scales_rows": lambda b: _dispatch(b, x=(torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.ones(T + 1, 1))),
+    "dispatch_scales_dtype": lambda b: _dispatch(b, x=(torch.zeros(T, H, dtype=torch.float8_e4m3fn),
+                                                       torch.ones(T, 1, dtype=torch.float16))),
+    "dispatch_topk_without_weights": lambda b: _dispatch(b, topk_weights=None),
+    "dispatch_weights_shape": lambda b: _dispatch(b, topk_weights=torch.rand(T, K + 1)),
+    "dispatch_weights_dtype": lambda b: _dispatch(b, topk_weights=torch.rand(T, K).double()),
+    "dispatch_topk_rows": lambda b: _dispatch(b, topk_idx=_inputs(1)["topk_idx"][:-1], topk_weights=torch.rand(T - 1, K)),
+    "dispatch_worst_without_topk": lambda b: _dispatch(b, topk_idx=None, topk_weights=None, num_worst_tokens=64),
+    "dispatch_worst_negative": lambda b: _dispatch(b, num_worst_tokens=-1),
+    "dispatch_alignment_zero": lambda b: _dispatch(b, expert_alignment=0),
+    "dispatch_partial_layout": lambda b: _dispatch(b, is_token_in_rank=None),
+    "dispatch_no_layout_no_experts": lambda b: _dispatch(b, num_tokens_per_rank=None, is_token_in_rank=None,
+                                                         num_tokens_per_expert=None),
+    "dispatch_num_experts_mismatch": lambda b: _dispatch(b, num_experts=E * 2),
+    "dispatch_rank_counts_mismatch": lambda b: _dispatch(b, num_tokens_per_rank=torch.zeros(b.group_size, dtype=torch.int32)),
+    "dispatch_in_rank_shape": lambda b: _dispatch(b, is_token_in_rank=torch.zeros(T, b.group_size + 1, dtype=torch.bool)),
+    "dispatch_per_expert_dtype": lambda b: _dispatch(b, num_tokens_per_expert=torch.zeros(E, dtype=torch.int64)),
+    "dispatch_handle_with_topk": lambda b: _dispatch(b, handle=_handle(b)),
+    "dispatch_handle_not_tuple": lambda b: _dispatch(b, handle="handle", topk_idx=None, topk_weights=None),
+    "dispatch_handle_tensor_dtype": lambda b: _dispatch(b, handle=(_handle(b)[0].long(),) + _handle(b)[1:],
+                                                        topk_idx=None, topk_weights=None),
+    "dispatch_handle_rows": lambda b: b.dispatch(torch.zeros(T + 1, H), handle=_handle(b)),
+    "dispatch_comm_stream_without_event": lambda b: _dispatch(b, allocate_on_comm_stream=True, async_finish=True),
+    "dispatch_previous_event_type": lambda b: _dispatch(b, previous_event="event"),
+    "dispatch_async_type": lambda b: _dispatch(b, async_finish=1),
+    "dispatch_config_type": lambda b: _dispatch(b, config={"num_sms": 20}),
+    "combine_x_dtype": lambda b: _combine(b, x=torch.zeros(3, H, dtype=torch.int32)),
+    "combine_x_rows": lambda b: _combine(b, x=torch.zeros(10_000, H, dtype=torch.bfloat16)),
+    "combine_weights_dtype": lambda b: _combine(b, topk_weights=torch.zeros(T, K, dtype=torch.float64)),
+    "combine_bias_shape": lambda b: _combine(b, bias=torch.zeros(T, H + 1, dtype=torch.bfloat16)),
+    "combine_bias_dtype": lambda b: _combine(b, bias=(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, H))),
+    "combine_bias_type": lambda b: _combine(b, bias=[1, 2, 3]),
+    "combine_handle_len": lambda b: _combine(b, handle=_handle(b)[:5]),
+    "combine_x_type": lambda b: _combine(b, x="x"),
+    "destroy_not_explicit": lambda b: b.destroy(),
+    "set_num_sms_odd": lambda b: moe_comm.Buffer.set_num_sms(3),
+    "buffer_negative_bytes": lambda b: moe_comm.Buffer(b.group, num_nvl_bytes=-1),
+    "buffer_flag_type": lambda b: moe_comm.Buffer(b.group, low_latency_mode="yes"),
+    "buffer_group_type": lambda b: moe_comm.Buffer("world"),
+    "buffer_timeout": lambda b: moe_comm.Buffer(b.group, timeout_s=0),
+    "buffer_transport": lambda b: moe_comm.Buffer(b.group, transport="carrier-pigeon"),
+    "buffer_comm": lambda b: moe_comm.Buffer(None, comm=object()),
+}
+
+
+def run_case(group: dist.ProcessGroup, name: str) -> tuple[str, str]:
+    """Runs CASES[name] on a fresh Buffer; returns (exception class name, message)."""
+    buf = moe_comm.Buffer(group, timeout_s=20)
+    try:
+        CASES[name](buf)
+    except Exception as exc:  # the test checks type and message
+        return type(exc).__name__, str(exc)
+    return "no exception", ""
+
+
+def after_destroy(group: dist.ProcessGroup) -> tuple[str, str]:
+    buf = moe_comm.Buffer(group, explicitly_destroy=True)
+    buf.destroy()
+    buf.destroy()  # idempotent
+    try:
+        buf.dispatch(**_inputs(1), num_experts=E)
+    except RuntimeError as exc:
+        return type(exc).__name__, str(exc)
+    return "no exception", ""
+
+
+def env_transport(group: dist.ProcessGroup, value: str) -> tuple[str, str]:
+    import os
+    os.environ["MOE_COMM_TRANSPORT"] = value
+    try:
+        buf = moe_comm.Buffer(group)
+        return "ok", buf.transport_name
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        del os.environ["MOE_COMM_TRANSPORT"]

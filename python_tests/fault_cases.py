@@ -1,0 +1,86 @@
+"""Faults inside ranks: cross-rank mismatches, a rank that skips a call, a rank that dies."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import moe_comm
+
+
+def _routing(tokens: int, experts: int, topk: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)]) if tokens else \
+        torch.empty(0, topk, dtype=torch.int64)
+    return idx, torch.rand(tokens, topk, generator=g)
+
+
+def _dispatch(buf: moe_comm.Buffer, hidden: int = 64, dtype: torch.dtype = torch.bfloat16, experts: int = 12,
+              topk: int = 2, tokens: int = 6, **kw: Any) -> tuple:
+    idx, w = _routing(tokens, experts, topk, buf.rank)
+    x = torch.full((tokens, hidden), float(buf.rank), dtype=dtype)
+    return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts, **kw)
+
+
+def mismatch(group: dist.ProcessGroup, kind: str) -> tuple[str, str, bool]:
+    """Rank 0 and the others disagree in one way; returns (exception, message, buffer still works)."""
+    buf = moe_comm.Buffer(group, timeout_s=20)
+    odd = buf.rank == 0
+    try:
+        if kind == "hidden":
+            _dispatch(buf, hidden=32 if odd else 64)
+        elif kind == "dtype":
+            _dispatch(buf, dtype=torch.float32 if odd else torch.bfloat16)
+        elif kind == "num_experts":
+            _dispatch(buf, experts=24 if odd else 12)
+        elif kind == "topk":
+            _dispatch(buf, topk=3 if odd else 2)
+        elif kind == "worst":
+            _dispatch(buf, num_worst_tokens=1 if odd else 100)
+        elif kind == "op":
+            recv_x, _, _, _, handle, _ = _dispatch(buf)
+            if odd:
+                _dispatch(buf)
+            else:
+                buf.combine(recv_x, handle)
+        elif kind == "handle":
+            recv_x, _, _, _, handle, _ = _dispatch(buf, tokens=6)
+            recv_x2, _, _, _, handle2, _ = _dispatch(buf, tokens=9)
+            buf.combine(recv_x if odd else recv_x2, handle if odd else handle2)
+        else:
+            raise ValueError(kind)
+        outcome = ("no exception", "")
+    except Exception as exc:  # the test compares across ranks
+        outcome = (type(exc).__name__, str(exc))
+    recv_x, _, _, _, handle, _ = _dispatch(buf)  # the group is still in step
+    y, _, _ = buf.combine(recv_x, handle)
+    return outcome + (bool(torch.isfinite(y.float()).all()),)
+
+
+def skip_dispatch(group: dist.ProcessGroup, timeout_s: float) -> Any:
+    """The last rank never dispatches; the others must time out naming it."""
+    buf = moe_comm.Buffer(group, timeout_s=timeout_s)
+    if buf.rank == buf.group_size - 1:
+        return "skipped"
+    start = time.monotonic()
+    try:
+        _dispatch(buf)
+    except moe_comm.CommTimeoutError as exc:
+        return time.monotonic() - start, str(exc), exc.missing_ranks, exc.op, exc.rank
+    return "no timeout"
+
+
+def die_before_dispatch(group: dist.ProcessGroup, timeout_s: float) -> Any:
+    """The last rank's process exits; the others must report it instead of hanging."""
+    buf = moe_comm.Buffer(group, timeout_s=timeout_s)
+    if buf.rank == buf.group_size - 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        _dispatch(buf)
+    except (moe_comm.CommTimeoutError, RuntimeError) as exc:
+        return time.monotonic() - start, type(exc).__name__, str(exc)
+    return "no error"

@@ -1,0 +1,81 @@
+"""Every argument check is reached, and its message names the argument, the expectation and the value."""
+import pytest
+
+from error_cases import CASES, after_destroy, env_transport, run_case
+
+EXPECTED = {
+    "layout_topk_dtype": ("TypeError", r"get_dispatch_layout: topk_idx must be of dtype int64, got \[8, 2\] int32"),
+    "layout_topk_dims": ("ValueError", r"topk_idx must be shaped \[\*, \*\], got \[16\]"),
+    "layout_topk_range": ("ValueError", r"topk_idx must be expert ids in \[-1, 8\) .*got values in \[8, 15\]"),
+    "layout_topk_below": ("ValueError", r"topk_idx must be expert ids in \[-1, 8\).*got values in \[-5, "),
+    "layout_num_experts": ("ValueError", r"num_experts must be >= 1, got 0"),
+    "layout_num_experts_type": ("TypeError", r"num_experts must be an int, got float 8.0"),
+    "dispatch_x_dims": ("ValueError", r"dispatch: x must be shaped \[\*, \*\], got \[8, 128, 1\]"),
+    "dispatch_x_type": ("TypeError", r"dispatch: x must be a tensor or a 2-tuple \(x_fp8, x_scales\), got a list of length 3"),
+    "dispatch_x_strides": ("ValueError", r"x must be row-major .*got strides \(1, 8\)"),
+    "dispatch_fp8_tuple_len": ("TypeError", r"x must be a tensor or a 2-tuple \(x_fp8, x_scales\), got a tuple of length 1"),
+    "dispatch_fp8_dtype": ("TypeError", r"x\[0\] must be of dtype float8_e4m3fn or .*got \[8, 128\] float32"),
+    "dispatch_scales_rows": ("ValueError", r"x\[1\] \(scales\) must be shaped \[8, \*\], got \[9, 1\]"),
+    "dispatch_scales_dtype": ("TypeError", r"x\[1\] \(scales\) must be of dtype float32 or int32, got .* float16"),
+    "dispatch_topk_without_weights": ("ValueError", r"topk_idx and topk_weights must be given together or both None"),
+    "dispatch_weights_shape": ("ValueError", r"topk_weights must be shaped \[8, 2\], got \[8, 3\]"),
+    "dispatch_weights_dtype": ("TypeError", r"topk_weights must be of dtype float32, got \[8, 2\] float64"),
+    "dispatch_topk_rows": ("ValueError", r"topk_idx must be shaped \[8, \*\], got \[7, 2\]"),
+    "dispatch_worst_without_topk": ("ValueError", r"topk_idx must be given when num_worst_tokens > 0"),
+    "dispatch_worst_negative": ("ValueError", r"num_worst_tokens must be >= 0, got -1"),
+    "dispatch_alignment_zero": ("ValueError", r"expert_alignment must be >= 1, got 0"),
+    "dispatch_partial_layout": ("ValueError", r"must be all given or all None, got .*NoneType None"),
+    "dispatch_no_layout_no_experts": ("ValueError", r"or topk_idx and num_experts given to compute them, got all None"),
+    "dispatch_num_experts_mismatch": ("ValueError", r"num_experts must be len\(num_tokens_per_expert\) = 8, got 16"),
+    "dispatch_rank_counts_mismatch": ("ValueError", r"num_tokens_per_rank must be the column sums of is_token_in_rank \[8\], got \[0\]"),
+    "dispatch_in_rank_shape": ("ValueError", r"is_token_in_rank must be shaped \[8, 1\], got \[8, 2\]"),
+    "dispatch_per_expert_dtype": ("TypeError", r"num_tokens_per_expert must be of dtype int32, got \[8\] int64"),
+    "dispatch_handle_with_topk": ("ValueError", r"topk_idx and topk_weights must be None in cached mode"),
+    "dispatch_handle_not_tuple": ("TypeError", r"handle must be the 6-tuple returned by a non-cached dispatch, got str"),
+    "dispatch_handle_tensor_dtype": ("TypeError", r"handle\[0\] \(rank_prefix_matrix\) must be of dtype int32, got \[1, 1\] int64"),
+    "dispatch_handle_rows": ("ValueError", r"x must be 8 rows \(the tokens of the handle's dispatch\), got \[9, 128\]"),
+    "dispatch_comm_stream_without_event": ("ValueError", r"allocate_on_comm_stream must be False unless previous_event is given"),
+    "dispatch_previous_event_type": ("TypeError", r"previous_event must be an EventOverlap or None, got str"),
+    "dispatch_async_type": ("TypeError", r"async_finish must be a bool, got int 1"),
+    "dispatch_config_type": ("TypeError", r"config must be a moe_comm.Config or None, got dict"),
+    "combine_x_dtype": ("TypeError", r"combine: x must be of dtype float32 or bfloat16 or float16, got \[3, 128\] int32"),
+    "combine_x_rows": ("ValueError", r"combine: x must be \[8 \(rows received by dispatch\), hidden\], got \[10000, 128\]"),
+    "combine_weights_dtype": ("TypeError", r"combine: topk_weights must be of dtype float32"),
+    "combine_bias_shape": ("ValueError", r"bias\[0\] must be shaped \[8, 128\], got \[8, 129\]"),
+    "combine_bias_dtype": ("TypeError", r"bias\[1\] must be of dtype bfloat16, got \[8, 128\] float32"),
+    "combine_bias_type": ("TypeError", r"bias must be None, a tensor or a 2-tuple of tensors, got list"),
+    "combine_handle_len": ("TypeError", r"handle must be the 6-tuple returned by a non-cached dispatch, got tuple of length 5"),
+    "combine_x_type": ("TypeError", r"combine: x must be a tensor, got str"),
+    "destroy_not_explicit": ("RuntimeError", r"Buffer.destroy: needs Buffer\(..., explicitly_destroy=True\)"),
+    "set_num_sms_odd": ("ValueError", r"Buffer.set_num_sms: new_num_sms must be even, got 3"),
+    "buffer_negative_bytes": ("ValueError", r"Buffer: num_nvl_bytes must be >= 0, got -1"),
+    "buffer_flag_type": ("TypeError", r"Buffer: low_latency_mode must be a bool, got str 'yes'"),
+    "buffer_group_type": ("TypeError", r"Buffer: group must be a torch.distributed ProcessGroup, got str 'world'"),
+    "buffer_timeout": ("ValueError", r"Buffer: timeout_s must be a positive number of seconds, got int 0"),
+    "buffer_transport": ("ValueError", r"Buffer: transport must be 'auto' or one of \['collective'\], got 'carrier-pigeon'"),
+    "buffer_comm": ("NotImplementedError", r"mpi4py communicator \(comm=...\) needs the MPI transport"),
+}
+
+
+def test_every_case_has_an_expectation():
+    assert set(CASES) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_bad_argument(worlds, name):
+    (kind, message), = set(worlds(1).run(run_case, name))
+    want_kind, pattern = EXPECTED[name]
+    assert kind == want_kind, message
+    assert __import__("re").search(pattern, message), message
+
+
+def test_use_after_destroy(worlds):
+    (kind, message), = set(worlds(1).run(after_destroy))
+    assert kind == "RuntimeError" and "dispatch: this Buffer was destroyed" in message
+
+
+def test_transport_from_environment(worlds):
+    assert worlds(1).run(env_transport, "collective") == [("ok", "collective")]
+    (kind, message), = set(worlds(1).run(env_transport, "shm-later"))
+    assert kind == "ValueError"
+    assert "got 'shm-later' (from MOE_COMM_TRANSPORT)" in message

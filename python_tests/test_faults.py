@@ -1,0 +1,48 @@
+"""Cross-rank mismatches raise the same error on every rank; missing or dead ranks never hang the others."""
+import re
+
+import pytest
+
+from fault_cases import die_before_dispatch, mismatch, skip_dispatch
+from moe_comm.launch import LocalWorld
+
+MISMATCH = {
+    "hidden": r"dispatch: ranks disagree on hidden: rank 0: 32, rank 1: 64, rank 2: 64",
+    "dtype": r"dispatch: ranks disagree on x_dtype: rank 0: float32, rank 1: bfloat16, rank 2: bfloat16",
+    "num_experts": r"dispatch: ranks disagree on num_experts: rank 0: 24, rank 1: 12, rank 2: 12",
+    "topk": r"dispatch: ranks disagree on num_topk: rank 0: 3, rank 1: 2, rank 2: 2",
+    "worst": r"dispatch: rank 0 receives \d+ rows but num_worst_tokens=1",
+    "op": r"ranks called different operations: rank 0: dispatch, rank 1: combine, rank 2: combine",
+    "handle": r"combine: row counts disagree: rank \d expects \d+ rows from rank \d, which sends \d+",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MISMATCH))
+def test_cross_rank_mismatch_same_error_everywhere(worlds, kind):
+    results = worlds(3).run(mismatch, kind)
+    kinds = {r[0] for r in results}
+    messages = {r[1] for r in results}
+    assert kinds == {"CrossRankMismatchError"}, results
+    assert len(messages) == 1, messages  # every rank says the same thing
+    assert re.search(MISMATCH[kind], messages.pop())
+    assert all(r[2] for r in results)  # and the buffer keeps working afterwards
+
+
+def test_rank_that_skips_dispatch_times_out_others():
+    with LocalWorld(3, timeout_s=60, threads_per_rank=1) as world:
+        results = world.run(skip_dispatch, 2.0)
+    assert results[2] == "skipped"
+    for rank in (0, 1):
+        elapsed, message, missing, op, who = results[rank]
+        assert missing == [2] and op == "dispatch" and who == rank
+        assert 2.0 <= elapsed < 10.0, elapsed
+        assert f"dispatch: rank {rank} timed out after 2 s; ranks not heard from: [2]" in message
+
+
+def test_dead_rank_is_reported_not_waited_on():
+    with LocalWorld(2, timeout_s=60, threads_per_rank=1) as world:
+        with pytest.raises(TimeoutError, match=r"ranks \[1\] exited") as info:
+            world.run(die_before_dispatch, 30.0)
+    elapsed, kind, message = info.value.results[0]
+    assert elapsed < 25.0, elapsed  # found out well before the 30 s deadline
+    assert "rank 1" in message and "has exited" in message, message
