@@ -43,6 +43,7 @@ def require(feature: str, needed_for: str) -> ModuleType:
     return module
 
 
+@functools.lru_cache(maxsize=None)
 def native() -> ModuleType:
     """The CPU kernels (``moe_comm._C``); raises RuntimeError if the extension is missing."""
     return require("cpu", "a CPU tensor operation")

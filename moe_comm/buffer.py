@@ -135,7 +135,9 @@ class Buffer:
         recv = max(e * m * dispatch_msg, e * m * combine_msg)
         signal = -(-4 * e // 128) * 128
         total = 2 * (send + recv + signal)
-        return -(-total // 128) * 128
+        # NOTES: DeepEP rounds as (n + 128) // 128 * 128, adding 128 when n is already aligned; kept
+        # so sizes match byte for byte.
+        return (total + 128) // 128 * 128
 
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:

@@ -1,4 +1,5 @@
-"""Every environment variable moe-comm reads, in one place. moe-comm never writes any.
+"""Every environment variable moe-comm reads, in one place. The library never writes any; only
+``moe_comm.launch.LocalWorld`` sets MOE_COMM_NUM_THREADS in the worker processes it starts.
 
 MOE_COMM_TRANSPORT   transport for ``Buffer(transport="auto")``: ``collective`` (default) or a
                      name listed by ``moe_comm.transport.available()``.
@@ -27,7 +28,7 @@ def _positive(name: str, value: str, cast: type) -> float:
         parsed = cast(value)
     except ValueError:
         parsed = None
-    if parsed is None or parsed <= 0:
+    if parsed is None or not 0 < parsed < float("inf"):
         raise ValueError(f"environment variable {name} must be a positive {cast.__name__}, got {value!r}")
     return parsed
 

@@ -50,12 +50,12 @@ void unpack_rows(const Segment* segments, int num_segments,
 // Normal-mode combine reduction, in a fixed order so results are bitwise reproducible:
 //   acc = 0; for r in 0..num_ranks-1: if send_pos[t, r] >= 0: acc += x(record send_pos[t, r])
 //   out[t] = dtype(acc + bias0[t] + bias1[t])        (each bias optional, fp32 adds)
-// x is `hidden` elements of `dtype` at byte 0 of each record. When out_weights is non-null it
-// receives the same sum (no bias) of the `num_topk` fp32 weights at byte `weights_offset`.
+// x is `hidden` elements of `dtype` at byte `x_offset` of each record. When out_weights is
+// non-null it receives the same sum (no bias) of the `num_topk` fp32 weights at `weights_offset`.
 void combine_reduce(void* out, float* out_weights,
                     const uint8_t* records, const int32_t* send_pos, const void* bias0, const void* bias1,
                     int64_t num_tokens, int64_t num_ranks, int64_t hidden, DType dtype,
-                    int64_t record_bytes, int64_t weights_offset, int64_t num_topk,
+                    int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
                     int num_threads);
 
 // Number of hardware threads, the default for num_threads.

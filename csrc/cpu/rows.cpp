@@ -67,7 +67,7 @@ template <DType kType>
 void combine_reduce_typed(void* out_raw, float* out_weights,
                           const uint8_t* records, const int32_t* send_pos, const void* bias0_raw, const void* bias1_raw,
                           int64_t num_tokens, int64_t num_ranks, int64_t hidden,
-                          int64_t record_bytes, int64_t weights_offset, int64_t num_topk,
+                          int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
                           int num_threads) {
     using E = Elem<kType>;
     using T = typename E::T;
@@ -84,7 +84,7 @@ void combine_reduce_typed(void* out_raw, float* out_weights,
                 const int32_t pos = send_pos[t * num_ranks + r];
                 if (pos < 0) continue;
                 const uint8_t* rec = records + pos * record_bytes;
-                const T* x = reinterpret_cast<const T*>(rec);
+                const T* x = reinterpret_cast<const T*>(rec + x_offset);
                 for (int64_t h = 0; h < hidden; ++h) acc[h] += E::load(x[h]);
                 if (out_weights != nullptr) {
                     const float* w = reinterpret_cast<const float*>(rec + weights_offset);
@@ -139,18 +139,18 @@ void unpack_rows(const Segment* segments, int num_segments,
 void combine_reduce(void* out, float* out_weights,
                     const uint8_t* records, const int32_t* send_pos, const void* bias0, const void* bias1,
                     int64_t num_tokens, int64_t num_ranks, int64_t hidden, DType dtype,
-                    int64_t record_bytes, int64_t weights_offset, int64_t num_topk,
+                    int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
                     int num_threads) {
     switch (dtype) {
         case DType::kFloat32:
             return combine_reduce_typed<DType::kFloat32>(out, out_weights, records, send_pos, bias0, bias1, num_tokens,
-                                                         num_ranks, hidden, record_bytes, weights_offset, num_topk, num_threads);
+                                                         num_ranks, hidden, record_bytes, x_offset, weights_offset, num_topk, num_threads);
         case DType::kBFloat16:
             return combine_reduce_typed<DType::kBFloat16>(out, out_weights, records, send_pos, bias0, bias1, num_tokens,
-                                                          num_ranks, hidden, record_bytes, weights_offset, num_topk, num_threads);
+                                                          num_ranks, hidden, record_bytes, x_offset, weights_offset, num_topk, num_threads);
         case DType::kFloat16:
             return combine_reduce_typed<DType::kFloat16>(out, out_weights, records, send_pos, bias0, bias1, num_tokens,
-                                                         num_ranks, hidden, record_bytes, weights_offset, num_topk, num_threads);
+                                                         num_ranks, hidden, record_bytes, x_offset, weights_offset, num_topk, num_threads);
     }
     MC_CHECK(false, "combine_reduce: unknown dtype code " << static_cast<int>(dtype));
 }

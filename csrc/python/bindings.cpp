@@ -88,16 +88,18 @@ PYBIND11_MODULE(_C, m) {
         "combine_reduce",
         [](std::uintptr_t out, std::uintptr_t out_weights, std::uintptr_t records, std::uintptr_t send_pos,
            std::uintptr_t bias0, std::uintptr_t bias1, int64_t num_tokens, int64_t num_ranks, int64_t hidden,
-           int dtype, int64_t record_bytes, int64_t weights_offset, int64_t num_topk, int num_threads) {
+           int dtype, int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
+           int num_threads) {
             py::gil_scoped_release release;
             cpu::combine_reduce(ptr<void>(out), ptr<float>(out_weights), ptr<const uint8_t>(records),
                                 ptr<const int32_t>(send_pos), ptr<const void>(bias0), ptr<const void>(bias1),
                                 num_tokens, num_ranks, hidden, static_cast<cpu::DType>(dtype), record_bytes,
-                                weights_offset, num_topk, num_threads);
+                                x_offset, weights_offset, num_topk, num_threads);
         },
         py::arg("out"), py::arg("out_weights"), py::arg("records"), py::arg("send_pos"), py::arg("bias0"),
         py::arg("bias1"), py::arg("num_tokens"), py::arg("num_ranks"), py::arg("hidden"), py::arg("dtype"),
-        py::arg("record_bytes"), py::arg("weights_offset"), py::arg("num_topk"), py::arg("num_threads"));
+        py::arg("record_bytes"), py::arg("x_offset"), py::arg("weights_offset"), py::arg("num_topk"),
+        py::arg("num_threads"));
 
     m.def("hardware_threads", &cpu::hardware_threads);
 }

@@ -44,7 +44,8 @@ def combine_reduce(layout: RecordLayout, records: torch.Tensor, send_pos: torch.
     native().combine_reduce(out.data_ptr(), 0 if out_weights is None else out_weights.data_ptr(), records.data_ptr(),
                             send_pos.data_ptr(), 0 if bias0 is None else bias0.data_ptr(),
                             0 if bias1 is None else bias1.data_ptr(), num_tokens, num_ranks, x_field.num_cols,
-                            REDUCE_DTYPES[x_field.dtype], layout.record_bytes, w_offset, num_topk, cpu_threads())
+                            REDUCE_DTYPES[x_field.dtype], layout.record_bytes, x_field.offset, w_offset, num_topk,
+                            cpu_threads())
 
 
 def combine_reduce_reference(layout: RecordLayout, records: torch.Tensor, send_pos: torch.Tensor,

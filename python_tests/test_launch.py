@@ -1,0 +1,78 @@
+"""Process groups from launchers' environments: torchrun, MPICH and Open MPI variables, and real launches."""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_comm.launch import init_from_env, launcher_rank, spawn
+
+SCRIPT = Path(__file__).with_name("launch_script.py")
+BIN = Path(sys.executable).parent
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("rank_var,size_var,launcher", [
+    ("RANK", "WORLD_SIZE", "torchrun"),
+    ("PMI_RANK", "PMI_SIZE", "mpirun (MPICH/Hydra)"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "mpirun (Open MPI)"),
+])
+def test_launcher_environment_is_recognised(clean_env, rank_var, size_var, launcher):
+    clean_env.setenv(rank_var, "3")
+    clean_env.setenv(size_var, "5")
+    assert launcher_rank() == (3, 5, launcher)
+
+
+def test_no_launcher_environment_is_a_clear_error(clean_env):
+    assert launcher_rank() is None
+    with pytest.raises(RuntimeError, match=r"no launcher environment found \(looked for RANK/WORLD_SIZE, "
+                                           r"PMI_RANK/PMI_SIZE, OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE\)"):
+        init_from_env()
+
+
+def _rank_of(group, offset):
+    import torch.distributed as dist
+    return dist.get_rank(group) + offset, dist.get_world_size(group)
+
+
+def test_spawn_runs_on_every_rank():
+    assert spawn(_rank_of, 3, 10, timeout_s=120) == [(10, 3), (11, 3), (12, 3)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd, extra_env):
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), **extra_env}
+    for name in LAUNCH_VARS:
+        env.pop(name, None)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_torchrun_launch():
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(_free_port()), str(SCRIPT)], {"OMP_NUM_THREADS": "1"})
+    assert sorted(line for line in out.splitlines() if line.endswith("ok")) == ["rank 0/2 ok", "rank 1/2 ok"]
+
+
+def test_mpirun_launch():
+    mpirun = shutil.which("mpirun", path=str(BIN)) or shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun not found (pip install 'moe-comm[mpi]' provides MPICH's)")
+    out = _run([mpirun, "-n", "2", sys.executable, str(SCRIPT)], {"OMP_NUM_THREADS": "1"})
+    assert sorted(line for line in out.splitlines() if line.endswith("ok")) == ["rank 0/2 ok", "rank 1/2 ok"]
