@@ -67,6 +67,8 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s:
             tasks: Any, results: Any) -> None:
     os.environ.setdefault("MOE_COMM_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
+    if backend == "nccl":  # one GPU per rank, as torchrun users do with LOCAL_RANK
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     group = dist.group.WORLD
