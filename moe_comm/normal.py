@@ -19,6 +19,7 @@ from .handle import NormalHandle
 from .handshake import dtype_code, handshake
 from .ops import DispatchLayout, RecordLayout, combine_reduce, pack_rows, unpack_rows
 from .transport import Transport
+from .workspace import Workspace
 
 __all__ = ["NormalMode", "DispatchResult", "SendPlan", "plan_sends"]
 
@@ -82,6 +83,29 @@ class NormalMode:
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
+        self.workspace = Workspace()
+
+    def _exchange(self, op: str, records_layout: RecordLayout, fields: list[torch.Tensor], src_rows: torch.Tensor,
+                  send_counts: list[int], recv_counts: list[int], device: torch.device,
+                  packed: Optional[torch.Tensor] = None) -> Callable[[Callable[[torch.Tensor], None]], None]:
+        """Packs (unless ``packed`` records are given) and starts the payload all-to-all in workspace
+        buffers. Returns ``complete(consume)``: waits for the exchange, calls ``consume(received
+        records)``, then returns the buffers to the workspace."""
+        send_store = None
+        if packed is None:
+            send_store, packed = self.workspace.take("send", sum(send_counts), records_layout.record_bytes, device)
+            pack_rows(records_layout, fields, src_rows, out=packed)
+        recv_store, received = self.workspace.take("recv", sum(recv_counts), records_layout.record_bytes, device)
+        pending = self.transport.all_to_all(received, packed, recv_counts, send_counts, op=op)
+
+        def complete(consume: Callable[[torch.Tensor], None]) -> None:
+            pending.wait()
+            consume(received)
+            if send_store is not None:
+                self.workspace.give_back("send", send_store)
+            self.workspace.give_back("recv", recv_store)
+
+        return complete
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
@@ -131,9 +155,8 @@ class NormalMode:
         specs.append(("src_idx", torch.int32, 1))
         fields_in.append(src_index)
         records_layout = RecordLayout.build(specs)
-        records = pack_rows(records_layout, fields_in, plan.send_rows)
-        recv_records = torch.empty(num_recv, records_layout.record_bytes, dtype=torch.uint8, device=device)
-        pending = self.transport.all_to_all(recv_records, records, recv_counts, plan.send_counts, op="dispatch")
+        complete = self._exchange("dispatch", records_layout, fields_in, plan.send_rows, plan.send_counts,
+                                  recv_counts, device)
 
         rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
         recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=device)
@@ -147,8 +170,7 @@ class NormalMode:
         outputs.append(recv_src_idx.unsqueeze(1))
 
         def finish() -> None:
-            pending.wait()
-            unpack_rows(records_layout, recv_records, outputs)
+            complete(lambda received: unpack_rows(records_layout, received, outputs))
             if recv_topk_idx is not None:
                 idx, weights = recv_topk_idx[:num_recv], recv_topk_weights[:num_recv]
                 idx.sub_(me * experts_per_rank)
@@ -187,17 +209,15 @@ class NormalMode:
         num_recv = sum(expected)
         specs = [("x", x.dtype, x.shape[1])] + ([] if scales is None else [("scales", scales.dtype, scales.shape[1])])
         records_layout = RecordLayout.build(specs)
-        records = pack_rows(records_layout, [x] if scales is None else [x, scales], plan.send_rows)
-        recv_records = torch.empty(num_recv, records_layout.record_bytes, dtype=torch.uint8, device=device)
-        pending = self.transport.all_to_all(recv_records, records, expected, plan.send_counts, op="dispatch")
+        complete = self._exchange("dispatch", records_layout, [x] if scales is None else [x, scales],
+                                  plan.send_rows, plan.send_counts, expected, device)
         rows = handle.recv_src_idx.shape[0]
         recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=device)
         recv_scales = None if scales is None else torch.empty(rows, scales.shape[1], dtype=scales.dtype, device=device)
         outputs = [recv_x] if recv_scales is None else [recv_x, recv_scales]
 
         def finish() -> None:
-            pending.wait()
-            unpack_rows(records_layout, recv_records, outputs)
+            complete(lambda received: unpack_rows(records_layout, received, outputs))
             _fill_padding([recv_x, recv_scales], [0, 0], num_recv)
 
         return DispatchResult(recv_x, recv_scales, None, None, None, None, finish)
@@ -222,13 +242,12 @@ class NormalMode:
         if topk_weights is not None:
             specs.append(("weights", torch.float32, topk_weights.shape[1]))
         records_layout = RecordLayout.build(specs)
+        fields = [x] if topk_weights is None else [x, topk_weights]
+        packed = None
         if topk_weights is None and records_layout.record_bytes == x.shape[1] * x.element_size() and x.is_contiguous():
-            records = x[:num_return].view(torch.uint8).view(num_return, records_layout.record_bytes)  # one record a row
-        else:
-            rows = torch.arange(num_return, dtype=torch.int64, device=device)
-            records = pack_rows(records_layout, [x] if topk_weights is None else [x, topk_weights], rows)
-        recv_records = torch.empty(sum(expected), records_layout.record_bytes, dtype=torch.uint8, device=device)
-        pending = self.transport.all_to_all(recv_records, records, expected, return_counts, op="combine")
+            packed = x[:num_return].view(torch.uint8).view(num_return, records_layout.record_bytes)  # a row is a record
+        rows = torch.arange(num_return, dtype=torch.int64, device=device)
+        complete = self._exchange("combine", records_layout, fields, rows, return_counts, expected, device, packed)
 
         num_tokens = handle.is_token_in_rank.shape[0]
         out = torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=device)
@@ -237,7 +256,7 @@ class NormalMode:
             out_weights = torch.empty(num_tokens, topk_weights.shape[1], dtype=torch.float32, device=device)
 
         def finish() -> None:
-            pending.wait()
-            combine_reduce(records_layout, recv_records, handle.send_head, bias0, bias1, out, out_weights)
+            complete(lambda received: combine_reduce(records_layout, received, handle.send_head, bias0, bias1,
+                                                     out, out_weights))
 
         return out, out_weights, finish

@@ -1,4 +1,6 @@
 """A tiny EP round trip started by a launcher (torchrun or mpirun); prints one line per rank."""
+import sys
+
 import torch
 
 import moe_comm
@@ -11,4 +13,5 @@ idx = torch.stack([torch.randperm(4 * buf.group_size, generator=g)[:2] for _ in 
 recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=torch.rand(16, 2), num_experts=4 * buf.group_size)
 y, _, _ = buf.combine(recv_x, handle)
 assert torch.allclose(y.float(), x.float() * handle[4].sum(1, keepdim=True), rtol=1e-2)
-print(f"rank {buf.rank}/{buf.group_size} ok", flush=True)
+sys.stdout.write(f"rank {buf.rank}/{buf.group_size} ok\n")  # one write: lines of ranks may interleave
+sys.stdout.flush()

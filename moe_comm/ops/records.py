@@ -6,7 +6,7 @@ source index); each field starts at an 8-byte-aligned offset so it can be viewed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -77,22 +77,28 @@ def _check(layout: RecordLayout, tensors: Sequence[torch.Tensor], op: str) -> No
                              f"elements, got {list(t.shape)} {t.dtype}")
 
 
-def pack_rows(layout: RecordLayout, fields: Sequence[torch.Tensor], src_rows: torch.Tensor) -> torch.Tensor:
+def pack_rows(layout: RecordLayout, fields: Sequence[torch.Tensor], src_rows: torch.Tensor,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Gathers rows into records. Local; no host sync on non-CPU devices.
 
     Args:
         fields: one 2-D tensor per layout field, any strides, rows indexed by ``src_rows``.
         src_rows: `[num_records]` int64, the source row of each record (any order, repeats allowed).
+        out: optional `[num_records, record_bytes]` uint8 with contiguous rows to write into.
     Returns:
-        `[num_records, record_bytes]` uint8; bytes between fields are unspecified.
+        `[num_records, record_bytes]` uint8 (``out`` when given); bytes between fields are unspecified.
     Reference: ``pack_rows_reference`` (tests compare the field bytes exactly).
     """
     _check(layout, fields, "pack_rows")
-    device = src_rows.device
-    if device.type != "cpu":
-        return pack_rows_reference(layout, fields, src_rows)
     num_rows = src_rows.shape[0]
-    records = torch.empty(num_rows, layout.record_bytes, dtype=torch.uint8)
+    if out is not None and (tuple(out.shape) != (num_rows, layout.record_bytes) or out.dtype != torch.uint8
+                            or out.stride() != (layout.record_bytes, 1)):
+        raise ValueError(f"pack_rows: out must be a contiguous [{num_rows}, {layout.record_bytes}] uint8 tensor, "
+                         f"got {list(out.shape)} {out.dtype} strides {out.stride()}")
+    if src_rows.device.type != "cpu":
+        records = pack_rows_reference(layout, fields, src_rows)
+        return records if out is None else out.copy_(records)
+    records = torch.empty(num_rows, layout.record_bytes, dtype=torch.uint8) if out is None else out
     src_rows = src_rows.contiguous()
     native().pack_rows(records.data_ptr(), _segments(layout, fields), src_rows.data_ptr(), num_rows,
                        layout.record_bytes, cpu_threads())
