@@ -8,10 +8,10 @@ functions on every rank, with a deadline.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import queue
-import tempfile
 import time
 import traceback
 from typing import Any, Callable, Optional
@@ -35,7 +35,8 @@ def launcher_rank() -> Optional[tuple[int, int, str]]:
 
 
 def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> dist.ProcessGroup:
-    """Initialises the default process group from the launcher's environment; returns the WORLD group.
+    """Initialises the default process group from the launcher's environment (if not yet done);
+    returns the WORLD group. A group created here is destroyed at interpreter exit.
 
     Raises RuntimeError, naming the variables looked for, when no launcher set them.
     """
@@ -50,7 +51,26 @@ def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> dist.Proce
         port = os.environ.get("MASTER_PORT", "29500")
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        # NOTES: a gloo group still alive at interpreter exit can abort the process ("terminate
+        # called without an active exception"); the group created here is torn down first.
+        atexit.register(_leave_group)
     return dist.group.WORLD
+
+
+_EXIT_BARRIER_S = 30.0
+
+
+def _leave_group() -> None:
+    """Destroys the default group once every rank is done with it: rank 0 hosts the rendezvous
+    store, and leaving before the others would break their teardown. A rank that is not heard from
+    within the deadline is not waited for."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=_EXIT_BARRIER_S))
+    except RuntimeError:
+        return  # a peer is gone or late: exit without the collective teardown
+    dist.destroy_process_group()
 
 
 # After one rank fails, how long to wait for the others to report (they typically fail at their
@@ -63,14 +83,15 @@ class RankFailure(RuntimeError):
     and ``results`` maps the ranks that finished to their values."""
 
 
-def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float, threads: int,
+def _worker(rank: int, world_size: int, store_port: int, backend: str, timeout_s: float, threads: int,
             tasks: Any, results: Any) -> None:
     os.environ.setdefault("MOE_COMM_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
     if backend == "nccl":  # one GPU per rank, as torchrun users do with LOCAL_RANK
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     group = dist.group.WORLD
     while True:
         task = tasks.get()
@@ -99,11 +120,13 @@ class LocalWorld:
         self.world_size, self.timeout_s = world_size, timeout_s
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         ctx = mp.get_context("spawn")
-        self._dir = tempfile.TemporaryDirectory(prefix="moe_comm_world_")
-        init_file = os.path.join(self._dir.name, "rendezvous")
+        # The parent hosts the rendezvous store on a port the OS picks, so concurrent worlds never
+        # race for a port (a file store would also grow with every exchange's arrival record).
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        self._procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, backend, timeout_s, threads,
+        self._procs = [ctx.Process(target=_worker, args=(r, world_size, self._store.port, backend, timeout_s, threads,
                                                          self._tasks[r], self._results), daemon=True)
                        for r in range(world_size)]
         for p in self._procs:
@@ -172,7 +195,7 @@ class LocalWorld:
             if p.is_alive():
                 p.kill()
                 p.join()
-        self._dir.cleanup()
+        del self._store
 
     def __enter__(self) -> "LocalWorld":
         return self
