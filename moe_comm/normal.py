@@ -242,12 +242,12 @@ class NormalMode:
         if topk_weights is not None:
             specs.append(("weights", torch.float32, topk_weights.shape[1]))
         records_layout = RecordLayout.build(specs)
-        fields = [x] if topk_weights is None else [x, topk_weights]
+        payload = [x] if topk_weights is None else [x, topk_weights]
         packed = None
         if topk_weights is None and records_layout.record_bytes == x.shape[1] * x.element_size() and x.is_contiguous():
             packed = x[:num_return].view(torch.uint8).view(num_return, records_layout.record_bytes)  # a row is a record
         rows = torch.arange(num_return, dtype=torch.int64, device=device)
-        complete = self._exchange("combine", records_layout, fields, rows, return_counts, expected, device, packed)
+        complete = self._exchange("combine", records_layout, payload, rows, return_counts, expected, device, packed)
 
         num_tokens = handle.is_token_in_rank.shape[0]
         out = torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=device)

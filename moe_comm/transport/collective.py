@@ -11,6 +11,7 @@ exited (ranks swap host and pid when the transport is built).
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 import socket
@@ -35,6 +36,9 @@ def _as_wire(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor as the backend will send it: dtypes it lacks as bytes (splits count rows, so a
     wider last dimension changes nothing)."""
     return tensor.view(torch.uint8) if tensor.dtype in _BYTE_VIEW_DTYPES else tensor
+
+
+_KEEP_RECENT = 6  # exchanges whose tensors stay referenced: two operations' worth
 
 
 class _ArrivalBook:
@@ -96,6 +100,12 @@ class CollectiveTransport(Transport):
         scope = f"moe_comm/{getattr(group, 'group_name', 'default')}"
         instance = store.add(f"{scope}/instances/{self.rank}", 1) if store is not None else 0
         self._book = _ArrivalBook(store, f"{scope}/arrivals/{instance}", self.rank, self.num_ranks)
+        # NOTES: gloo's worker thread drops its reference to a finished exchange shortly *after* the
+        # waiter wakes up. If Python no longer holds the tensors by then, that thread must take the
+        # GIL to free them, which aborts the process when it happens during interpreter exit. The
+        # tensors of the last few exchanges stay referenced here, so the worker never frees the last
+        # Python reference (it has moved on to later exchanges long before these are dropped).
+        self._recent: collections.deque = collections.deque(maxlen=_KEEP_RECENT)
         self._host = zlib.crc32(socket.gethostname().encode())
         # NOTES: a failure inside _meet reports liveness from _peers, so give it a placeholder first.
         self._peers = [(self._host, os.getpid())] * self.num_ranks
@@ -123,6 +133,7 @@ class CollectiveTransport(Transport):
             if input.numel():
                 output.copy_(input)
             return _CollectivePending(self, None, op)
+        self._recent.append((output, input))
         try:
             work = dist.all_to_all_single(_as_wire(output), _as_wire(input), list(output_splits),
                                           list(input_splits), group=self.group, async_op=True)
@@ -153,6 +164,7 @@ class CollectiveTransport(Transport):
 
     def close(self) -> None:
         self._book = _ArrivalBook(None, "", self.rank, self.num_ranks)
+        self._recent.clear()
 
 
 def _process_alive(pid: int) -> bool:
