@@ -21,8 +21,7 @@ def describe(t: Any) -> str:
 
 
 def check_tensor(op: str, name: str, t: Any, *, shape: Sequence[Optional[int]],
-                 dtype: Optional[DTypes] = None, device: Optional[torch.device] = None,
-                 contiguous: bool = False) -> torch.Tensor:
+                 dtype: Optional[DTypes] = None, device: Optional[torch.device] = None) -> torch.Tensor:
     """Checks that ``t`` is a tensor of ``shape`` (None = any size), ``dtype`` (one or several) on
     ``device``; returns it."""
     dims = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
@@ -37,8 +36,6 @@ def check_tensor(op: str, name: str, t: Any, *, shape: Sequence[Optional[int]],
             bad_argument(op, name, f"of dtype {names}", describe(t), kind=TypeError)
     if device is not None and t.device != device:
         bad_argument(op, name, f"on {device} (the device of x)", describe(t))
-    if contiguous and not t.is_contiguous():
-        bad_argument(op, name, "contiguous", f"strides {t.stride()} for {describe(t)}")
     return t
 
 

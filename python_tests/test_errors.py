@@ -46,12 +46,20 @@ EXPECTED = {
     "combine_bias_type": ("TypeError", r"bias must be None, a tensor or a 2-tuple of tensors, got list"),
     "combine_handle_len": ("TypeError", r"handle must be the 6-tuple returned by a non-cached dispatch, got tuple of length 5"),
     "combine_x_type": ("TypeError", r"combine: x must be a tensor, got str"),
+    "dispatch_device_mismatch": ("ValueError", r"dispatch: topk_idx must be on meta \(the device of x\), got \[8, 2\] int64 on cpu"),
+    "dispatch_handle_src_idx_short": ("ValueError", r"handle\[3\] \(recv_src_idx\) must be at least rank_prefix_matrix\[-1, 0\] = 8 rows, got \[0\]"),
+    "dispatch_handle_send_head_shape": ("ValueError", r"handle\[5\] \(send_head\) must be shaped \[8, 1\], got \[1, 1\]"),
+    "layout_async_type": ("TypeError", r"get_dispatch_layout: async_finish must be a bool, got str 'yes'"),
+    "combine_weights_rows": ("ValueError", r"combine: topk_weights must be shaped \[8, \*\], got \[11, 2\]"),
     "destroy_not_explicit": ("RuntimeError", r"Buffer.destroy: needs Buffer\(..., explicitly_destroy=True\)"),
     "set_num_sms_odd": ("ValueError", r"Buffer.set_num_sms: new_num_sms must be even, got 3"),
     "buffer_negative_bytes": ("ValueError", r"Buffer: num_nvl_bytes must be >= 0, got -1"),
     "buffer_flag_type": ("TypeError", r"Buffer: low_latency_mode must be a bool, got str 'yes'"),
     "buffer_group_type": ("TypeError", r"Buffer: group must be a torch.distributed ProcessGroup, got str 'world'"),
     "buffer_timeout": ("ValueError", r"Buffer: timeout_s must be a positive number of seconds, got int 0"),
+    "buffer_timeout_type": ("ValueError", r"Buffer: timeout_s must be a positive number of seconds, got str '5'"),
+    "buffer_qps_negative": ("ValueError", r"Buffer: num_qps_per_rank must be >= 0, got -2"),
+    "buffer_transport_type": ("TypeError", r"Buffer: transport must be a str, got NoneType None"),
     "buffer_transport": ("ValueError", r"Buffer: transport must be 'auto' or one of \['collective'\], got 'carrier-pigeon'"),
     "buffer_comm": ("NotImplementedError", r"mpi4py communicator \(comm=...\) needs the MPI transport"),
 }
@@ -79,3 +87,14 @@ def test_transport_from_environment(worlds):
     (kind, message), = set(worlds(1).run(env_transport, "shm-later"))
     assert kind == "ValueError"
     assert "got 'shm-later' (from MOE_COMM_TRANSPORT)" in message
+
+
+def test_buffer_without_group_before_init_process_group():
+    import torch.distributed as dist
+
+    import moe_comm
+
+    assert not dist.is_initialized()  # the test process itself never joins a group
+    with pytest.raises(ValueError, match=r"Buffer: group must be a torch.distributed ProcessGroup \(or None after "
+                                         r"init_process_group\), got None, and torch.distributed is not initialized"):
+        moe_comm.Buffer()
