@@ -53,21 +53,32 @@ def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> dist.Proce
                                 timeout=datetime.timedelta(seconds=timeout_s))
         # NOTES: a gloo group still alive at interpreter exit can abort the process ("terminate
         # called without an active exception"); the group created here is torn down first.
-        atexit.register(_leave_group)
+        atexit.register(_leave_group, torch.zeros(1, device="cuda" if backend == "nccl" else "cpu"))
     return dist.group.WORLD
 
 
 _EXIT_BARRIER_S = 30.0
+# Exit-barrier tensors and works. NOTES: module state on purpose: they must outlive the atexit
+# registry and the interpreter's first shutdown collection (see _leave_group).
+_EXIT_KEEP: list[Any] = []
 
 
-def _leave_group() -> None:
+def _leave_group(token: torch.Tensor) -> None:
     """Destroys the default group once every rank is done with it: rank 0 hosts the rendezvous
     store, and leaving before the others would break their teardown. A rank that is not heard from
-    within the deadline is not waited for."""
+    within the deadline is not waited for.
+
+    The exit barrier is an all-reduce of ``token`` whose work ``_EXIT_KEEP`` keeps referenced until
+    the modules are torn down: gloo's worker thread releases a finished work shortly after the
+    waiter wakes up, and if that were the last reference it would free the work's tensors, which
+    takes the GIL and aborts the process during interpreter shutdown.
+    """
     if not dist.is_initialized():
         return
     try:
-        dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=_EXIT_BARRIER_S))
+        work = dist.all_reduce(token, async_op=True)
+        _EXIT_KEEP.append(work)
+        work.wait(timeout=datetime.timedelta(seconds=_EXIT_BARRIER_S))
     except RuntimeError:
         return  # a peer is gone or late: exit without the collective teardown
     dist.destroy_process_group()

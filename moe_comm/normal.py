@@ -129,21 +129,16 @@ class NormalMode:
         self._check_worst(shake)
         rank_prefix = shake.sent.cumsum(0).to(torch.int32).to(device)
 
-        # Expert counts and channel prefixes per destination: the width is now known to agree.
+        # Expert counts and channel prefixes per destination (the width is now known to agree),
+        # posted before the payload so both exchanges are in flight together: one round trip.
         chan_prefix = channel_prefix(layout.is_token_in_rank, num_channels)
         meta = torch.cat([layout.num_tokens_per_expert.view(R, experts_per_rank).to(torch.int64),
                           chan_prefix.to(torch.int64)], dim=1).contiguous()
         got = torch.empty_like(meta)
-        self.transport.all_to_all(got, meta, [1] * R, [1] * R, op="dispatch").wait()
-        got = got.cpu()
-        per_expert = got[:, :experts_per_rank].sum(0)
-        per_expert = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
-        recv_chan = (got[:, experts_per_rank:] - got[:, experts_per_rank:].diff(dim=1, prepend=torch.zeros(R, 1, dtype=torch.int64)))
-        recv_chan = recv_chan.to(torch.int32).to(device)
+        counts_pending = self.transport.all_to_all(got, meta, [1] * R, [1] * R, op="dispatch")
 
         # Payload: one record per (token, destination rank).
-        num_tokens = x.shape[0]
-        src_index = torch.arange(num_tokens, dtype=torch.int32, device=device).unsqueeze(1)
+        src_index = torch.arange(x.shape[0], dtype=torch.int32, device=device).unsqueeze(1)
         specs = [("x", x.dtype, x.shape[1])]
         fields_in: list[torch.Tensor] = [x]
         if scales is not None:
@@ -157,6 +152,13 @@ class NormalMode:
         records_layout = RecordLayout.build(specs)
         complete = self._exchange("dispatch", records_layout, fields_in, plan.send_rows, plan.send_counts,
                                   recv_counts, device)
+
+        counts_pending.wait()
+        got = got.cpu()
+        per_expert = got[:, :experts_per_rank].sum(0)
+        per_expert = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
+        chan = got[:, experts_per_rank:]
+        recv_chan = (chan - chan.diff(dim=1, prepend=torch.zeros(R, 1, dtype=torch.int64))).to(torch.int32).to(device)
 
         rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
         recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=device)

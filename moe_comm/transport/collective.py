@@ -101,10 +101,10 @@ class CollectiveTransport(Transport):
         instance = store.add(f"{scope}/instances/{self.rank}", 1) if store is not None else 0
         self._book = _ArrivalBook(store, f"{scope}/arrivals/{instance}", self.rank, self.num_ranks)
         # NOTES: gloo's worker thread drops its reference to a finished exchange shortly *after* the
-        # waiter wakes up. If Python no longer holds the tensors by then, that thread must take the
-        # GIL to free them, which aborts the process when it happens during interpreter exit. The
-        # tensors of the last few exchanges stay referenced here, so the worker never frees the last
-        # Python reference (it has moved on to later exchanges long before these are dropped).
+        # waiter wakes up. If that is the last reference, the worker frees the work and its tensors,
+        # which takes the GIL, and that aborts the process during interpreter exit. The works (and
+        # tensors) of the last few exchanges stay referenced here, so the last reference is always
+        # dropped by Python on the main thread, long after the worker has moved on.
         self._recent: collections.deque = collections.deque(maxlen=_KEEP_RECENT)
         self._host = zlib.crc32(socket.gethostname().encode())
         # NOTES: a failure inside _meet reports liveness from _peers, so give it a placeholder first.
@@ -133,12 +133,12 @@ class CollectiveTransport(Transport):
             if input.numel():
                 output.copy_(input)
             return _CollectivePending(self, None, op)
-        self._recent.append((output, input))
         try:
             work = dist.all_to_all_single(_as_wire(output), _as_wire(input), list(output_splits),
                                           list(input_splits), group=self.group, async_op=True)
         except RuntimeError as exc:
             self.raise_failure(op, exc)
+        self._recent.append((work, output, input))
         return _CollectivePending(self, work, op)
 
     def raise_failure(self, op: str, exc: RuntimeError) -> None:
