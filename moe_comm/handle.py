@@ -41,6 +41,11 @@ class NormalHandle:
         return (self.rank_prefix_matrix, self.channel_prefix_matrix, self.recv_channel_prefix_matrix,
                 self.recv_src_idx, self.is_token_in_rank, self.send_head)
 
+    def recv_counts(self, rank: int) -> list[int]:
+        """Rows ``rank`` received from each source rank: the column's steps of the prefix matrix."""
+        column = self.rank_prefix_matrix[:, rank].cpu().to(torch.int64)
+        return column.diff(prepend=column.new_zeros(1)).tolist()
+
     def num_recv_rows(self, rank: int) -> int:
         """Real rows ``rank`` received (without num_worst_tokens padding)."""
         return int(self.rank_prefix_matrix[-1, rank].item())

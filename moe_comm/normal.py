@@ -199,10 +199,9 @@ class NormalMode:
     def cached_dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor],
                         handle: NormalHandle) -> DispatchResult:
         """Dispatch that reuses the routing of ``handle`` (see ``Buffer.dispatch``)."""
-        R, me, device = self.num_ranks, self.rank, x.device
+        me, device = self.rank, x.device
         plan = plan_sends(handle.is_token_in_rank)
-        prefix = handle.rank_prefix_matrix.cpu().to(torch.int64)
-        expected = prefix.diff(dim=0, prepend=torch.zeros(1, R, dtype=torch.int64))[:, me].tolist()
+        expected = handle.recv_counts(me)
         fields = dict(op=_CACHED, hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
                       num_scales=-1 if scales is None else scales.shape[1],
                       scales_dtype=dtype_code(None if scales is None else scales.dtype))
@@ -229,9 +228,8 @@ class NormalMode:
                 bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor]
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Callable[[], None]]:
         """Combine of checked arguments (see ``Buffer.combine``): returns (out, out_weights, finish)."""
-        R, me, device = self.num_ranks, self.rank, x.device
-        prefix = handle.rank_prefix_matrix.cpu().to(torch.int64)
-        return_counts = prefix.diff(dim=0, prepend=torch.zeros(1, R, dtype=torch.int64))[:, me].tolist()
+        me, device = self.rank, x.device
+        return_counts = handle.recv_counts(me)  # each received row goes back to its source
         num_return = sum(return_counts)
         expected = handle.is_token_in_rank.sum(0).tolist()
         fields = dict(op=_COMBINE, hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
