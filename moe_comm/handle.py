@@ -1,4 +1,4 @@
-"""The normal-mode dispatch handle: DeepEP's 6-tuple, named inside the library."""
+"""Dispatch handles: DeepEP's normal-mode 6-tuple and low-latency 5-tuple, named inside the library."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +9,7 @@ import torch
 from .checks import check_tensor
 from .errors import bad_argument
 
-__all__ = ["NormalHandle"]
+__all__ = ["NormalHandle", "LowLatencyHandle"]
 
 
 @dataclass(frozen=True)
@@ -72,3 +72,59 @@ class NormalHandle:
             bad_argument(op, "handle[3] (recv_src_idx)", f"at least rank_prefix_matrix[-1, {rank}] = "
                          f"{handle.num_recv_rows(rank)} rows", list(src_idx.shape))
         return handle
+
+
+@dataclass(frozen=True)
+class LowLatencyHandle:
+    """Routing of one low-latency dispatch, as seen by the receiving rank (R ranks, E experts,
+    E_loc = E / R local experts, M = num_max_dispatch_tokens_per_rank). DeepEP's tuple order is
+    kept by ``as_tuple``."""
+
+    # src_info[e, row] = index of the row's token in its source rank's x; -1 past recv_count[e]
+    #                                                                               [E_loc, R * M] int32
+    src_info: torch.Tensor
+    # layout_range[e, s] = begin << 32 | count: rows [begin, begin + count) of expert e came
+    # from rank s (blocks by source rank ascending, tokens ascending inside a block) [E_loc, R] int64
+    layout_range: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+
+    def as_tuple(self) -> tuple:
+        return (self.src_info, self.layout_range, self.num_max_dispatch_tokens_per_rank, self.hidden,
+                self.num_experts)
+
+    def counts(self) -> torch.Tensor:
+        """``[E_loc, R]`` int64 rows per (local expert, source rank)."""
+        return self.layout_range & 0xFFFFFFFF
+
+    def begins(self) -> torch.Tensor:
+        """``[E_loc, R]`` int64 first row per (local expert, source rank)."""
+        return self.layout_range >> 32
+
+    @staticmethod
+    def from_tuple(op: str, handle: Any, num_ranks: int, device: torch.device) -> "LowLatencyHandle":
+        """Checks a DeepEP-style low-latency handle tuple for this group and wraps it."""
+        if not isinstance(handle, (tuple, list)) or len(handle) != 5:
+            bad_argument(op, "handle", "the 5-tuple (src_info, layout_range, num_max_dispatch_tokens_per_rank, "
+                         "hidden, num_experts) returned by low_latency_dispatch",
+                         f"{type(handle).__name__} of length {len(handle) if hasattr(handle, '__len__') else '?'}",
+                         kind=TypeError)
+        src_info, layout_range, m, hidden, num_experts = handle
+        for name, value in (("handle[2] (num_max_dispatch_tokens_per_rank)", m), ("handle[3] (hidden)", hidden),
+                            ("handle[4] (num_experts)", num_experts)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                bad_argument(op, name, "a positive int", repr(value), kind=TypeError)
+        if num_experts % num_ranks:
+            bad_argument(op, "handle[4] (num_experts)", f"a multiple of the group size {num_ranks}", num_experts)
+        local = num_experts // num_ranks
+        check_tensor(op, "handle[0] (src_info)", src_info, shape=(local, num_ranks * m), dtype=torch.int32,
+                     device=device)
+        check_tensor(op, "handle[1] (layout_range)", layout_range, shape=(local, num_ranks), dtype=torch.int64,
+                     device=device)
+        parsed = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts)
+        begins, ends = parsed.begins(), parsed.begins() + parsed.counts()
+        if bool((layout_range < 0).any()) or bool((ends > num_ranks * m).any()):
+            bad_argument(op, "handle[1] (layout_range)", f"begin << 32 | count ranges inside [0, {num_ranks * m})",
+                         f"begins {begins.tolist()}, counts {parsed.counts().tolist()}")
+        return parsed

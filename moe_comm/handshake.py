@@ -15,12 +15,15 @@ import torch
 from .errors import CrossRankMismatchError
 from .transport import Transport
 
-__all__ = ["Handshake", "handshake", "dtype_code"]
+__all__ = ["Handshake", "handshake", "dtype_code", "FP8_FORMATS"]
 
 # Fields of the vector, in order. Unused fields hold -1.
 FIELDS = ("op", "hidden", "x_dtype", "num_scales", "scales_dtype", "num_topk", "num_experts",
-          "num_channels", "has_weights", "num_worst_tokens")
-OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine"}
+          "num_channels", "has_weights", "num_worst_tokens", "num_max_dispatch_tokens_per_rank", "fp8_format")
+OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "low_latency_dispatch", 5: "low_latency_combine",
+       6: "clean_low_latency_buffer"}
+# fp8_format values (low-latency dispatch)
+FP8_FORMATS = {0: "bf16", 1: "fp8", 2: "fp8 round_scale", 3: "fp8 ue8m0"}
 _DTYPES = [getattr(torch, n) for n in (
     "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)]
@@ -37,6 +40,8 @@ def _show(field: str, value: int) -> str:
         return "none" if value < 0 else str(_DTYPES[value]).replace("torch.", "")
     if field == "op":
         return OPS.get(value, f"op {value}")
+    if field == "fp8_format":
+        return FP8_FORMATS.get(value, f"format {value}")
     return "none" if value < 0 else str(value)
 
 

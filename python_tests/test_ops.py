@@ -334,7 +334,7 @@ def test_pack_unpack_thread_count_independent():
     unpacked = []
     for threads in (1, 2):
         outs = [torch.zeros(num_rows, f.num_cols, dtype=f.dtype).T.contiguous().T for f in layout.fields]
-        native().unpack_rows(_segments(layout, outs), packed[0].data_ptr(), num_rows, layout.record_bytes, threads)
+        native().unpack_rows(_segments(layout, outs), packed[0].data_ptr(), 0, num_rows, layout.record_bytes, threads)
         unpacked.append(outs)
     for f, a, b, t in zip(layout.fields, *unpacked, fields):
         assert torch.equal(_as_bytes(a), _as_bytes(b)), f"field {f.name} differs"
@@ -353,7 +353,7 @@ def test_combine_reduce_thread_count_independent(dtype):
     for threads in (1, 2):
         out = torch.empty(num_tokens, hidden, dtype=dtype)
         w = torch.empty(num_tokens, num_topk)
-        native().combine_reduce(out.data_ptr(), w.data_ptr(), records.data_ptr(), send_pos.data_ptr(),
+        native().combine_reduce(out.data_ptr(), w.data_ptr(), records.data_ptr(), send_pos.data_ptr(), 0,
                                 biases[0].data_ptr(), biases[1].data_ptr(), num_tokens, num_ranks, hidden,
                                 REDUCE_DTYPES[dtype], layout.record_bytes, layout.field("x").offset, w_field.offset,
                                 num_topk, threads)

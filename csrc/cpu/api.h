@@ -41,20 +41,24 @@ void pack_rows(uint8_t* records,
                int64_t num_rows, int64_t record_bytes,
                int num_threads);
 
-// Scatters records into fields: row i of every segment's field receives its bytes of record i.
+// Scatters records into fields: row dst_rows[i] (row i when dst_rows is null) of every segment's
+// field receives its bytes of record i. Destination rows must be distinct.
 void unpack_rows(const Segment* segments, int num_segments,
-                 const uint8_t* records,
+                 const uint8_t* records, const int64_t* dst_rows,
                  int64_t num_rows, int64_t record_bytes,
                  int num_threads);
 
-// Normal-mode combine reduction, in a fixed order so results are bitwise reproducible:
-//   acc = 0; for r in 0..num_ranks-1: if send_pos[t, r] >= 0: acc += x(record send_pos[t, r])
+// Combine reduction, in a fixed order so results are bitwise reproducible:
+//   acc = 0; for j in 0..num_sources-1: if send_pos[t, j] >= 0: acc += scale[t, j] * x(record send_pos[t, j])
 //   out[t] = dtype(acc + bias0[t] + bias1[t])        (each bias optional, fp32 adds)
-// x is `hidden` elements of `dtype` at byte `x_offset` of each record. When out_weights is
-// non-null it receives the same sum (no bias) of the `num_topk` fp32 weights at `weights_offset`.
+// A source j is a rank (normal mode) or a top-k slot (low-latency mode). Without `scale` (null)
+// rows are added unscaled. x is `hidden` elements of `dtype` at byte `x_offset` of each record.
+// When out_weights is non-null it receives the unscaled sum (no bias) of the `num_topk` fp32
+// weights at `weights_offset`. The multiply and the add are separate roundings (no FMA).
 void combine_reduce(void* out, float* out_weights,
-                    const uint8_t* records, const int32_t* send_pos, const void* bias0, const void* bias1,
-                    int64_t num_tokens, int64_t num_ranks, int64_t hidden, DType dtype,
+                    const uint8_t* records, const int32_t* send_pos, const float* scale,
+                    const void* bias0, const void* bias1,
+                    int64_t num_tokens, int64_t num_sources, int64_t hidden, DType dtype,
                     int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
                     int num_threads);
 

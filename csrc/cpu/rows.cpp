@@ -65,8 +65,9 @@ struct Elem<DType::kFloat16> {
 
 template <DType kType>
 void combine_reduce_typed(void* out_raw, float* out_weights,
-                          const uint8_t* records, const int32_t* send_pos, const void* bias0_raw, const void* bias1_raw,
-                          int64_t num_tokens, int64_t num_ranks, int64_t hidden,
+                          const uint8_t* records, const int32_t* send_pos, const float* scale,
+                          const void* bias0_raw, const void* bias1_raw,
+                          int64_t num_tokens, int64_t num_sources, int64_t hidden,
                           int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
                           int num_threads) {
     using E = Elem<kType>;
@@ -74,18 +75,23 @@ void combine_reduce_typed(void* out_raw, float* out_weights,
     auto* out = static_cast<T*>(out_raw);
     const auto* bias0 = static_cast<const T*>(bias0_raw);
     const auto* bias1 = static_cast<const T*>(bias1_raw);
-    parallel_for(num_tokens, grain_rows(record_bytes * num_ranks), num_threads, [&](int64_t begin, int64_t end) {
+    parallel_for(num_tokens, grain_rows(record_bytes * num_sources), num_threads, [&](int64_t begin, int64_t end) {
         std::vector<float> acc(static_cast<size_t>(hidden));
         std::vector<float> wacc(static_cast<size_t>(num_topk));
         for (int64_t t = begin; t < end; ++t) {
             std::fill(acc.begin(), acc.end(), 0.0f);
             std::fill(wacc.begin(), wacc.end(), 0.0f);
-            for (int64_t r = 0; r < num_ranks; ++r) {
-                const int32_t pos = send_pos[t * num_ranks + r];
+            for (int64_t j = 0; j < num_sources; ++j) {
+                const int32_t pos = send_pos[t * num_sources + j];
                 if (pos < 0) continue;
                 const uint8_t* rec = records + pos * record_bytes;
                 const T* x = reinterpret_cast<const T*>(rec + x_offset);
-                for (int64_t h = 0; h < hidden; ++h) acc[h] += E::load(x[h]);
+                if (scale == nullptr) {
+                    for (int64_t h = 0; h < hidden; ++h) acc[h] += E::load(x[h]);
+                } else {
+                    const float w = scale[t * num_sources + j];
+                    for (int64_t h = 0; h < hidden; ++h) acc[h] += w * E::load(x[h]);
+                }
                 if (out_weights != nullptr) {
                     const float* w = reinterpret_cast<const float*>(rec + weights_offset);
                     for (int64_t k = 0; k < num_topk; ++k) wacc[k] += w[k];
@@ -121,15 +127,16 @@ void pack_rows(uint8_t* records,
 }
 
 void unpack_rows(const Segment* segments, int num_segments,
-                 const uint8_t* records,
+                 const uint8_t* records, const int64_t* dst_rows,
                  int64_t num_rows, int64_t record_bytes,
                  int num_threads) {
     parallel_for(num_rows, grain_rows(record_bytes), num_threads, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
             const uint8_t* rec = records + i * record_bytes;
+            const int64_t row = dst_rows == nullptr ? i : dst_rows[i];
             for (int s = 0; s < num_segments; ++s) {
                 const Segment& seg = segments[s];
-                copy_field(seg.data + i * seg.row_stride, seg.col_stride, rec + seg.offset, seg.elem_bytes,
+                copy_field(seg.data + row * seg.row_stride, seg.col_stride, rec + seg.offset, seg.elem_bytes,
                            seg.elem_bytes, seg.num_cols);
             }
         }
@@ -137,20 +144,21 @@ void unpack_rows(const Segment* segments, int num_segments,
 }
 
 void combine_reduce(void* out, float* out_weights,
-                    const uint8_t* records, const int32_t* send_pos, const void* bias0, const void* bias1,
-                    int64_t num_tokens, int64_t num_ranks, int64_t hidden, DType dtype,
+                    const uint8_t* records, const int32_t* send_pos, const float* scale,
+                    const void* bias0, const void* bias1,
+                    int64_t num_tokens, int64_t num_sources, int64_t hidden, DType dtype,
                     int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
                     int num_threads) {
     switch (dtype) {
         case DType::kFloat32:
-            return combine_reduce_typed<DType::kFloat32>(out, out_weights, records, send_pos, bias0, bias1, num_tokens,
-                                                         num_ranks, hidden, record_bytes, x_offset, weights_offset, num_topk, num_threads);
+            return combine_reduce_typed<DType::kFloat32>(out, out_weights, records, send_pos, scale, bias0, bias1, num_tokens,
+                                                         num_sources, hidden, record_bytes, x_offset, weights_offset, num_topk, num_threads);
         case DType::kBFloat16:
-            return combine_reduce_typed<DType::kBFloat16>(out, out_weights, records, send_pos, bias0, bias1, num_tokens,
-                                                          num_ranks, hidden, record_bytes, x_offset, weights_offset, num_topk, num_threads);
+            return combine_reduce_typed<DType::kBFloat16>(out, out_weights, records, send_pos, scale, bias0, bias1, num_tokens,
+                                                          num_sources, hidden, record_bytes, x_offset, weights_offset, num_topk, num_threads);
         case DType::kFloat16:
-            return combine_reduce_typed<DType::kFloat16>(out, out_weights, records, send_pos, bias0, bias1, num_tokens,
-                                                         num_ranks, hidden, record_bytes, x_offset, weights_offset, num_topk, num_threads);
+            return combine_reduce_typed<DType::kFloat16>(out, out_weights, records, send_pos, scale, bias0, bias1, num_tokens,
+                                                         num_sources, hidden, record_bytes, x_offset, weights_offset, num_topk, num_threads);
     }
     MC_CHECK(false, "combine_reduce: unknown dtype code " << static_cast<int>(dtype));
 }

@@ -75,29 +75,30 @@ PYBIND11_MODULE(_C, m) {
 
     m.def(
         "unpack_rows",
-        [](const std::vector<SegmentTuple>& segments, std::uintptr_t records, int64_t num_rows, int64_t record_bytes,
-           int num_threads) {
+        [](const std::vector<SegmentTuple>& segments, std::uintptr_t records, std::uintptr_t dst_rows, int64_t num_rows,
+           int64_t record_bytes, int num_threads) {
             const auto segs = to_segments(segments);
             py::gil_scoped_release release;
-            cpu::unpack_rows(segs.data(), static_cast<int>(segs.size()), ptr<const uint8_t>(records), num_rows,
-                             record_bytes, num_threads);
+            cpu::unpack_rows(segs.data(), static_cast<int>(segs.size()), ptr<const uint8_t>(records),
+                             ptr<const int64_t>(dst_rows), num_rows, record_bytes, num_threads);
         },
-        py::arg("segments"), py::arg("records"), py::arg("num_rows"), py::arg("record_bytes"), py::arg("num_threads"));
+        py::arg("segments"), py::arg("records"), py::arg("dst_rows"), py::arg("num_rows"), py::arg("record_bytes"),
+        py::arg("num_threads"));
 
     m.def(
         "combine_reduce",
         [](std::uintptr_t out, std::uintptr_t out_weights, std::uintptr_t records, std::uintptr_t send_pos,
-           std::uintptr_t bias0, std::uintptr_t bias1, int64_t num_tokens, int64_t num_ranks, int64_t hidden,
-           int dtype, int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
+           std::uintptr_t scale, std::uintptr_t bias0, std::uintptr_t bias1, int64_t num_tokens, int64_t num_sources,
+           int64_t hidden, int dtype, int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
            int num_threads) {
             py::gil_scoped_release release;
             cpu::combine_reduce(ptr<void>(out), ptr<float>(out_weights), ptr<const uint8_t>(records),
-                                ptr<const int32_t>(send_pos), ptr<const void>(bias0), ptr<const void>(bias1),
-                                num_tokens, num_ranks, hidden, static_cast<cpu::DType>(dtype), record_bytes,
+                                ptr<const int32_t>(send_pos), ptr<const float>(scale), ptr<const void>(bias0),
+                                ptr<const void>(bias1), num_tokens, num_sources, hidden, static_cast<cpu::DType>(dtype), record_bytes,
                                 x_offset, weights_offset, num_topk, num_threads);
         },
-        py::arg("out"), py::arg("out_weights"), py::arg("records"), py::arg("send_pos"), py::arg("bias0"),
-        py::arg("bias1"), py::arg("num_tokens"), py::arg("num_ranks"), py::arg("hidden"), py::arg("dtype"),
+        py::arg("out"), py::arg("out_weights"), py::arg("records"), py::arg("send_pos"), py::arg("scale"),
+        py::arg("bias0"), py::arg("bias1"), py::arg("num_tokens"), py::arg("num_sources"), py::arg("hidden"), py::arg("dtype"),
         py::arg("record_bytes"), py::arg("x_offset"), py::arg("weights_offset"), py::arg("num_topk"),
         py::arg("num_threads"));
 

@@ -1,6 +1,7 @@
 """Local compute around communication. Each op: a typed wrapper (``_C`` on CPU, torch elsewhere)
 and a plain-torch ``*_reference`` that is its specification. Ops never import a transport."""
 from .combine_reduce import combine_reduce, combine_reduce_reference
+from .fp8 import per_token_cast_back, per_token_cast_to_fp8, ue8m0_to_float
 from .layout import DispatchLayout, dispatch_layout, dispatch_layout_reference
 from .records import RecordLayout, pack_rows, pack_rows_reference, unpack_rows, unpack_rows_reference
 
@@ -8,4 +9,5 @@ __all__ = [
     "DispatchLayout", "dispatch_layout", "dispatch_layout_reference",
     "RecordLayout", "pack_rows", "pack_rows_reference", "unpack_rows", "unpack_rows_reference",
     "combine_reduce", "combine_reduce_reference",
+    "per_token_cast_to_fp8", "per_token_cast_back", "ue8m0_to_float",
 ]

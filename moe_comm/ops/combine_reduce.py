@@ -1,4 +1,4 @@
-"""The normal-mode combine reduction: sum each token's returned rows in rank order, plus biases."""
+"""The combine reduction: sum each token's returned rows in a fixed order, optionally weighted, plus biases."""
 from __future__ import annotations
 
 from typing import Optional
@@ -16,52 +16,59 @@ REDUCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def combine_reduce(layout: RecordLayout, records: torch.Tensor, send_pos: torch.Tensor,
                    bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor],
-                   out: torch.Tensor, out_weights: Optional[torch.Tensor]) -> None:
+                   out: torch.Tensor, out_weights: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None) -> None:
     """Reduces returned rows per original token. Local; deterministic.
 
     Args:
         layout: record layout with field ``x`` (`[hidden]` of a REDUCE_DTYPES dtype) and, when
             ``out_weights`` is given, field ``weights`` (`[num_topk]` float32).
         records: `[num_returned, record_bytes]` uint8.
-        send_pos: `[num_tokens, num_ranks]` int32: record of token t from rank r, or -1.
+        send_pos: `[num_tokens, num_sources]` int32: record of token t from source j (a rank in
+            normal mode, a top-k slot in low-latency mode), or -1.
         bias0, bias1: optional `[num_tokens, hidden]` of x's dtype, contiguous.
         out: `[num_tokens, hidden]` x's dtype, contiguous, written with
-            ``out[t] = round(((0 + x_r0 + x_r1 + ...) + bias0[t]) + bias1[t])`` over ranks r ascending
-            where send_pos[t, r] >= 0, all adds in fp32.
+            ``out[t] = round(((0 + s_0 * x_0 + s_1 * x_1 + ...) + bias0[t]) + bias1[t])`` over sources j
+            ascending where send_pos[t, j] >= 0, all arithmetic in fp32 (multiply, then add).
         out_weights: optional `[num_tokens, num_topk]` float32, contiguous: the weights summed the
-            same way, without biases.
+            same way, without biases or scales.
+        scale: optional `[num_tokens, num_sources]` float32 weights s_j (1 when None).
     Reference: ``combine_reduce_reference`` (tests compare bitwise).
     """
     if records.device.type != "cpu":
-        return combine_reduce_reference(layout, records, send_pos, bias0, bias1, out, out_weights)
+        return combine_reduce_reference(layout, records, send_pos, bias0, bias1, out, out_weights, scale)
     x_field = layout.field("x")
-    num_tokens, num_ranks = send_pos.shape
+    num_tokens, num_sources = send_pos.shape
     w_offset, num_topk = 0, 0
     if out_weights is not None:
         w_field = layout.field("weights")
         w_offset, num_topk = w_field.offset, w_field.num_cols
     send_pos = send_pos.contiguous()
+    if scale is not None:
+        scale = scale.contiguous()
     native().combine_reduce(out.data_ptr(), 0 if out_weights is None else out_weights.data_ptr(), records.data_ptr(),
-                            send_pos.data_ptr(), 0 if bias0 is None else bias0.data_ptr(),
-                            0 if bias1 is None else bias1.data_ptr(), num_tokens, num_ranks, x_field.num_cols,
+                            send_pos.data_ptr(), 0 if scale is None else scale.data_ptr(),
+                            0 if bias0 is None else bias0.data_ptr(), 0 if bias1 is None else bias1.data_ptr(),
+                            num_tokens, num_sources, x_field.num_cols,
                             REDUCE_DTYPES[x_field.dtype], layout.record_bytes, x_field.offset, w_offset, num_topk,
                             cpu_threads())
 
 
 def combine_reduce_reference(layout: RecordLayout, records: torch.Tensor, send_pos: torch.Tensor,
                              bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor],
-                             out: torch.Tensor, out_weights: Optional[torch.Tensor]) -> None:
+                             out: torch.Tensor, out_weights: Optional[torch.Tensor],
+                             scale: Optional[torch.Tensor] = None) -> None:
     """Plain-torch specification of ``combine_reduce``; also the path for non-CPU devices."""
     x_field = layout.field("x")
-    num_tokens, num_ranks = send_pos.shape
+    num_tokens, num_sources = send_pos.shape
     x = layout.view(records, "x").float()
     acc = torch.zeros(num_tokens, x_field.num_cols, dtype=torch.float32, device=records.device)
     w = layout.view(records, "weights") if out_weights is not None else None
     wacc = None if w is None else torch.zeros(num_tokens, w.shape[1], dtype=torch.float32, device=records.device)
-    for r in range(num_ranks):
-        pos = send_pos[:, r].long()
+    for j in range(num_sources):
+        pos = send_pos[:, j].long()
         hit = pos >= 0
-        acc[hit] += x[pos[hit]]
+        rows = x[pos[hit]]
+        acc[hit] += rows if scale is None else scale[hit, j:j + 1] * rows
         if wacc is not None:
             wacc[hit] += w[pos[hit]]
     for bias in (bias0, bias1):

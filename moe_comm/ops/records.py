@@ -57,32 +57,37 @@ class RecordLayout:
         return records[:, f.offset:f.offset + f.nbytes].view(f.dtype)
 
 
-def _segments(layout: RecordLayout, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, int, int, int, int]]:
+def _segments(layout: RecordLayout, tensors: Sequence[Optional[torch.Tensor]]
+              ) -> list[tuple[int, int, int, int, int, int]]:
     segs = []
     for f, t in zip(layout.fields, tensors):
-        if f.num_cols == 0:
+        if f.num_cols == 0 or t is None:
             continue
         item = t.element_size()
         segs.append((t.data_ptr(), t.stride(0) * item, t.stride(1) * item, item, f.num_cols, f.offset))
     return segs
 
 
-def _check(layout: RecordLayout, tensors: Sequence[torch.Tensor], op: str) -> None:
+def _check(layout: RecordLayout, tensors: Sequence[Optional[torch.Tensor]], op: str) -> None:
     if len(tensors) != len(layout.fields):
         raise ValueError(f"{op}: expected {len(layout.fields)} tensors ({[f.name for f in layout.fields]}), "
                          f"got {len(tensors)}")
     for f, t in zip(layout.fields, tensors):
+        if t is None:
+            continue
         if t.dim() != 2 or t.shape[1] != f.num_cols or t.dtype.itemsize != f.dtype.itemsize:
             raise ValueError(f"{op}: field {f.name} must be [rows, {f.num_cols}] with {f.dtype.itemsize}-byte "
                              f"elements, got {list(t.shape)} {t.dtype}")
 
 
-def pack_rows(layout: RecordLayout, fields: Sequence[torch.Tensor], src_rows: torch.Tensor,
+def pack_rows(layout: RecordLayout, fields: Sequence[Optional[torch.Tensor]], src_rows: torch.Tensor,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Gathers rows into records. Local; no host sync on non-CPU devices.
 
     Args:
-        fields: one 2-D tensor per layout field, any strides, rows indexed by ``src_rows``.
+        fields: one 2-D tensor per layout field, any strides, rows indexed by ``src_rows``; None
+            leaves that field's bytes unwritten (for a per-record value the caller writes through
+            ``layout.view``).
         src_rows: `[num_records]` int64, the source row of each record (any order, repeats allowed).
         out: optional `[num_records, record_bytes]` uint8 with contiguous rows to write into.
     Returns:
@@ -105,35 +110,46 @@ def pack_rows(layout: RecordLayout, fields: Sequence[torch.Tensor], src_rows: to
     return records
 
 
-def pack_rows_reference(layout: RecordLayout, fields: Sequence[torch.Tensor], src_rows: torch.Tensor) -> torch.Tensor:
+def pack_rows_reference(layout: RecordLayout, fields: Sequence[Optional[torch.Tensor]],
+                        src_rows: torch.Tensor) -> torch.Tensor:
     """Plain-torch specification of ``pack_rows``; also the path for non-CPU devices."""
     records = torch.zeros(src_rows.shape[0], layout.record_bytes, dtype=torch.uint8, device=src_rows.device)
     for f, t in zip(layout.fields, fields):
-        if f.num_cols:
+        if f.num_cols and t is not None:
             rows = t.index_select(0, src_rows).contiguous()
             records[:, f.offset:f.offset + f.nbytes] = rows.view(torch.uint8).reshape(rows.shape[0], f.nbytes)
     return records
 
 
-def unpack_rows(layout: RecordLayout, records: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
-    """Scatters records into ``outputs``: row i of each output receives its field of record i.
+def unpack_rows(layout: RecordLayout, records: torch.Tensor, outputs: Sequence[Optional[torch.Tensor]],
+                dst_rows: Optional[torch.Tensor] = None) -> None:
+    """Scatters records into ``outputs``: row ``dst_rows[i]`` (row i without ``dst_rows``) of each
+    output receives its field of record i.
 
     Args:
         records: `[num_records, record_bytes]` uint8, rows contiguous.
-        outputs: one 2-D tensor per layout field with at least ``num_records`` rows, written in place.
+        outputs: one 2-D tensor (any strides) per layout field, written in place; None skips a field.
+        dst_rows: optional `[num_records]` int64 of distinct rows inside every output.
     Reference: ``unpack_rows_reference``.
     """
     _check(layout, outputs, "unpack_rows")
     if records.device.type != "cpu":
-        return unpack_rows_reference(layout, records, outputs)
+        return unpack_rows_reference(layout, records, outputs, dst_rows)
     num_rows = records.shape[0]
-    native().unpack_rows(_segments(layout, outputs), records.data_ptr(), num_rows, layout.record_bytes,
-                         cpu_threads())
+    if dst_rows is not None:
+        dst_rows = dst_rows.contiguous()
+    native().unpack_rows(_segments(layout, outputs), records.data_ptr(), 0 if dst_rows is None else dst_rows.data_ptr(),
+                         num_rows, layout.record_bytes, cpu_threads())
 
 
-def unpack_rows_reference(layout: RecordLayout, records: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
+def unpack_rows_reference(layout: RecordLayout, records: torch.Tensor, outputs: Sequence[Optional[torch.Tensor]],
+                          dst_rows: Optional[torch.Tensor] = None) -> None:
     """Plain-torch specification of ``unpack_rows``; also the path for non-CPU devices."""
     num_rows = records.shape[0]
     for f, out in zip(layout.fields, outputs):
-        if f.num_cols:
-            out[:num_rows].copy_(layout.view(records, f.name).view(out.dtype))
+        if f.num_cols and out is not None:
+            values = layout.view(records, f.name).view(out.dtype)
+            if dst_rows is None:
+                out[:num_rows].copy_(values)
+            else:
+                out[dst_rows] = values

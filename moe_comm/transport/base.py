@@ -29,6 +29,8 @@ class Transport(abc.ABC):
     rank: int
     num_ranks: int
     timeout_s: float
+    #: where this transport's own small exchanges (metadata, barriers) travel
+    device: torch.device
 
     @abc.abstractmethod
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,

@@ -94,7 +94,7 @@ class CollectiveTransport(Transport):
         self.num_ranks = dist.get_world_size(group)
         self.timeout_s = timeout_s
         self._backend = str(dist.get_backend(group))
-        self._device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" \
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" \
             else torch.device("cpu")
         store = _default_store()
         scope = f"moe_comm/{getattr(group, 'group_name', 'default')}"
@@ -113,8 +113,8 @@ class CollectiveTransport(Transport):
 
     def _meet(self, instance: int) -> list[tuple[int, int]]:
         """Exchanges (host, pid, instance) with every rank, with the deadline; checks the pairing."""
-        mine = torch.tensor([self._host, os.getpid(), instance], dtype=torch.int64, device=self._device)
-        got = torch.empty(self.num_ranks, 3, dtype=torch.int64, device=self._device)
+        mine = torch.tensor([self._host, os.getpid(), instance], dtype=torch.int64, device=self.device)
+        got = torch.empty(self.num_ranks, 3, dtype=torch.int64, device=self.device)
         self.all_to_all(got, mine.expand(self.num_ranks, 3).contiguous(), [1] * self.num_ranks,
                         [1] * self.num_ranks, op="Buffer()").wait()
         rows = got.cpu().tolist()

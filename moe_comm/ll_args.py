@@ -1,0 +1,137 @@
+"""Checks of low-latency arguments (DeepEP's ``low_latency_dispatch`` / ``low_latency_combine``) and
+DeepEP's low-latency buffer size, which a ``Buffer`` must have been given."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .checks import check_int, check_tensor, describe
+from .errors import bad_argument
+from .handle import LowLatencyHandle
+from .normal_args import check_topk_idx
+from .ops.fp8 import GROUP
+
+__all__ = ["low_latency_buffer_bytes", "check_flags", "check_ll_dispatch", "check_ll_combine", "check_ll_sizes",
+           "LowLatencyDispatchArgs"]
+
+
+def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> int:
+    """DeepEP's ``LowLatencyLayout.total_bytes``: two buffers, each a send area, a receive area and
+    signals, sized for BF16 or FP8 dispatch messages and BF16 combine messages (before rounding)."""
+    m, h, e = num_max_dispatch_tokens_per_rank, hidden, num_experts
+    scales = h // GROUP
+    dispatch_msg = 16 + max(2 * h, h + 4 * scales)
+    combine_msg = 4 * scales + 2 * h
+    send = max(m * dispatch_msg, e * m * combine_msg)
+    recv = max(e * m * dispatch_msg, e * m * combine_msg)
+    signal = -(-4 * e // 128) * 128
+    return 2 * (send + recv + signal)
+
+
+def check_flags(op: str, **flags: Any) -> None:
+    """Every flag is a bool."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            bad_argument(op, name, "a bool", describe(value), kind=TypeError)
+
+
+def check_ll_sizes(op: str, num_max_dispatch_tokens_per_rank: Any, hidden: Any, num_experts: Any, num_ranks: int,
+                   num_rdma_bytes: int) -> None:
+    """M >= 1, hidden a positive multiple of 128, experts a positive multiple of the group size, and
+    the Buffer's ``num_rdma_bytes`` large enough for them (DeepEP asserts the same)."""
+    m = check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+    h = check_int(op, "hidden", hidden, minimum=GROUP)
+    if h % GROUP:
+        bad_argument(op, "hidden", f"a multiple of {GROUP}", h)
+    e = check_int(op, "num_experts", num_experts, minimum=1)
+    if e % num_ranks:
+        bad_argument(op, "num_experts", f"a multiple of the group size {num_ranks}", e)
+    need = low_latency_buffer_bytes(m, h, e)
+    if num_rdma_bytes < need:
+        bad_argument(op, "the Buffer's num_rdma_bytes",
+                     f">= {need} for num_max_dispatch_tokens_per_rank={m}, hidden={h}, num_experts={e} "
+                     f"(create it with num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint({m}, {h}, {num_ranks}, {e}))",
+                     num_rdma_bytes)
+
+
+def _check_ll_topk(op: str, topk_idx: Any, num_experts: int, m: int, num_tokens: Optional[int],
+                   device: torch.device) -> torch.Tensor:
+    """``[T, K]`` int64, T <= M, K <= num_experts, ids in [-1, E), no expert twice in a row."""
+    topk_idx = check_topk_idx(op, topk_idx, num_experts, num_tokens, device)
+    if topk_idx.shape[0] > m:
+        bad_argument(op, "topk_idx", f"at most num_max_dispatch_tokens_per_rank = {m} rows", describe(topk_idx))
+    if topk_idx.shape[1] > num_experts:
+        bad_argument(op, "topk_idx", f"at most num_experts = {num_experts} columns", describe(topk_idx))
+    if topk_idx.numel():
+        ordered = topk_idx.sort(dim=1).values
+        repeat = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+        if bool(repeat.any()):
+            t, k = (int(i) for i in repeat.nonzero()[0])
+            bad_argument(op, "topk_idx", "rows that pick each expert at most once",
+                         f"row {t} picking expert {int(ordered[t, k])} twice")
+    return topk_idx
+
+
+@dataclass(frozen=True)
+class LowLatencyDispatchArgs:
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    # 0 bf16, 1 fp8, 2 fp8 with power-of-two scales, 3 fp8 with UE8M0 scales (handshake.FP8_FORMATS)
+    fp8_format: int
+
+
+def _check_stats(op: str, name: str, stats: Any, size: int, dtype: torch.dtype, device: torch.device) -> None:
+    if stats is not None:
+        check_tensor(op, name, stats, shape=(size,), dtype=dtype, device=device)
+
+
+def check_ll_dispatch(op: str, x: Any, topk_idx: Any, m: int, num_experts: int, num_ranks: int,
+                      recv_stats: Any, wait_stats: Any, use_fp8: bool, round_scale: bool, use_ue8m0: bool
+                      ) -> LowLatencyDispatchArgs:
+    """Checks ``low_latency_dispatch`` tensors (sizes and flags are checked already)."""
+    check_tensor(op, "x", x, shape=(None, None), dtype=torch.bfloat16)
+    hidden = x.shape[1]
+    if hidden % GROUP or hidden < GROUP:
+        bad_argument(op, "x", f"[T, hidden] with hidden a positive multiple of {GROUP}", describe(x))
+    if x.shape[0] > m:
+        bad_argument(op, "x", f"at most num_max_dispatch_tokens_per_rank = {m} rows", describe(x))
+    topk_idx = _check_ll_topk(op, topk_idx, num_experts, m, x.shape[0], x.device)
+    _check_stats(op, "cumulative_local_expert_recv_stats", recv_stats, num_experts // num_ranks, torch.int32,
+                 x.device)
+    _check_stats(op, "dispatch_wait_recv_cost_stats", wait_stats, num_ranks, torch.int64, x.device)
+    fp8_format = 0
+    if use_fp8:
+        fp8_format = 1
+        if round_scale:
+            fp8_format = 2
+        if use_ue8m0:
+            if not round_scale:
+                bad_argument(op, "round_scale", "True when use_ue8m0=True (UE8M0 holds power-of-two scales only)",
+                             round_scale)
+            if hidden % (4 * GROUP):
+                bad_argument(op, "x", f"[T, hidden] with hidden a multiple of {4 * GROUP} for use_ue8m0 (4 scales "
+                             f"per int32)", describe(x))
+            fp8_format = 3
+    return LowLatencyDispatchArgs(x, topk_idx, fp8_format)
+
+
+def check_ll_combine(op: str, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, num_ranks: int,
+                     out: Any, wait_stats: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LowLatencyHandle]:
+    """Checks ``low_latency_combine`` tensors; returns (x, topk_idx, topk_weights, handle)."""
+    if not isinstance(x, torch.Tensor):
+        bad_argument(op, "x", "a tensor", describe(x), kind=TypeError)
+    parsed = LowLatencyHandle.from_tuple(op, handle, num_ranks, x.device)
+    m, hidden = parsed.num_max_dispatch_tokens_per_rank, parsed.hidden
+    local = parsed.num_experts // num_ranks
+    check_tensor(op, "x", x, shape=(local, num_ranks * m, hidden), dtype=torch.bfloat16)
+    topk_idx = _check_ll_topk(op, topk_idx, parsed.num_experts, m, None, x.device)
+    num_tokens, num_topk = topk_idx.shape
+    check_tensor(op, "topk_weights", topk_weights, shape=(num_tokens, num_topk), dtype=torch.float32, device=x.device)
+    if out is not None:
+        check_tensor(op, "out", out, shape=(num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
+        if not out.is_contiguous():
+            bad_argument(op, "out", "contiguous", f"strides {out.stride()}")
+    _check_stats(op, "combine_wait_recv_cost_stats", wait_stats, num_ranks, torch.int64, x.device)
+    return x, topk_idx, topk_weights, parsed

@@ -1,0 +1,293 @@
+"""Low-latency mode: DeepEP's decode-time dispatch and combine with fixed shapes, over any transport.
+
+    dispatch:  handshake (args, message counts) -> FP8 cast -> pack one record per (token, expert)
+               -> start the all-to-all   ...   receive: wait -> scatter into [E_loc, R * M, H]
+    combine:   handshake (row counts) -> pack the valid rows -> start the all-to-all
+               ...   receive: wait -> weighted fixed-order reduce per token
+
+The call blocks the host only for the handshake, which every rank must reach because it carries
+the message counts that size the exchange. The payload then moves in the background while the
+caller computes; the receive half runs in ``hook()``, in ``event.current_stream_wait()`` or at once.
+
+Row order is deterministic (DeepEP's is arrival order): inside local expert e, rows come in blocks
+by source rank ascending and, inside a block, by source token ascending. Rows past ``recv_count[e]``
+are zero (``src_info`` -1), so whole outputs are bitwise reproducible.
+
+Double buffering: like DeepEP, calls alternate between two buffers. A call whose buffer still holds
+a result that its hook has not received raises instead of overwriting it, and a zero-copy combine
+raises unless the buffer it reads was lent by ``get_next_low_latency_combine_buffer`` right before.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .handle import LowLatencyHandle
+from .handshake import handshake
+from .ops import RecordLayout, combine_reduce, pack_rows, per_token_cast_to_fp8, unpack_rows
+from .ops.fp8 import FP8_DTYPE
+from .transport import Transport
+from .workspace import Workspace
+
+__all__ = ["LowLatencyMode", "LowLatencyDispatch", "Receive", "send_order"]
+
+_DISPATCH, _COMBINE, _CLEAN = 4, 5, 6
+_COMPARED = ("hidden", "num_experts", "num_max_dispatch_tokens_per_rank")
+
+
+def send_order(topk_idx: torch.Tensor, num_ranks: int, experts_per_rank: int
+               ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The messages of ``topk_idx`` `[T, K]` in send order: by global expert (so by destination rank,
+    then local expert), then token. Returns (flat index t * K + k `[S]` int64, expert id `[S]` int64,
+    messages per destination rank)."""
+    flat = topk_idx.reshape(-1)
+    msg = torch.nonzero(flat >= 0).reshape(-1)
+    experts, order = torch.sort(flat[msg], stable=True)
+    counts = torch.bincount(experts // experts_per_rank, minlength=num_ranks)
+    return msg[order], experts, counts.tolist()
+
+
+class Receive:
+    """The receive half of one low-latency call. Calling it (DeepEP's ``hook()``) runs it; it runs once."""
+
+    def __init__(self, op: str, finish: Callable[[], None]) -> None:
+        self._op, self._finish = op, finish
+        self.done = False
+
+    def __call__(self) -> None:
+        if self.done:
+            raise RuntimeError(f"{self._op}: this recv hook was already called; each hook receives once")
+        self.done = True
+        finish, self._finish = self._finish, None
+        finish()
+
+    def complete(self) -> None:
+        """Runs the receive unless it already ran."""
+        if not self.done:
+            self()
+
+
+@dataclass
+class _Slot:
+    """One of the two low-latency buffers."""
+
+    receive: Optional[Receive] = None
+    hook: bool = False  # the receive belongs to the caller's hook
+    combine_buffer: Optional[torch.Tensor] = None  # bytes behind get_next_low_latency_combine_buffer
+
+
+@dataclass
+class LowLatencyDispatch:
+    recv_x: torch.Tensor                   # [E_loc, R * M, H] bf16 or float8_e4m3fn
+    recv_scales: Optional[torch.Tensor]    # [E_loc, R * M, S] float32 / int32 view, token stride 1
+    recv_count: torch.Tensor               # [E_loc] int32
+    handle: LowLatencyHandle
+    receive: Receive
+
+
+class LowLatencyMode:
+    """Low-latency operations of one ``Buffer`` over its transport."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.rank, self.num_ranks = transport.rank, transport.num_ranks
+        self.workspace = Workspace()
+        self._slots = [_Slot(), _Slot()]
+        self._idx = 0
+        self._lent: Optional[int] = None  # slot whose combine buffer was lent for a zero-copy combine
+
+    # ------------------------------------------------------------------ double buffering
+    def _acquire(self, op: str, zero_copy: bool = False) -> _Slot:
+        """The slot this call uses; finishes an un-received async result there, refuses a hooked one."""
+        lent, self._lent = self._lent, None
+        if zero_copy and lent != self._idx:
+            raise RuntimeError(f"{op}: zero_copy=True reads the buffer from get_next_low_latency_combine_buffer(handle), "
+                               f"which must be called (and written) right before this combine, with no low-latency "
+                               f"call in between (DeepEP would combine overwritten data)")
+        slot = self._slots[self._idx]
+        self._settle(op, slot)
+        return slot
+
+    def _settle(self, op: str, slot: _Slot) -> None:
+        if slot.receive is None or slot.receive.done:
+            return
+        if slot.hook:
+            raise RuntimeError(f"{op}: low-latency buffer {self._slots.index(slot)} still holds a result whose "
+                               f"recv hook has not been called; at most two low-latency results can be in flight "
+                               f"(DeepEP's double buffering), so this call would overwrite it. Call that hook first")
+        slot.receive.complete()
+
+    def _launch(self, slot: _Slot, op: str, finish: Callable[[], None], hook: bool) -> Receive:
+        receive = Receive(op, finish)
+        slot.receive, slot.hook = receive, hook
+        self._idx ^= 1
+        return receive
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int, fp8_format: int,
+                 recv_stats: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
+                 hook: bool) -> LowLatencyDispatch:
+        """Checked ``low_latency_dispatch`` (see ``Buffer``); returns outputs filled by ``receive``."""
+        op = "low_latency_dispatch"
+        R, device, hidden = self.num_ranks, x.device, x.shape[1]
+        local = num_experts // R
+        slot = self._acquire(op)
+        msg, experts, send_counts = send_order(topk_idx, R, local)
+        start = time.perf_counter_ns()
+        shake = handshake(self.transport, op, dict(op=_DISPATCH, hidden=hidden, num_experts=num_experts,
+                                                   num_max_dispatch_tokens_per_rank=m, fp8_format=fp8_format),
+                          send_counts, None, _COMPARED + ("fp8_format",), device)
+        waited = time.perf_counter_ns() - start
+        recv_counts = shake.recv_counts(self.rank)
+
+        scales = None
+        data = x
+        if fp8_format:
+            data, scales = per_token_cast_to_fp8(x, round_scale=fp8_format >= 2, use_ue8m0=fp8_format == 3)
+            data = data.view(torch.uint8)
+        specs = [("x", data.dtype, hidden)]
+        specs += [] if scales is None else [("scales", scales.dtype, scales.shape[1])]
+        records = RecordLayout.build(specs + [("src", torch.int32, 1), ("expert", torch.int32, 1)])
+        src_index = torch.arange(x.shape[0], dtype=torch.int32, device=device).unsqueeze(1)
+        fields = [data] + ([] if scales is None else [scales]) + [src_index, None]
+        send_store, packed = self.workspace.take("send", msg.shape[0], records.record_bytes, device)
+        pack_rows(records, fields, msg // max(topk_idx.shape[1], 1), out=packed)
+        records.view(packed, "expert").copy_((experts % local).to(torch.int32).unsqueeze(1))
+        recv_store, received = self.workspace.take("recv", sum(recv_counts), records.record_bytes, device)
+        pending = self.transport.all_to_all(received, packed, recv_counts, send_counts, op=op)
+
+        rows = R * m
+        recv_x = torch.empty(local, rows, hidden, dtype=torch.bfloat16 if scales is None else FP8_DTYPE, device=device)
+        recv_scales = None
+        if scales is not None:  # DeepEP's layout: allocated [E_loc, S, R * M], returned transposed
+            recv_scales = torch.empty(local, scales.shape[1], rows, dtype=scales.dtype, device=device).transpose(1, 2)
+        src_info = torch.empty(local, rows, dtype=torch.int32, device=device)
+        layout_range = torch.empty(local, R, dtype=torch.int64, device=device)
+        recv_count = torch.empty(local, dtype=torch.int32, device=device)
+
+        def finish() -> None:
+            begin = time.perf_counter_ns()
+            pending.wait()
+            try:
+                self._scatter(records, received, recv_counts, m, recv_x, recv_scales, src_info, layout_range,
+                              recv_count)
+            finally:
+                self.workspace.give_back("send", send_store)
+                self.workspace.give_back("recv", recv_store)
+            if recv_stats is not None:
+                recv_stats.add_(recv_count)
+            if wait_stats is not None:
+                wait_stats.add_(waited + time.perf_counter_ns() - begin)
+
+        receive = self._launch(slot, op, finish, hook)
+        handle = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts)
+        return LowLatencyDispatch(recv_x, recv_scales, recv_count, handle, receive)
+
+    def _scatter(self, records: RecordLayout, received: torch.Tensor, recv_counts: list[int], m: int,
+                 recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor], src_info: torch.Tensor,
+                 layout_range: torch.Tensor, recv_count: torch.Tensor) -> None:
+        """Places received records (ordered by source rank, local expert, token) at
+        ``[expert, begin[expert, source] + index in block]`` and fills counts, ranges and padding."""
+        R, device = self.num_ranks, received.device
+        local, rows, hidden = recv_x.shape
+        num = received.shape[0]
+        source = torch.repeat_interleave(torch.arange(R, device=device), torch.tensor(recv_counts, device=device))
+        expert = records.view(received, "expert")[:, 0].to(torch.int64)
+        counts = torch.bincount(expert * R + source, minlength=local * R).view(local, R)  # [e, s]
+        begins = counts.cumsum(1) - counts
+        arrival = counts.t().reshape(-1)  # blocks in arrival order (s, e)
+        block_start = arrival.cumsum(0) - arrival
+        within = torch.arange(num, device=device) - block_start[source * local + expert]
+        row = begins[expert, source] + within
+        unpack_rows(records, received, [recv_x.view(local * rows, hidden)] + [None] * (len(records.fields) - 1),
+                    dst_rows=expert * rows + row)
+        if recv_scales is not None:
+            recv_scales[expert, row] = records.view(received, "scales")
+        src_info[expert, row] = records.view(received, "src")[:, 0]
+        per_expert = counts.sum(1)
+        recv_count.copy_(per_expert)
+        layout_range.copy_((begins << 32) | counts)
+        for e, valid in enumerate(per_expert.tolist()):
+            recv_x[e, valid:].view(torch.uint8).zero_()
+            src_info[e, valid:] = -1
+            if recv_scales is not None:
+                recv_scales[e, valid:] = 0
+
+    # ------------------------------------------------------------------ combine
+    def next_combine_buffer(self, handle: LowLatencyHandle, device: torch.device) -> torch.Tensor:
+        """The bf16 `[E_loc, R * M, H]` buffer the next (zero-copy) combine reads."""
+        local = handle.num_experts // self.num_ranks
+        shape = (local, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        nbytes = 2 * shape[0] * shape[1] * shape[2]
+        slot = self._slots[self._idx]
+        if slot.combine_buffer is None or slot.combine_buffer.numel() < nbytes or slot.combine_buffer.device != device:
+            slot.combine_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self._lent = self._idx
+        return slot.combine_buffer[:nbytes].view(torch.bfloat16).view(shape)
+
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
+                zero_copy: bool, out: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
+                hook: bool) -> tuple[torch.Tensor, Receive]:
+        """Checked ``low_latency_combine`` (see ``Buffer``); returns (out, receive that fills it)."""
+        op = "low_latency_combine"
+        R, device = self.num_ranks, x.device
+        local, rows, hidden = x.shape
+        slot = self._acquire(op, zero_copy)
+        counts, begins = handle.counts(), handle.begins()  # [e, s]
+        msg, _, expected = send_order(topk_idx, R, local)
+        return_counts = counts.sum(0).tolist()  # rows going back to each source rank
+        start = time.perf_counter_ns()
+        handshake(self.transport, op, dict(op=_COMBINE, hidden=hidden, num_experts=handle.num_experts,
+                                           num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank),
+                  return_counts, expected, _COMPARED, device)
+        waited = time.perf_counter_ns() - start
+
+        # Valid rows in send order: by source rank, then local expert, then row.
+        arrival = counts.t().reshape(-1)
+        total = int(arrival.sum())
+        block = torch.repeat_interleave(torch.arange(R * local, device=device), arrival)
+        block_start = arrival.cumsum(0) - arrival
+        within = torch.arange(total, device=device) - block_start[block]
+        block_expert = block % local
+        send_rows = block_expert * rows + begins.t().reshape(-1)[block] + within
+        source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
+        records = RecordLayout.build([("x", torch.bfloat16, hidden)])
+        send_store, packed = self.workspace.take("send", total, records.record_bytes, device)
+        pack_rows(records, [source.reshape(local * rows, hidden)], send_rows, out=packed)
+        recv_store, received = self.workspace.take("recv", sum(expected), records.record_bytes, device)
+        pending = self.transport.all_to_all(received, packed, expected, return_counts, op=op)
+
+        num_tokens, num_topk = topk_idx.shape
+        pos = torch.full((num_tokens * num_topk,), -1, dtype=torch.int32, device=device)
+        pos[msg] = torch.arange(msg.shape[0], dtype=torch.int32, device=device)
+        pos = pos.view(num_tokens, num_topk)
+        if out is None:
+            out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=device)
+
+        def finish() -> None:
+            begin = time.perf_counter_ns()
+            pending.wait()
+            try:
+                combine_reduce(records, received, pos, None, None, out, None, scale=topk_weights)
+            finally:
+                self.workspace.give_back("send", send_store)
+                self.workspace.give_back("recv", recv_store)
+            if wait_stats is not None:
+                wait_stats.add_(waited + time.perf_counter_ns() - begin)
+
+        return out, self._launch(slot, op, finish, hook)
+
+    # ------------------------------------------------------------------ clean
+    def clean(self, m: int, hidden: int, num_experts: int, device: torch.device) -> None:
+        """DeepEP's ``clean_low_latency_buffer``: finishes async results, refuses un-received hooked
+        ones, forgets a lent combine buffer, and meets every rank (a barrier with the deadline)."""
+        op = "clean_low_latency_buffer"
+        for slot in self._slots:
+            self._settle(op, slot)
+        self._lent = None
+        zeros = [0] * self.num_ranks
+        handshake(self.transport, op, dict(op=_CLEAN, hidden=hidden, num_experts=num_experts,
+                                           num_max_dispatch_tokens_per_rank=m), zeros, zeros, _COMPARED, device)

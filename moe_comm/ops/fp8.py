@@ -1,0 +1,76 @@
+"""Per-token FP8 E4M3 casts with one scale per 128 channels: DeepEP's low-latency formulas, bit-exact.
+
+DeepEP's kernel (and so this module) computes, per token and 128-channel group g, in fp32:
+
+    amax      = max(1e-4, max |x_g|)
+    scale_inv = amax * (1 / 448)                 scale = 448 / amax              (default)
+    scale_inv = 2^e, scale = 2^-e, e = ceil(log2(amax * (1 / 448)))              (round_scale)
+    x_fp8     = e4m3(x_g * scale)   (round to nearest even; |x_g * scale| <= 448, so no saturation)
+
+and returns ``scale_inv`` (the factor that dequantizes) as the scale. UE8M0 stores only the
+exponent byte of the power-of-two ``scale_inv``, four groups packed little-endian per int32.
+This is the one quantizer of the library: the low-latency dispatch and the tests both use it.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["GROUP", "FP8_DTYPE", "per_token_cast_to_fp8", "per_token_cast_back", "ue8m0_to_float"]
+
+GROUP = 128
+FP8_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = torch.tensor(448.0, dtype=torch.float32)
+# NOTES: the kernel's constant is the fp32 quotient 1 / 448.0f; computing it in fp32 here keeps it
+# bit-identical (a Python float would be the double quotient, rounded once more).
+_FP8_MAX_INV = torch.tensor(1.0, dtype=torch.float32) / _FP8_MAX
+_AMAX_FLOOR = torch.tensor(1e-4, dtype=torch.float32)
+_MANTISSA = (1 << 23) - 1
+
+
+def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Casts ``x`` `[T, H]` (bf16, fp16 or fp32; H a multiple of 128) to FP8 E4M3.
+
+    Returns:
+        ``(x_fp8 [T, H] float8_e4m3fn, scales)``: scales are float32 `[T, H / 128]` (``x ~ x_fp8 * scale``
+        per group), or with ``use_ue8m0`` (needs ``round_scale`` and H a multiple of 512) int32
+        `[T, H / 512]` holding 4 UE8M0 exponent bytes each, group 4i + j in byte j.
+    """
+    if x.dim() != 2 or x.shape[1] % GROUP:
+        raise ValueError(f"per_token_cast_to_fp8: x must be [T, H] with H a multiple of {GROUP}, got {list(x.shape)}")
+    if use_ue8m0 and (not round_scale or x.shape[1] % (4 * GROUP)):
+        raise ValueError(f"per_token_cast_to_fp8: use_ue8m0 needs round_scale=True and H a multiple of {4 * GROUP}, "
+                         f"got round_scale={round_scale}, H={x.shape[1]}")
+    num_tokens, hidden = x.shape
+    groups = x.to(torch.float32).reshape(num_tokens, hidden // GROUP, GROUP)
+    device = x.device
+    amax = torch.maximum(groups.abs().amax(dim=2), _AMAX_FLOOR.to(device))
+    if round_scale:
+        bits = (amax * _FP8_MAX_INV.to(device)).view(torch.int32)
+        exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & _MANTISSA) != 0).to(torch.int32)
+        scale = ((127 - exponent) << 23).view(torch.float32)
+        scale_inv = ((127 + exponent) << 23).view(torch.float32)
+    else:
+        scale = _FP8_MAX.to(device) / amax
+        scale_inv = amax * _FP8_MAX_INV.to(device)
+    x_fp8 = (groups * scale.unsqueeze(2)).to(FP8_DTYPE).view(num_tokens, hidden)
+    if use_ue8m0:
+        exponent_bytes = (scale_inv.view(torch.int32) >> 23).to(torch.uint8)
+        return x_fp8, exponent_bytes.view(torch.int32)
+    return x_fp8, scale_inv
+
+
+def ue8m0_to_float(packed: torch.Tensor) -> torch.Tensor:
+    """Unpacks int32 `[..., G / 4]` UE8M0 scales into float32 `[..., G]` (2^(byte - 127))."""
+    exponent_bytes = packed.contiguous().view(torch.uint8)
+    return (exponent_bytes.to(torch.int32) << 23).view(torch.float32)
+
+
+def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Dequantizes ``x_fp8`` `[T, H]` with float32 `[T, H / 128]` or packed UE8M0 int32 `[T, H / 512]`
+    scales (any strides) to float32 `[T, H]`."""
+    num_tokens, hidden = x_fp8.shape
+    if scales.dtype == torch.int32:
+        scales = ue8m0_to_float(scales)
+    groups = x_fp8.to(torch.float32).view(num_tokens, hidden // GROUP, GROUP)
+    return (groups * scales.unsqueeze(2)).view(num_tokens, hidden)
