@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from bench_normal import format_table, summarize, write_json
+from common import format_table, summarize, write_json
 
 BYTE_RULE = ("pack_rows: record bytes written; unpack_rows: record bytes read; combine_reduce: returned "
              "record bytes read (num_records x hidden x 2); dispatch_layout: topk_idx bytes read (T x K x 8). "

@@ -10,14 +10,8 @@ Time of one iteration = max over ranks of (perf_counter around the op, after a b
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import functools
 import os
-import platform
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -26,7 +20,10 @@ import torch.distributed as dist
 
 import moe_comm
 from moe_comm._native import cpu_threads
-from moe_comm.launch import LocalWorld, init_from_env, launcher_rank
+from moe_comm.ops import per_token_cast_back, per_token_cast_to_fp8
+
+# sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
+from common import calc_diff, format_table, launch, launched_ranks, summarize, time_cases, write_json
 
 BYTE_RULE = ("DeepEP test_intranode: dispatch BF16 bytes = recv_x.numel()*2 (rows received, own rank "
              "included, x H*2 bytes; top-k ids/weights not counted); FP8 = BF16 bytes*(1+4/128)/2; combine = "
@@ -37,113 +34,12 @@ BANDWIDTH_RULE = ("GB/s per rank = (mean over ranks of that rank's bytes) / medi
                   "aggregate bytes = sum over ranks (in JSON)")
 DISPATCH_CASES = ("moe_dispatch_bf16", "moe_dispatch_fp8", "naive_dispatch", "a2a_ceiling")
 
-
-# ---------------------------------------------------------------------------- helpers shared with bench_kernels
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100] (numpy's default method)."""
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summarize(seconds: Sequence[float]) -> dict[str, float]:
-    """Median, p10/p90 and min/max of per-iteration seconds, in microseconds."""
-    us = [s * 1e6 for s in seconds]
-    return {"median_us": percentile(us, 50), "p10_us": percentile(us, 10), "p90_us": percentile(us, 90),
-            "min_us": min(us), "max_us": max(us)}
-
-
-def git_commit() -> dict[str, Any]:
-    """HEAD of the repository holding this file and whether the tree has changes; None on failure."""
-    repo = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True,
-                               timeout=10).stdout.strip() != ""
-        return {"commit": head, "dirty": dirty}
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-
-
-def machine_info() -> dict[str, Any]:
-    """Host, CPU count, platform and library versions, for the JSON record."""
-    return {"hostname": socket.gethostname(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(), "python": platform.python_version(),
-            "torch": torch.__version__, "moe_comm": moe_comm.__version__, "gpu": torch.cuda.is_available()}
-
-
-def format_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]]) -> str:
-    """Fixed-width table; ``columns`` are (key, header); floats get 1-3 decimals by size."""
-    def cell(v: Any) -> str:
-        if v is None:
-            return "-"
-        if isinstance(v, float):
-            return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
-        return str(v)
-    cells = [[cell(r.get(k)) for k, _ in columns] for r in rows]
-    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (_, h) in enumerate(columns)]
-    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, ((_, h), w) in enumerate(zip(columns, widths)))]
-    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-              for row in cells]
-    return "\n".join(lines)
-
-
-def write_json(path: str, record: dict[str, Any]) -> None:
-    """Writes ``record`` (with date, machine and commit added) to ``path``, creating folders."""
-    record = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(), "git": git_commit(), **record}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(record, indent=2) + "\n")
-
-
-# ---------------------------------------------------------------------------- DeepEP's test helpers
-def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepEP tests/utils.py: per token, per 128 channels, e4m3 with fp32 scale amax/448."""
-    m, n = x.shape
-    view = x.view(m, -1, 128)
-    amax = view.abs().float().amax(dim=2).view(m, -1).clamp(1e-4)
-    x_fp8 = (view * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, n)
-    return x_fp8, (amax / 448.0).view(m, -1)
-
-
-def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    m, n = x_fp8.shape
-    return (x_fp8.float().view(m, -1, 128) * scales.unsqueeze(2)).view(m, n).bfloat16()
-
-
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """DeepEP's dissimilarity: 0 for identical tensors."""
-    x, y = x.double() + 1, y.double() + 1
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
-
-
 # torch 2.13 deprecates the *_into_tensor / *_tensor names in favour of *_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # ---------------------------------------------------------------------------- the per-rank work
-def _time_cases(cases: dict[str, Callable[[], Any]], group: dist.ProcessGroup, warmup: int,
-                iters: int) -> dict[str, list[float]]:
-    """Per-iteration max-over-ranks seconds of every case. Cases take turns each iteration, so
-    that noise from other tenants of a shared machine spreads over all of them alike."""
-    for _ in range(warmup):
-        for fn in cases.values():
-            fn()
-    times = torch.zeros(len(cases), iters, dtype=torch.float64)
-    for i in range(iters):
-        for c, fn in enumerate(cases.values()):
-            dist.barrier(group)
-            t0 = time.perf_counter()
-            fn()
-            times[c, i] = time.perf_counter() - t0
-    # elementwise MAX = the per-iteration max over ranks, taken in one collective after the loop
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return {name: times[c].tolist() for c, name in enumerate(cases)}
-
-
 def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Checks, then times, every case on this rank; returns the results on rank 0, else None.
 
@@ -221,7 +117,7 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
         "moe_combine_bf16": lambda: buf.combine(recv_x, handle),
         "naive_combine": naive_combine,
     }
-    times = _time_cases(cases, group, cfg["warmup"], cfg["iters"])
+    times = time_cases(cases, group, cfg["warmup"], cfg["iters"])
 
     # bytes each rank accounts for, gathered so rank 0 can report mean and aggregate
     bf16 = recv_x.shape[0] * H * 2
@@ -318,30 +214,9 @@ def _check_shapes(args: argparse.Namespace, ranks: int) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
-    found = launcher_rank()
-    ranks = found[1] if found else args.ranks
-    _check_shapes(args, ranks)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("MPI_LOCALNRANKS", ranks)))
-    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // local_ranks)
+    _check_shapes(args, launched_ranks(args.ranks))
     cfg = {k: getattr(args, k) for k in ("tokens", "hidden", "topk", "experts", "warmup", "iters", "seed")}
-    cfg["ranks"] = ranks
-    command = " ".join([Path(sys.executable).name] + sys.argv)
-    if found is None:
-        with LocalWorld(ranks, threads_per_rank=threads, timeout_s=1800) as world:
-            res = world.run(run_rank, cfg)[0]
-        report(res, cfg, command, "moe_comm.launch.LocalWorld (spawn)", args.json)
-        return
-    # Under a launcher: cap the kernel and torch threads before any kernel runs (cpu_threads is cached).
-    os.environ.setdefault("MOE_COMM_NUM_THREADS", str(threads))
-    torch.set_num_threads(threads)
-    group = init_from_env()
-    try:
-        res = run_rank(group, cfg)
-        if res is not None:
-            report(res, cfg, f"{found[2]} x{ranks}: {command}", found[2], args.json)
-        dist.barrier(group)
-    finally:
-        dist.destroy_process_group()
+    launch(run_rank, functools.partial(report, json_path=args.json), cfg, args.ranks, args.threads_per_rank)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Helpers ported from DeepEP's tests/utils.py (same formulas), for use inside ranks."""
+"""Helpers ported from DeepEP's tests/utils.py (same formulas), for use inside ranks. The FP8 casts
+are the library's own (``moe_comm.ops.per_token_cast_to_fp8`` / ``per_token_cast_back``)."""
 from __future__ import annotations
 
 import torch
@@ -10,21 +11,6 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double() + 1, y.double() + 1
     denominator = (x * x + y * y).sum()
     return float(1 - 2 * (x * y).sum() / denominator)
-
-
-def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token, per-128-channel E4M3 cast: amax clamped at 1e-4, scale = amax / 448."""
-    num_tokens, hidden = x.shape
-    assert hidden % 128 == 0
-    view = x.float().view(num_tokens, hidden // 128, 128)
-    amax = view.abs().amax(dim=2).clamp(1e-4)
-    q = (view * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn)
-    return q.view(num_tokens, hidden), amax / 448.0
-
-
-def per_token_cast_back(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    num_tokens, hidden = q.shape
-    return (q.float().view(num_tokens, hidden // 128, 128) * scales.unsqueeze(2)).view(num_tokens, hidden)
 
 
 def inplace_unique(x: torch.Tensor, num_slots: int) -> None:

@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from deepep_utils import all_reduce_sum, calc_diff, inplace_unique, per_token_cast_back, per_token_cast_to_fp8
+from deepep_utils import all_reduce_sum, calc_diff, inplace_unique
+from moe_comm.ops import per_token_cast_back, per_token_cast_to_fp8
 
 
 def _close(x: torch.Tensor, y: torch.Tensor, limit: float) -> bool:

@@ -62,15 +62,18 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0:
 
 def ue8m0_to_float(packed: torch.Tensor) -> torch.Tensor:
     """Unpacks int32 `[..., G / 4]` UE8M0 scales into float32 `[..., G]` (2^(byte - 127))."""
-    exponent_bytes = packed.contiguous().view(torch.uint8)
-    return (exponent_bytes.to(torch.int32) << 23).view(torch.float32)
+    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=packed.device)
+    exponent_bytes = (packed.unsqueeze(-1) >> shifts) & 0xFF  # byte j of each int32, any strides
+    return (exponent_bytes << 23).view(torch.float32).flatten(-2)
 
 
-def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+                        ) -> torch.Tensor:
     """Dequantizes ``x_fp8`` `[T, H]` with float32 `[T, H / 128]` or packed UE8M0 int32 `[T, H / 512]`
-    scales (any strides) to float32 `[T, H]`."""
+    scales (any strides): the fp32 product ``x_fp8 * scale``, rounded to ``dtype`` `[T, H]` (bf16 by
+    default, as DeepEP's tests do)."""
     num_tokens, hidden = x_fp8.shape
     if scales.dtype == torch.int32:
         scales = ue8m0_to_float(scales)
     groups = x_fp8.to(torch.float32).view(num_tokens, hidden // GROUP, GROUP)
-    return (groups * scales.unsqueeze(2)).view(num_tokens, hidden)
+    return (groups * scales.unsqueeze(2)).view(num_tokens, hidden).to(dtype)

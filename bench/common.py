@@ -1,0 +1,145 @@
+"""Helpers shared by the benchmarks: statistics, tables, JSON records, timing and launching.
+
+Each benchmark defines ``run_rank(group, cfg)`` (collective; returns results on rank 0) and
+``report(results, cfg, command, launcher)``; ``launch`` runs it standalone (local ranks), under
+torchrun or under mpirun.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from moe_comm.launch import LocalWorld, init_from_env, launcher_rank
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100] (numpy's default method)."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(seconds: Sequence[float]) -> dict[str, float]:
+    """Median, p10/p90 and min/max of per-iteration seconds, in microseconds."""
+    us = [s * 1e6 for s in seconds]
+    return {"median_us": percentile(us, 50), "p10_us": percentile(us, 10), "p90_us": percentile(us, 90),
+            "min_us": min(us), "max_us": max(us)}
+
+
+def git_commit() -> dict[str, Any]:
+    """HEAD of the repository holding this file and whether the tree has changes; None on failure."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True,
+                               timeout=10).stdout.strip() != ""
+        return {"commit": head, "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def machine_info() -> dict[str, Any]:
+    """Host, CPU count, platform and library versions, for the JSON record."""
+    return {"hostname": socket.gethostname(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "torch": torch.__version__, "moe_comm": moe_comm.__version__, "gpu": torch.cuda.is_available()}
+
+
+def format_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]]) -> str:
+    """Fixed-width table; ``columns`` are (key, header); floats get 1-3 decimals by size."""
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+        return str(v)
+    cells = [[cell(r.get(k)) for k, _ in columns] for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (_, h) in enumerate(columns)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, ((_, h), w) in enumerate(zip(columns, widths)))]
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+              for row in cells]
+    return "\n".join(lines)
+
+
+def write_json(path: str, record: dict[str, Any]) -> None:
+    """Writes ``record`` (with date, machine and commit added) to ``path``, creating folders."""
+    record = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine_info(), "git": git_commit(), **record}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepEP's dissimilarity: 0 for identical tensors."""
+    x, y = x.double() + 1, y.double() + 1
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+
+def time_cases(cases: dict[str, Callable[[], Any]], group: dist.ProcessGroup, warmup: int,
+                iters: int) -> dict[str, list[float]]:
+    """Per-iteration max-over-ranks seconds of every case. Cases take turns each iteration, so
+    that noise from other tenants of a shared machine spreads over all of them alike."""
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    times = torch.zeros(len(cases), iters, dtype=torch.float64)
+    for i in range(iters):
+        for c, fn in enumerate(cases.values()):
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            fn()
+            times[c, i] = time.perf_counter() - t0
+    # elementwise MAX = the per-iteration max over ranks, taken in one collective after the loop
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return {name: times[c].tolist() for c, name in enumerate(cases)}
+
+
+def launch(run_rank: Callable[[dist.ProcessGroup, dict[str, Any]], Optional[dict[str, Any]]],
+           report: Callable[[dict[str, Any], dict[str, Any], str, str], None], cfg: dict[str, Any],
+           local_ranks: int, threads_per_rank: int) -> None:
+    """Runs ``run_rank`` on every rank and ``report`` on rank 0: on ``local_ranks`` spawned local
+    ranks when no launcher (torchrun, mpirun) started this process, else on the launcher's ranks.
+    ``threads_per_rank`` 0 means cpu_count // local ranks, at least 1."""
+    found = launcher_rank()
+    ranks = found[1] if found else local_ranks
+    on_host = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("MPI_LOCALNRANKS", ranks)))
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // on_host)
+    cfg["ranks"] = ranks
+    command = " ".join([Path(sys.executable).name] + sys.argv)
+    if found is None:
+        with LocalWorld(ranks, threads_per_rank=threads, timeout_s=1800) as world:
+            res = world.run(run_rank, cfg)[0]
+        report(res, cfg, command, "moe_comm.launch.LocalWorld (spawn)")
+        return
+    # Under a launcher: cap the kernel and torch threads before any kernel runs (cpu_threads is cached).
+    os.environ.setdefault("MOE_COMM_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
+    group = init_from_env()
+    try:
+        res = run_rank(group, cfg)
+        if res is not None:
+            report(res, cfg, f"{found[2]} x{ranks}: {command}", found[2])
+        dist.barrier(group)
+    finally:
+        dist.destroy_process_group()
+
+
+def launched_ranks(default: int) -> int:
+    """The launcher's world size, or ``default`` when no launcher started this process."""
+    found = launcher_rank()
+    return found[1] if found else default
