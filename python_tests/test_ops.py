@@ -172,6 +172,58 @@ def test_unpack_rows_matches_reference(x_dtype, hidden, num_rows):
         assert torch.equal(_as_bytes(g[:num_rows]), layout.view(records, f.name).view(torch.uint8))
 
 
+@pytest.mark.parametrize("num_rows", [0, 1, 23])
+def test_unpack_rows_scatters_to_dst_rows(num_rows):
+    gen = _gen(num_rows, "unpack dst")
+    layout = RecordLayout.build([("x", torch.bfloat16, 9), ("src", torch.int32, 1)])
+    records = torch.randint(0, 256, (num_rows, layout.record_bytes), dtype=torch.uint8, generator=gen)
+    dst_rows = torch.randperm(40, generator=gen)[:num_rows]
+    got = _strided_outputs(gen, layout, 38)  # 40 rows
+    want = [t.clone() for t in got]
+    before = [t.clone() for t in got]
+    unpack_rows(layout, records, got, dst_rows=dst_rows)
+    unpack_rows_reference(layout, records, want, dst_rows=dst_rows)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[dst_rows] = False
+    for f, g, w, b in zip(layout.fields, got, want, before):
+        assert torch.equal(_as_bytes(g), _as_bytes(w)), f"field {f.name} differs"
+        assert torch.equal(_as_bytes(g[dst_rows]), layout.view(records, f.name).view(torch.uint8))
+        assert torch.equal(_as_bytes(g[untouched]), _as_bytes(b[untouched]))
+
+
+def test_pack_rows_leaves_none_fields_to_the_caller():
+    gen = _gen("pack none")
+    layout = RecordLayout.build([("x", torch.float32, 5), ("expert", torch.int32, 1)])
+    x = torch.randn(6, 5, generator=gen)
+    src_rows = torch.tensor([5, 0, 0, 3])
+    for fn in (pack_rows, pack_rows_reference):
+        records = fn(layout, [x, None], src_rows)
+        layout.view(records, "expert").copy_(torch.arange(4, dtype=torch.int32).unsqueeze(1))
+        assert torch.equal(layout.view(records, "x"), x[src_rows])
+        assert layout.view(records, "expert").view(-1).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("dtype", list(REDUCE_DTYPES))
+@pytest.mark.parametrize("num_sources", [1, 3, 8])
+def test_combine_reduce_weighted_matches_reference(dtype, num_sources):
+    gen = _gen(str(dtype), num_sources, "weighted")
+    layout, records, send_pos, _ = _combine_case(gen, dtype, num_sources, with_weights=False)
+    scale = torch.randn(send_pos.shape, generator=gen) * 3
+    outs = []
+    for fn in (combine_reduce, combine_reduce_reference):
+        out = torch.full((send_pos.shape[0], layout.field("x").num_cols), 7, dtype=dtype)
+        fn(layout, records, send_pos, None, None, out, None, scale=scale)
+        outs.append(out)
+    _assert_bitwise(outs[0], outs[1])
+    # the same sum written out: fp32 multiply, then fp32 add, sources in order, rounded once
+    x = layout.view(records, "x").float()
+    acc = torch.zeros(send_pos.shape[0], x.shape[1])
+    for j in range(num_sources):
+        hit = send_pos[:, j] >= 0
+        acc[hit] = acc[hit] + scale[hit, j:j + 1] * x[send_pos[hit, j].long()]
+    _assert_bitwise(outs[0], acc.to(dtype))
+
+
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
 def test_pack_unpack_round_trip(x_dtype):
     gen = _gen(str(x_dtype), "round trip")
