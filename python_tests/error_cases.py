@@ -40,6 +40,42 @@ def _handle(buf: moe_comm.Buffer) -> tuple:
     return _dispatch(buf)[4]
 
 
+M = 8  # low-latency num_max_dispatch_tokens_per_rank
+
+
+def _ll_buffer(buf: moe_comm.Buffer, **kw: Any) -> moe_comm.Buffer:
+    kw.setdefault("num_rdma_bytes", moe_comm.Buffer.get_low_latency_rdma_size_hint(M, H, buf.group_size, E))
+    return moe_comm.Buffer(buf.group, low_latency_mode=kw.pop("low_latency_mode", True), timeout_s=20, **kw)
+
+
+def _ll_dispatch(buf: moe_comm.Buffer, **overrides: Any) -> Any:
+    ll = _ll_buffer(buf)
+    args = _inputs(buf.group_size)
+    args = dict(x=args["x"], topk_idx=args["topk_idx"], num_max_dispatch_tokens_per_rank=M, num_experts=E)
+    args.update(overrides)
+    return ll.low_latency_dispatch(**args)
+
+
+def _ll_combine(buf: moe_comm.Buffer, **overrides: Any) -> Any:
+    ll = _ll_buffer(buf)
+    inputs = _inputs(buf.group_size)
+    recv_x, _, handle, _, _ = ll.low_latency_dispatch(inputs["x"], inputs["topk_idx"], M, E, use_fp8=False)
+    args = dict(x=recv_x, topk_idx=inputs["topk_idx"], topk_weights=inputs["topk_weights"], handle=handle)
+    args.update(overrides)
+    return ll.low_latency_combine(**args)
+
+
+def _ll_handle(buf: moe_comm.Buffer) -> tuple:
+    inputs = _inputs(buf.group_size)
+    return _ll_buffer(buf).low_latency_dispatch(inputs["x"], inputs["topk_idx"], M, E, use_fp8=False)[2]
+
+
+def _duplicate_expert() -> torch.Tensor:
+    idx = _inputs(1)["topk_idx"].clone()
+    idx[3, 1] = idx[3, 0]
+    return idx
+
+
 # name -> bad call on a Buffer; the test module holds the expected exception and message.
 CASES: dict[str, Callable[[moe_comm.Buffer], Any]] = {
     "layout_topk_dtype": lambda b: b.get_dispatch_layout(_inputs(1)["topk_idx"].int(), E),
@@ -105,6 +141,38 @@ CASES: dict[str, Callable[[moe_comm.Buffer], Any]] = {
     "buffer_transport_type": lambda b: moe_comm.Buffer(b.group, transport=None),
     "buffer_transport": lambda b: moe_comm.Buffer(b.group, transport="carrier-pigeon"),
     "buffer_comm": lambda b: moe_comm.Buffer(None, comm=object()),
+    "ll_not_low_latency_mode": lambda b: b.low_latency_dispatch(_inputs(1)["x"], _inputs(1)["topk_idx"], M, E),
+    "ll_rdma_bytes_small": lambda b: _ll_buffer(b, num_rdma_bytes=1024).low_latency_dispatch(
+        _inputs(1)["x"], _inputs(1)["topk_idx"], M, E),
+    "ll_x_dtype": lambda b: _ll_dispatch(b, x=torch.zeros(T, H)),
+    "ll_x_type": lambda b: _ll_dispatch(b, x=[[0.0] * H]),
+    "ll_hidden": lambda b: _ll_dispatch(b, x=torch.zeros(T, 200, dtype=torch.bfloat16)),
+    "ll_too_many_tokens": lambda b: _ll_dispatch(b, x=torch.zeros(M + 1, H, dtype=torch.bfloat16),
+                                                 topk_idx=torch.zeros(M + 1, K, dtype=torch.int64)),
+    "ll_topk_rows": lambda b: _ll_dispatch(b, topk_idx=_inputs(1)["topk_idx"][:-1]),
+    "ll_topk_duplicate": lambda b: _ll_dispatch(b, topk_idx=_duplicate_expert()),
+    "ll_topk_range": lambda b: _ll_dispatch(b, topk_idx=_inputs(1)["topk_idx"] + E),
+    "ll_m_zero": lambda b: _ll_dispatch(b, num_max_dispatch_tokens_per_rank=0),
+    "ll_num_experts_type": lambda b: _ll_dispatch(b, num_experts=8.0),
+    "ll_ue8m0_without_round_scale": lambda b: _ll_dispatch(b, use_ue8m0=True),
+    "ll_ue8m0_hidden": lambda b: _ll_dispatch(b, round_scale=True, use_ue8m0=True),
+    "ll_async_and_hook": lambda b: _ll_dispatch(b, async_finish=True, return_recv_hook=True),
+    "ll_flag_type": lambda b: _ll_dispatch(b, use_fp8=1),
+    "ll_recv_stats_dtype": lambda b: _ll_dispatch(b, cumulative_local_expert_recv_stats=torch.zeros(E, dtype=torch.int64)),
+    "ll_wait_stats_shape": lambda b: _ll_dispatch(b, dispatch_wait_recv_cost_stats=torch.zeros(2, 2, dtype=torch.int64)),
+    "llc_logfmt": lambda b: _ll_combine(b, use_logfmt=True),
+    "llc_handle_len": lambda b: _ll_combine(b, handle=_ll_handle(b)[:4]),
+    "llc_handle_range": lambda b: _ll_combine(b, handle=(_ll_handle(b)[0], _ll_handle(b)[1] + (M << 32)) + _ll_handle(b)[2:]),
+    "llc_x_shape": lambda b: _ll_combine(b, x=torch.zeros(E, M, H + 128, dtype=torch.bfloat16)),
+    "llc_x_dtype": lambda b: _ll_combine(b, x=torch.zeros(E, M, H)),
+    "llc_weights_shape": lambda b: _ll_combine(b, topk_weights=torch.zeros(T, K + 1)),
+    "llc_out_shape": lambda b: _ll_combine(b, out=torch.zeros(T + 1, H, dtype=torch.bfloat16)),
+    "llc_out_strides": lambda b: _ll_combine(b, out=torch.zeros(H, T, dtype=torch.bfloat16).T),
+    "llc_zero_copy_without_buffer": lambda b: _ll_combine(b, zero_copy=True),
+    "llc_stats_dtype": lambda b: _ll_combine(b, combine_wait_recv_cost_stats=torch.zeros(1, dtype=torch.int32)),
+    "ll_clean_hidden": lambda b: _ll_buffer(b).clean_low_latency_buffer(M, 200, E),
+    "ll_next_buffer_handle": lambda b: _ll_buffer(b).get_next_low_latency_combine_buffer("handle"),
+    "ll_size_hint_hidden": lambda b: moe_comm.Buffer.get_low_latency_rdma_size_hint(M, 64, 1, E),
 }
 
 

@@ -84,3 +84,63 @@ def die_before_dispatch(group: dist.ProcessGroup, timeout_s: float) -> Any:
     except (moe_comm.CommTimeoutError, RuntimeError) as exc:
         return time.monotonic() - start, type(exc).__name__, str(exc)
     return "no error"
+
+
+def _ll_buffer(group: dist.ProcessGroup, timeout_s: float = 20, m: int = 8, hidden: int = 256,
+               experts: int = 12) -> moe_comm.Buffer:
+    size = moe_comm.Buffer.get_low_latency_rdma_size_hint(2 * m, 2 * hidden, 1, 2 * experts)  # room for every variant
+    return moe_comm.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, timeout_s=timeout_s)
+
+
+def _ll_dispatch(buf: moe_comm.Buffer, m: int = 8, hidden: int = 256, experts: int = 12, **kw: Any) -> tuple:
+    idx, _ = _routing(6, experts, 2, buf.rank)
+    x = torch.full((6, hidden), float(buf.rank), dtype=torch.bfloat16)
+    return buf.low_latency_dispatch(x, idx, m, experts, **kw)
+
+
+def ll_mismatch(group: dist.ProcessGroup, kind: str) -> tuple[str, str, bool]:
+    """Rank 0 and the others disagree in one low-latency way; returns (exception, message, buffer
+    still works)."""
+    buf = _ll_buffer(group)
+    odd = buf.rank == 0
+    try:
+        if kind == "ll_m":
+            _ll_dispatch(buf, m=16 if odd else 8)
+        elif kind == "ll_hidden":
+            _ll_dispatch(buf, hidden=512 if odd else 256)
+        elif kind == "ll_experts":
+            _ll_dispatch(buf, experts=24 if odd else 12)
+        elif kind == "ll_fp8":
+            _ll_dispatch(buf, use_fp8=odd)
+        elif kind == "ll_op":
+            if odd:
+                _dispatch(buf)
+            else:
+                _ll_dispatch(buf)
+        elif kind == "ll_combine_routing":
+            recv_x, _, handle, _, _ = _ll_dispatch(buf, use_fp8=False)
+            idx, w = _routing(6, 12, 2, buf.rank + (100 if odd else 0))  # rank 0 combines other routing
+            buf.low_latency_combine(recv_x, idx, w, handle)
+        else:
+            raise ValueError(kind)
+        outcome = ("no exception", "")
+    except Exception as exc:  # the test compares across ranks
+        outcome = (type(exc).__name__, str(exc))
+    recv_x, _, handle, _, _ = _ll_dispatch(buf, use_fp8=False)  # the group is still in step
+    idx, w = _routing(6, 12, 2, buf.rank)
+    y, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+    return outcome + (bool(torch.isfinite(y.float()).all()),)
+
+
+def skip_ll_dispatch(group: dist.ProcessGroup, timeout_s: float, hook: bool) -> Any:
+    """The last rank never calls low_latency_dispatch; the others must time out naming it."""
+    buf = _ll_buffer(group, timeout_s)
+    if buf.rank == buf.group_size - 1:
+        return "skipped"
+    start = time.monotonic()
+    try:
+        _, _, _, _, recv_hook = _ll_dispatch(buf, return_recv_hook=hook)
+        recv_hook()
+    except moe_comm.CommTimeoutError as exc:
+        return time.monotonic() - start, str(exc), exc.missing_ranks, exc.op, exc.rank
+    return "no timeout"

@@ -62,6 +62,43 @@ EXPECTED = {
     "buffer_transport_type": ("TypeError", r"Buffer: transport must be a str, got NoneType None"),
     "buffer_transport": ("ValueError", r"Buffer: transport must be 'auto' or one of \['collective'\], got 'carrier-pigeon'"),
     "buffer_comm": ("NotImplementedError", r"mpi4py communicator \(comm=...\) needs the MPI transport"),
+    "ll_not_low_latency_mode": ("RuntimeError", r"low_latency_dispatch: needs a Buffer created with low_latency_mode=True"),
+    "ll_rdma_bytes_small": ("ValueError", r"low_latency_dispatch: the Buffer's num_rdma_bytes must be >= \d+ for "
+                            r"num_max_dispatch_tokens_per_rank=8, hidden=128, num_experts=8 \(create it with "
+                            r"num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint\(8, 128, 1, 8\)\), got 1024"),
+    "ll_x_dtype": ("TypeError", r"low_latency_dispatch: x must be of dtype bfloat16, got \[8, 128\] float32"),
+    "ll_x_type": ("TypeError", r"low_latency_dispatch: x must be a bf16 tensor \[T, H\], got list"),
+    "ll_hidden": ("ValueError", r"low_latency_dispatch: hidden must be a multiple of 128, got 200"),
+    "ll_too_many_tokens": ("ValueError", r"x must be at most num_max_dispatch_tokens_per_rank = 8 rows, got \[9, 128\]"),
+    "ll_topk_rows": ("ValueError", r"low_latency_dispatch: topk_idx must be shaped \[8, \*\], got \[7, 2\]"),
+    "ll_topk_duplicate": ("ValueError", r"topk_idx must be rows that pick each expert at most once, got row 3 picking "
+                          r"expert \d twice"),
+    "ll_topk_range": ("ValueError", r"topk_idx must be expert ids in \[-1, 8\)"),
+    "ll_m_zero": ("ValueError", r"num_max_dispatch_tokens_per_rank must be >= 1, got 0"),
+    "ll_num_experts_type": ("TypeError", r"low_latency_dispatch: num_experts must be an int, got float 8.0"),
+    "ll_ue8m0_without_round_scale": ("ValueError", r"round_scale must be True when use_ue8m0=True"),
+    "ll_ue8m0_hidden": ("ValueError", r"x must be \[T, hidden\] with hidden a multiple of 512 for use_ue8m0"),
+    "ll_async_and_hook": ("ValueError", r"async_finish and return_recv_hook must be not both True \(as DeepEP asserts\)"),
+    "ll_flag_type": ("TypeError", r"low_latency_dispatch: use_fp8 must be a bool, got int 1"),
+    "ll_recv_stats_dtype": ("TypeError", r"cumulative_local_expert_recv_stats must be of dtype int32, got \[8\] int64"),
+    "ll_wait_stats_shape": ("ValueError", r"dispatch_wait_recv_cost_stats must be shaped \[1\], got \[2, 2\] int64"),
+    "llc_logfmt": ("NotImplementedError", r"low_latency_combine: use_logfmt=True .* is not implemented"),
+    "llc_handle_len": ("TypeError", r"handle must be the 5-tuple \(src_info, layout_range, "
+                       r"num_max_dispatch_tokens_per_rank, hidden, num_experts\) returned by low_latency_dispatch, "
+                       r"got tuple of length 4"),
+    "llc_handle_range": ("ValueError", r"handle\[1\] \(layout_range\) must be begin << 32 \| count ranges inside "
+                         r"\[0, 8\)"),
+    "llc_x_shape": ("ValueError", r"low_latency_combine: x must be shaped \[8, 8, 128\], got \[8, 8, 256\]"),
+    "llc_x_dtype": ("TypeError", r"low_latency_combine: x must be of dtype bfloat16, got \[8, 8, 128\] float32"),
+    "llc_weights_shape": ("ValueError", r"topk_weights must be shaped \[8, 2\], got \[8, 3\]"),
+    "llc_out_shape": ("ValueError", r"low_latency_combine: out must be shaped \[8, 128\], got \[9, 128\]"),
+    "llc_out_strides": ("ValueError", r"low_latency_combine: out must be contiguous, got strides \(1, 8\)"),
+    "llc_zero_copy_without_buffer": ("RuntimeError", r"zero_copy=True reads the buffer from "
+                                     r"get_next_low_latency_combine_buffer\(handle\), which must be called"),
+    "llc_stats_dtype": ("TypeError", r"combine_wait_recv_cost_stats must be of dtype int64, got \[1\] int32"),
+    "ll_clean_hidden": ("ValueError", r"clean_low_latency_buffer: hidden must be a multiple of 128, got 200"),
+    "ll_next_buffer_handle": ("TypeError", r"get_next_low_latency_combine_buffer: handle must be the 5-tuple"),
+    "ll_size_hint_hidden": ("ValueError", r"get_low_latency_rdma_size_hint: hidden must be >= 128, got 64"),
 }
 
 

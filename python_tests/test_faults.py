@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from fault_cases import die_before_dispatch, mismatch, skip_dispatch
+from fault_cases import die_before_dispatch, ll_mismatch, mismatch, skip_dispatch, skip_ll_dispatch
 from moe_comm.launch import LocalWorld
 
 MISMATCH = {
@@ -46,3 +46,38 @@ def test_dead_rank_is_reported_not_waited_on():
     elapsed, kind, message = info.value.results[0]
     assert elapsed < 25.0, elapsed  # found out well before the 30 s deadline
     assert "rank 1" in message and "has exited" in message, message
+
+
+LL_MISMATCH = {
+    "ll_m": r"low_latency_dispatch: ranks disagree on num_max_dispatch_tokens_per_rank: rank 0: 16, rank 1: 8, "
+            r"rank 2: 8",
+    "ll_hidden": r"low_latency_dispatch: ranks disagree on hidden: rank 0: 512, rank 1: 256, rank 2: 256",
+    "ll_experts": r"low_latency_dispatch: ranks disagree on num_experts: rank 0: 24, rank 1: 12, rank 2: 12",
+    "ll_fp8": r"low_latency_dispatch: ranks disagree on fp8_format: rank 0: fp8, rank 1: bf16, rank 2: bf16",
+    "ll_op": r"ranks called different operations: rank 0: dispatch, rank 1: low_latency_dispatch, "
+             r"rank 2: low_latency_dispatch",
+    "ll_combine_routing": r"low_latency_combine: row counts disagree: rank 0 expects \d+ rows from rank \d, which "
+                          r"sends \d+",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LL_MISMATCH))
+def test_low_latency_mismatch_same_error_everywhere(worlds, kind):
+    results = worlds(3).run(ll_mismatch, kind)
+    assert {r[0] for r in results} == {"CrossRankMismatchError"}, results
+    messages = {r[1] for r in results}
+    assert len(messages) == 1, messages
+    assert re.search(LL_MISMATCH[kind], messages.pop())
+    assert all(r[2] for r in results)
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_rank_that_skips_low_latency_dispatch_times_out_others(hook):
+    with LocalWorld(3, timeout_s=60, threads_per_rank=1) as world:
+        results = world.run(skip_ll_dispatch, 2.0, hook)
+    assert results[2] == "skipped"
+    for rank in (0, 1):
+        elapsed, message, missing, op, who = results[rank]
+        assert missing == [2] and op == "low_latency_dispatch" and who == rank
+        assert 2.0 <= elapsed < 10.0, elapsed
+        assert f"low_latency_dispatch: rank {rank} timed out after 2 s; ranks not heard from: [2]" in message

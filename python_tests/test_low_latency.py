@@ -3,6 +3,7 @@ FP8, power-of-two and UE8M0 scales, alternating buffers, zero-copy combine and `
 ranks, with hidden sizes DeepEP supports and ones it does not."""
 import pytest
 
+from ll_hook_cases import hook_does_not_wait_for_peers_hooks, hooks_and_buffers
 from low_latency_cases import ll_digest, ll_uneven, low_latency
 
 CASES = [
@@ -42,3 +43,22 @@ def test_low_latency_deterministic(worlds, use_fp8):
     second = worlds(3).run(ll_digest, 24, 512, 4, 12, use_fp8)
     assert first == second
     assert len(set(first)) == 3  # ranks receive different data: the digest is not trivially equal
+
+
+def test_hooks_async_and_double_buffering(worlds):
+    for result in worlds(3).run(hooks_and_buffers):
+        assert result["event_empty_with_hook"]
+        assert result["hooked_equal_sync"] and result["async_equal_sync"]
+        assert result["async_completed_by_reuse"]
+        assert result["combine_hook_equal"] and result["zero_copy_reads_buffer"] and result["stats_accumulate"]
+        for key in ("third_call_refused", "clean_refused"):
+            assert result[key].startswith("RuntimeError: "), result[key]
+            assert "still holds a result whose recv hook has not been called" in result[key], result[key]
+        assert result["hook_twice"] == ("RuntimeError: low_latency_dispatch: this recv hook was already called; "
+                                        "each hook receives once")
+        assert result["zero_copy_stale"].startswith("RuntimeError: low_latency_combine: zero_copy=True reads")
+
+
+def test_hook_receives_without_waiting_for_peers_hooks(worlds):
+    elapsed = worlds(3).run(hook_does_not_wait_for_peers_hooks, 1.5)
+    assert max(elapsed[:-1]) < 0.75, elapsed  # far below the last rank's 1.5 s delay
