@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .alloc import zeros
 from .handle import LowLatencyHandle
 from .handshake import handshake
 from .ops import RecordLayout, combine_reduce, pack_rows, per_token_cast_to_fp8, unpack_rows
@@ -160,11 +161,12 @@ class LowLatencyMode:
         pending = self.transport.all_to_all(received, packed, recv_counts, send_counts, op=op)
 
         rows = R * m
-        recv_x = torch.empty(local, rows, hidden, dtype=torch.bfloat16 if scales is None else FP8_DTYPE, device=device)
+        # Zero-filled (rows past recv_count stay 0), at the cost of the pages written only.
+        recv_x = zeros((local, rows, hidden), torch.bfloat16 if scales is None else FP8_DTYPE, device)
         recv_scales = None
         if scales is not None:  # DeepEP's layout: allocated [E_loc, S, R * M], returned transposed
-            recv_scales = torch.empty(local, scales.shape[1], rows, dtype=scales.dtype, device=device).transpose(1, 2)
-        src_info = torch.empty(local, rows, dtype=torch.int32, device=device)
+            recv_scales = zeros((local, scales.shape[1], rows), scales.dtype, device).transpose(1, 2)
+        src_info = torch.full((local, rows), -1, dtype=torch.int32, device=device)
         layout_range = torch.empty(local, R, dtype=torch.int64, device=device)
         recv_count = torch.empty(local, dtype=torch.int32, device=device)
 
@@ -190,7 +192,7 @@ class LowLatencyMode:
                  recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor], src_info: torch.Tensor,
                  layout_range: torch.Tensor, recv_count: torch.Tensor) -> None:
         """Places received records (ordered by source rank, local expert, token) at
-        ``[expert, begin[expert, source] + index in block]`` and fills counts, ranges and padding."""
+        ``[expert, begin[expert, source] + index in block]`` and fills counts and ranges."""
         R, device = self.num_ranks, received.device
         local, rows, hidden = recv_x.shape
         num = received.shape[0]
@@ -207,14 +209,8 @@ class LowLatencyMode:
         if recv_scales is not None:
             recv_scales[expert, row] = records.view(received, "scales")
         src_info[expert, row] = records.view(received, "src")[:, 0]
-        per_expert = counts.sum(1)
-        recv_count.copy_(per_expert)
+        recv_count.copy_(counts.sum(1))
         layout_range.copy_((begins << 32) | counts)
-        for e, valid in enumerate(per_expert.tolist()):
-            recv_x[e, valid:].view(torch.uint8).zero_()
-            src_info[e, valid:] = -1
-            if recv_scales is not None:
-                recv_scales[e, valid:] = 0
 
     # ------------------------------------------------------------------ combine
     def next_combine_buffer(self, handle: LowLatencyHandle, device: torch.device) -> torch.Tensor:
