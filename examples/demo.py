@@ -1,11 +1,17 @@
 """An expert-parallel MoE layer forward with moe_comm (DeepEP v1 ``Buffer`` API), checked against a dense one.
 
 Every rank builds the same seeded MoE layer (softmax top-k router, SwiGLU experts; experts split evenly
-over ranks) and its own tokens, then runs DeepEP's normal-mode forward:
-get_dispatch_layout -> dispatch (each token goes to the ranks owning its experts) -> local expert FFNs,
-each output row weighted by its received top-k weight (combine does not weight) -> combine (rows go
-back to their source rank and are summed). Each rank also computes the same MoE for its own tokens
-without communication; the demo exits 1 unless the two agree (DeepEP calc_diff <= 1e-4, all finite).
+over ranks) and its own tokens, then runs it both ways DeepEP serves it:
+
+* prefill, normal mode: get_dispatch_layout -> dispatch (each token goes to the ranks owning its
+  experts) -> local expert FFNs, each output row weighted by its received top-k weight (combine does
+  not weight) -> combine (rows go back to their source rank and are summed);
+* decode, low-latency mode on the first ``--decode-tokens`` tokens: low_latency_dispatch with the
+  in-op FP8 cast and a recv hook -> local experts on the fixed [E_loc, R * M, H] blocks ->
+  low_latency_combine (weights the expert outputs and sums them).
+
+Each rank also computes the same MoE for its own tokens without communication; the demo exits 1 unless
+both ways agree with it (DeepEP calc_diff <= 1e-4 for BF16, <= 9e-4 for FP8 decode; all finite).
 Rank 0 prints sizes, bytes moved, dispatch/combine times (median over iterations of the max over ranks).
 
     python examples/demo.py [--ranks 4]              # local ranks (moe_comm.launch.LocalWorld)
@@ -27,7 +33,7 @@ import torch.nn.functional as F
 import moe_comm
 from moe_comm.launch import LocalWorld, init_from_env, launcher_rank
 
-MAX_CALC_DIFF = 1e-4
+MAX_CALC_DIFF = {"normal": 1e-4, "low_latency": 9e-4}  # BF16 prefill; FP8 decode (DeepEP's low-latency FP8 limit)
 Weights = dict[str, torch.Tensor]
 
 
@@ -76,82 +82,137 @@ def dense_reference(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w
     return out.bfloat16()
 
 
-def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """Forward, check and timing on one rank (collective over ``group``); results on rank 0, else None."""
-    rank, R = dist.get_rank(group), dist.get_world_size(group)
-    T, H, E, K = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]
-    w = make_weights(cfg)
-    x = torch.randn(T, H, generator=torch.Generator().manual_seed(cfg["seed"] + 1 + rank)).bfloat16()
-    topk_idx, topk_weights = route(x, w["router"], K)
-    per_rank = E // R
+def low_latency_experts(recv_x: tuple[torch.Tensor, torch.Tensor], recv_count: torch.Tensor, w: Weights,
+                        first: int) -> torch.Tensor:
+    """This rank's experts on the valid rows of each fixed block (dequantized FP8), unweighted: the
+    low-latency combine applies the top-k weights. bf16 [E_loc, R * M, H], zero past recv_count."""
+    q, scales = recv_x
+    out = torch.zeros(q.shape, dtype=torch.bfloat16)
+    for e, n in enumerate(recv_count.tolist()):
+        if n:
+            rows = moe_comm.ops.per_token_cast_back(q[e, :n], scales[e, :n])
+            out[e, :n] = swiglu(rows, w, first + e).bfloat16()
+    return out
 
-    buf = moe_comm.Buffer(group)
-    tokens_per_rank, _, tokens_per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
-    routing = dict(topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=tokens_per_rank,
-                   is_token_in_rank=in_rank, num_tokens_per_expert=tokens_per_expert)
 
-    def dispatch() -> tuple:
-        return buf.dispatch(x, **routing)
-
-    recv_x, recv_idx, recv_w, _, handle, _ = dispatch()
-    expert_out = local_experts(recv_x, recv_idx, recv_w, w, rank * per_rank, per_rank)
-    combined, _, _ = buf.combine(expert_out, handle)
-    reference = dense_reference(x, topk_idx, topk_weights, w)
-
-    # global calc_diff from per-rank sums; max abs error; non-finite count; rows received
-    a, b = combined.double() + 1, reference.double() + 1
-    sums = torch.tensor([(a * b).sum(), (a * a + b * b).sum(), (~combined.isfinite()).sum(), recv_x.shape[0],
-                         reference.double().square().sum()], dtype=torch.float64)
-    dist.all_reduce(sums, group=group)
-    max_err = torch.tensor([(combined.float() - reference.float()).abs().max().item()], dtype=torch.float64)
-    dist.all_reduce(max_err, op=dist.ReduceOp.MAX, group=group)
-
-    for _ in range(cfg["warmup"]):
-        buf.combine(expert_out, dispatch()[4])
-    times = torch.zeros(2, cfg["iters"], dtype=torch.float64)
-    for i in range(cfg["iters"]):
+def _timed(fn_a, fn_b, group: dist.ProcessGroup, warmup: int, iters: int) -> list[float]:
+    """Median over iterations of the max over ranks of the time of fn_a() and of fn_b(fn_a())."""
+    for _ in range(warmup):
+        fn_b(fn_a())
+    times = torch.zeros(2, iters, dtype=torch.float64)
+    for i in range(iters):
         dist.barrier(group)
         t0 = time.perf_counter()
-        h = dispatch()[4]
+        got = fn_a()
         times[0, i] = time.perf_counter() - t0
         dist.barrier(group)
         t0 = time.perf_counter()
-        buf.combine(expert_out, h)
+        fn_b(got)
         times[1, i] = time.perf_counter() - t0
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # per iteration: the slowest rank
+    return [statistics.median(times[0].tolist()), statistics.median(times[1].tolist())]
 
-    calc_diff = float(1 - 2 * sums[0] / sums[1])
-    nonfinite, rows = int(sums[2]), int(sums[3])
-    res = {"calc_diff": calc_diff, "max_abs_err": float(max_err), "nonfinite": nonfinite, "rows": rows,
-           "ref_rms": float((sums[4] / (R * T * H)).sqrt()), "ranks": R,
-           "dispatch_s": statistics.median(times[0].tolist()), "combine_s": statistics.median(times[1].tolist())}
-    res["passed"] = nonfinite == 0 and calc_diff == calc_diff and calc_diff <= MAX_CALC_DIFF
+
+def _agreement(combined: torch.Tensor, reference: torch.Tensor, rows: int, group: dist.ProcessGroup
+               ) -> dict[str, float]:
+    """Global calc_diff, max abs error, non-finite count and reference RMS from per-rank sums."""
+    a, b = combined.double() + 1, reference.double() + 1
+    sums = torch.tensor([(a * b).sum(), (a * a + b * b).sum(), (~combined.isfinite()).sum(), rows,
+                         reference.double().square().sum(), reference.numel()], dtype=torch.float64)
+    dist.all_reduce(sums, group=group)
+    max_err = torch.tensor([(combined.float() - reference.float()).abs().max().item() if combined.numel() else 0.0],
+                           dtype=torch.float64)
+    dist.all_reduce(max_err, op=dist.ReduceOp.MAX, group=group)
+    return {"calc_diff": float(1 - 2 * sums[0] / sums[1]), "max_abs_err": float(max_err),
+            "nonfinite": int(sums[2]), "rows": int(sums[3]), "ref_rms": float((sums[4] / sums[5]).sqrt())}
+
+
+def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """Both forwards, checks and timing on one rank (collective over ``group``); results on rank 0, else None."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    T, H, E, K, M = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"], cfg["decode_tokens"]
+    w = make_weights(cfg)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(cfg["seed"] + 1 + rank)).bfloat16()
+    topk_idx, topk_weights = route(x, w["router"], K)
+    reference = dense_reference(x, topk_idx, topk_weights, w)
+    per_rank = E // R
+    buf = moe_comm.Buffer(group, num_rdma_bytes=moe_comm.Buffer.get_low_latency_rdma_size_hint(M, H, R, E),
+                          low_latency_mode=True)
+    res: dict[str, Any] = {"ranks": R}
+
+    # prefill: normal mode
+    tokens_per_rank, _, tokens_per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
+    routing = dict(topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=tokens_per_rank,
+                   is_token_in_rank=in_rank, num_tokens_per_expert=tokens_per_expert)
+    recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(x, **routing)
+    expert_out = local_experts(recv_x, recv_idx, recv_w, w, rank * per_rank, per_rank)
+    combined, _, _ = buf.combine(expert_out, handle)
+    normal = _agreement(combined, reference, recv_x.shape[0], group)
+    normal["bytes"] = normal["rows"] * H * 2  # bf16 rows received, own rank included (DeepEP's rule)
+    normal["dispatch_s"], normal["combine_s"] = _timed(lambda: buf.dispatch(x, **routing)[4],
+                                                       lambda h: buf.combine(expert_out, h), group,
+                                                       cfg["warmup"], cfg["iters"])
+    res["normal"] = normal
+
+    # decode: low-latency mode, FP8 dispatch with a recv hook
+    xd, idx_d, w_d = x[:M], topk_idx[:M], topk_weights[:M]
+
+    def ll_dispatch() -> tuple:
+        recv, count, ll_handle, _, hook = buf.low_latency_dispatch(xd, idx_d, M, E, use_fp8=True,
+                                                                   return_recv_hook=True)
+        hook()  # a decode step would run attention for the next micro-batch before this
+        return recv, count, ll_handle
+
+    recv, count, ll_handle = ll_dispatch()
+    ll_out = low_latency_experts(recv, count, w, rank * per_rank)
+    combined_d, _, _ = buf.low_latency_combine(ll_out, idx_d, w_d, ll_handle)
+    decode = _agreement(combined_d, reference[:M], int(count.sum()), group)
+    decode["bytes"] = int(decode["rows"]) * (H + H // 128 * 4 + 16)  # DeepEP's LL FP8 dispatch message bytes
+    decode["dispatch_s"], decode["combine_s"] = _timed(ll_dispatch, lambda r: buf.low_latency_combine(
+        ll_out, idx_d, w_d, r[2]), group, cfg["warmup"], cfg["iters"])
+    res["low_latency"] = decode
+    res["passed"] = all(m["nonfinite"] == 0 and m["calc_diff"] == m["calc_diff"] and
+                        m["calc_diff"] <= MAX_CALC_DIFF[name] for name, m in (("normal", normal),
+                                                                               ("low_latency", decode)))
     return res if rank == 0 else None
 
 
 def report(res: dict[str, Any], cfg: dict[str, Any], launcher: str) -> None:
     """Prints the results table and the PASS/FAIL line (rank 0)."""
-    nbytes = res["rows"] * cfg["hidden"] * 2  # bf16 rows received, own rank included (DeepEP's rule)
-    rows = [("ranks", res["ranks"], ""), ("tokens (total)", res["ranks"] * cfg["tokens"], "tokens"),
-            ("hidden", cfg["hidden"], ""), ("ffn", cfg["ffn"], ""), ("experts", cfg["experts"], ""),
-            ("top-k", cfg["topk"], ""), ("rows moved (each way)", res["rows"], "rows"),
-            ("MB moved (each way)", f"{nbytes / 1e6:.2f}", "MB"),
-            ("dispatch", f"{res['dispatch_s'] * 1e3:.2f}", "ms"), ("combine", f"{res['combine_s'] * 1e3:.2f}", "ms"),
-            ("dispatch bandwidth", f"{nbytes / res['dispatch_s'] / 1e9:.3f}", "GB/s"),
-            ("combine bandwidth", f"{nbytes / res['combine_s'] / 1e9:.3f}", "GB/s"),
-            ("reference RMS", f"{res['ref_rms']:.3f}", ""),
-            ("max abs err", f"{res['max_abs_err']:.3e}", ""), ("calc_diff", f"{res['calc_diff']:.3e}", ""),
-            ("non-finite outputs", res["nonfinite"], "")]
-    w0, w1 = max(len(r[0]) for r in rows), max(len(str(r[1])) for r in rows)
+    n, d = res["normal"], res["low_latency"]
+
+    def both(fn) -> tuple[str, str]:
+        return fn(n), fn(d)
+
+    rows = [("ranks", (res["ranks"], res["ranks"]), ""),
+            ("tokens (total)", (res["ranks"] * cfg["tokens"], res["ranks"] * cfg["decode_tokens"]), "tokens"),
+            ("hidden / ffn", (f"{cfg['hidden']}/{cfg['ffn']}",) * 2, ""),
+            ("experts / top-k", (f"{cfg['experts']}/{cfg['topk']}",) * 2, ""),
+            ("dispatch payload", ("bf16", "fp8 e4m3"), ""),
+            ("rows moved (each way)", both(lambda m: m["rows"]), "rows"),
+            ("MB moved (dispatch)", both(lambda m: f"{m['bytes'] / 1e6:.2f}"), "MB"),
+            ("dispatch", both(lambda m: f"{m['dispatch_s'] * 1e3:.2f}"), "ms"),
+            ("combine", both(lambda m: f"{m['combine_s'] * 1e3:.2f}"), "ms"),
+            ("dispatch bandwidth", both(lambda m: f"{m['bytes'] / m['dispatch_s'] / 1e9:.3f}"), "GB/s"),
+            ("reference RMS", both(lambda m: f"{m['ref_rms']:.3f}"), ""),
+            ("max abs err", both(lambda m: f"{m['max_abs_err']:.3e}"), ""),
+            ("calc_diff", both(lambda m: f"{m['calc_diff']:.3e}"), ""),
+            ("calc_diff limit", (f"{MAX_CALC_DIFF['normal']:g}", f"{MAX_CALC_DIFF['low_latency']:g}"), ""),
+            ("non-finite outputs", both(lambda m: m["nonfinite"]), "")]
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max([len("prefill (normal)")] + [len(str(r[1][0])) for r in rows])
+    w2 = max([len("decode (low-latency)")] + [len(str(r[1][1])) for r in rows])
     print(f"moe_comm demo: EP MoE forward vs dense reference ({launcher})")
-    print(f"{'quantity':<{w0}}  {'value':>{w1}}  unit\n{'-' * (w0 + w1 + 8)}")
-    for name, value, unit in rows:
-        print(f"{name:<{w0}}  {value!s:>{w1}}  {unit}")
+    print(f"{'quantity':<{w0}}  {'prefill (normal)':>{w1}}  {'decode (low-latency)':>{w2}}  unit")
+    print("-" * (w0 + w1 + w2 + 10))
+    for name, (a, b), unit in rows:
+        print(f"{name:<{w0}}  {a!s:>{w1}}  {b!s:>{w2}}  {unit}")
     print(f"times: median over {cfg['iters']} iterations (after {cfg['warmup']} warm-up) of the max over ranks; "
-          f"bytes: all ranks' received bf16 rows x hidden x 2; GB/s = bytes / median time")
+          f"bytes: DeepEP's rules (normal: received bf16 rows x hidden x 2; low-latency: per (token, expert) "
+          f"hidden + hidden/128*4 + 16); GB/s = bytes / median time")
     verdict = "PASS" if res["passed"] else "FAIL"
-    print(f"{verdict}: calc_diff {res['calc_diff']:.3e} (limit {MAX_CALC_DIFF:g}), "
-          f"{res['nonfinite']} non-finite output(s)")
+    print(f"{verdict}: calc_diff {n['calc_diff']:.3e} (prefill) and {d['calc_diff']:.3e} (decode), "
+          f"{n['nonfinite'] + d['nonfinite']} non-finite output(s)")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -162,6 +223,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--ffn", type=int, default=1024, help="expert FFN width")
     p.add_argument("--experts", type=int, default=16, help="total experts, a multiple of the rank count")
     p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--decode-tokens", type=int, default=32,
+                   help="tokens per rank of the low-latency decode step (its num_max_dispatch_tokens_per_rank)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -173,10 +236,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     found = launcher_rank()
     ranks = found[1] if found else args.ranks
     if ranks < 1 or args.experts % ranks or not 1 <= args.topk <= args.experts or min(
-            args.tokens, args.hidden, args.ffn, args.iters) < 1 or args.warmup < 0:
+            args.tokens, args.hidden, args.ffn, args.iters, args.decode_tokens) < 1 or args.warmup < 0 \
+            or args.hidden % 128 or args.decode_tokens > args.tokens:
         raise SystemExit(f"demo: need --experts a multiple of the rank count ({ranks}), 1 <= --topk <= --experts, "
-                         f"positive sizes and --iters; got {vars(args)}")
-    cfg = {k: getattr(args, k) for k in ("tokens", "hidden", "ffn", "experts", "topk", "warmup", "iters", "seed")}
+                         f"--hidden a multiple of 128, 1 <= --decode-tokens <= --tokens, positive sizes and --iters; "
+                         f"got {vars(args)}")
+    cfg = {k: getattr(args, k) for k in ("tokens", "hidden", "ffn", "experts", "topk", "decode_tokens", "warmup",
+                                         "iters", "seed")}
     if found is None:
         with LocalWorld(ranks, timeout_s=600) as world:
             res = world.run(run_rank, cfg)[0]
