@@ -28,7 +28,7 @@ import torch
 from .alloc import zeros
 from .handle import LowLatencyHandle
 from .handshake import handshake
-from .ops import RecordLayout, combine_reduce, pack_rows, per_token_cast_to_fp8, unpack_rows
+from .ops import RecordLayout, combine_reduce, low_latency_unpack, pack_rows, per_token_cast_to_fp8
 from .ops.fp8 import FP8_DTYPE
 from .transport import Transport
 from .workspace import Workspace
@@ -174,8 +174,8 @@ class LowLatencyMode:
             begin = time.perf_counter_ns()
             pending.wait()
             try:
-                self._scatter(records, received, recv_counts, m, recv_x, recv_scales, src_info, layout_range,
-                              recv_count)
+                low_latency_unpack(records, received, recv_counts, recv_x, recv_scales, src_info, layout_range,
+                                   recv_count)
             finally:
                 self.workspace.give_back("send", send_store)
                 self.workspace.give_back("recv", recv_store)
@@ -187,30 +187,6 @@ class LowLatencyMode:
         receive = self._launch(slot, op, finish, hook)
         handle = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts)
         return LowLatencyDispatch(recv_x, recv_scales, recv_count, handle, receive)
-
-    def _scatter(self, records: RecordLayout, received: torch.Tensor, recv_counts: list[int], m: int,
-                 recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor], src_info: torch.Tensor,
-                 layout_range: torch.Tensor, recv_count: torch.Tensor) -> None:
-        """Places received records (ordered by source rank, local expert, token) at
-        ``[expert, begin[expert, source] + index in block]`` and fills counts and ranges."""
-        R, device = self.num_ranks, received.device
-        local, rows, hidden = recv_x.shape
-        num = received.shape[0]
-        source = torch.repeat_interleave(torch.arange(R, device=device), torch.tensor(recv_counts, device=device))
-        expert = records.view(received, "expert")[:, 0].to(torch.int64)
-        counts = torch.bincount(expert * R + source, minlength=local * R).view(local, R)  # [e, s]
-        begins = counts.cumsum(1) - counts
-        arrival = counts.t().reshape(-1)  # blocks in arrival order (s, e)
-        block_start = arrival.cumsum(0) - arrival
-        within = torch.arange(num, device=device) - block_start[source * local + expert]
-        row = begins[expert, source] + within
-        unpack_rows(records, received, [recv_x.view(local * rows, hidden)] + [None] * (len(records.fields) - 1),
-                    dst_rows=expert * rows + row)
-        if recv_scales is not None:
-            recv_scales[expert, row] = records.view(received, "scales")
-        src_info[expert, row] = records.view(received, "src")[:, 0]
-        recv_count.copy_(counts.sum(1))
-        layout_range.copy_((begins << 32) | counts)
 
     # ------------------------------------------------------------------ combine
     def next_combine_buffer(self, handle: LowLatencyHandle, device: torch.device) -> torch.Tensor:

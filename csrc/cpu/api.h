@@ -62,6 +62,28 @@ void combine_reduce(void* out, float* out_weights,
                     int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
                     int num_threads);
 
+// Low-latency receive. The records of one low-latency dispatch arrive grouped by source rank
+// (recv_counts[s] records from rank s), each source's records ordered by local expert, then token.
+// Record j of block (s, e) lands at row r = begin[e, s] + j of local expert e, where begin[e, s] is
+// the number of records for expert e from ranks before s (blocks by source rank ascending):
+//   recv_x   + (e * rows_per_expert + r) * x_bytes        <- x_bytes at x_offset
+//   scales   + e * scales_expert_stride + r * scales_row_stride + c * scales_col_stride
+//                                                           <- num_scales elements of scale_bytes
+//                                                              at scales_offset (skipped if null)
+//   src_info[e * rows_per_expert + r]                      <- the int32 at src_offset
+//   recv_count[e] = sum over s of count[e, s];  layout_range[e * num_ranks + s] = begin << 32 | count
+// The int32 at expert_offset is the record's local expert. Rows past recv_count are not written.
+// Throws if an expert id is out of range or an expert receives more than rows_per_expert records.
+void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int32_t* recv_count,
+                        int64_t* layout_range,
+                        const uint8_t* records, const int64_t* recv_counts,
+                        int64_t num_ranks, int64_t num_local_experts, int64_t rows_per_expert,
+                        int64_t record_bytes, int64_t x_offset, int64_t x_bytes,
+                        int64_t scales_offset, int64_t num_scales, int64_t scale_bytes,
+                        int64_t scales_expert_stride, int64_t scales_row_stride, int64_t scales_col_stride,
+                        int64_t src_offset, int64_t expert_offset,
+                        int num_threads);
+
 // Number of hardware threads, the default for num_threads.
 int hardware_threads();
 

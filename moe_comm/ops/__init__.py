@@ -3,6 +3,7 @@ and a plain-torch ``*_reference`` that is its specification. Ops never import a 
 from .combine_reduce import combine_reduce, combine_reduce_reference
 from .fp8 import per_token_cast_back, per_token_cast_to_fp8, ue8m0_to_float
 from .layout import DispatchLayout, dispatch_layout, dispatch_layout_reference
+from .low_latency_unpack import low_latency_unpack, low_latency_unpack_reference
 from .records import RecordLayout, pack_rows, pack_rows_reference, unpack_rows, unpack_rows_reference
 
 __all__ = [
@@ -10,4 +11,5 @@ __all__ = [
     "RecordLayout", "pack_rows", "pack_rows_reference", "unpack_rows", "unpack_rows_reference",
     "combine_reduce", "combine_reduce_reference",
     "per_token_cast_to_fp8", "per_token_cast_back", "ue8m0_to_float",
+    "low_latency_unpack", "low_latency_unpack_reference",
 ]

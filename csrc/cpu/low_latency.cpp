@@ -1,0 +1,74 @@
+#include <cstring>
+#include <vector>
+
+#include "api.h"
+#include "check.h"
+#include "parallel.h"
+
+namespace moe_comm::cpu {
+
+void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int32_t* recv_count,
+                        int64_t* layout_range,
+                        const uint8_t* records, const int64_t* recv_counts,
+                        int64_t num_ranks, int64_t num_local_experts, int64_t rows_per_expert,
+                        int64_t record_bytes, int64_t x_offset, int64_t x_bytes,
+                        int64_t scales_offset, int64_t num_scales, int64_t scale_bytes,
+                        int64_t scales_expert_stride, int64_t scales_row_stride, int64_t scales_col_stride,
+                        int64_t src_offset, int64_t expert_offset,
+                        int num_threads) {
+    const int64_t E = num_local_experts, R = num_ranks;
+    // Pass 1 (sequential, 4 bytes per record): counts per (expert, source) and each record's expert.
+    int64_t num_records = 0;
+    for (int64_t s = 0; s < R; ++s) num_records += recv_counts[s];
+    std::vector<int64_t> counts(static_cast<size_t>(E * R), 0);
+    std::vector<int32_t> expert_of(static_cast<size_t>(num_records));
+    for (int64_t s = 0, j = 0; s < R; ++s) {
+        for (int64_t i = 0; i < recv_counts[s]; ++i, ++j) {
+            int32_t e;
+            std::memcpy(&e, records + j * record_bytes + expert_offset, sizeof(e));
+            MC_CHECK(e >= 0 && e < E, "low_latency_unpack: record " << j << " from rank " << s << " names local expert "
+                                                                    << e << ", outside [0, " << E << ")");
+            expert_of[static_cast<size_t>(j)] = e;
+            ++counts[static_cast<size_t>(e * R + s)];
+        }
+    }
+    std::vector<int64_t> begins(static_cast<size_t>(E * R));
+    for (int64_t e = 0; e < E; ++e) {
+        int64_t row = 0;
+        for (int64_t s = 0; s < R; ++s) {
+            begins[static_cast<size_t>(e * R + s)] = row;
+            layout_range[e * R + s] = (row << 32) | counts[static_cast<size_t>(e * R + s)];
+            row += counts[static_cast<size_t>(e * R + s)];
+        }
+        MC_CHECK(row <= rows_per_expert, "low_latency_unpack: local expert " << e << " receives " << row
+                                             << " rows, more than its " << rows_per_expert);
+        recv_count[e] = static_cast<int32_t>(row);
+    }
+    // Destination row of every record: the next free row of its (expert, source) block.
+    std::vector<int64_t> dst(static_cast<size_t>(num_records));
+    std::vector<int64_t> next(begins);
+    for (int64_t s = 0, j = 0; s < R; ++s)
+        for (int64_t i = 0; i < recv_counts[s]; ++i, ++j) {
+            const int64_t e = expert_of[static_cast<size_t>(j)];
+            dst[static_cast<size_t>(j)] = e * rows_per_expert + next[static_cast<size_t>(e * R + s)]++;
+        }
+    // Pass 2 (parallel over records, distinct destinations): copy the fields.
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(record_bytes, 1));
+    parallel_for(num_records, grain, num_threads, [&](int64_t first, int64_t last) {
+        for (int64_t j = first; j < last; ++j) {
+            const uint8_t* rec = records + j * record_bytes;
+            const int64_t flat = dst[static_cast<size_t>(j)];
+            std::memcpy(recv_x + flat * x_bytes, rec + x_offset, static_cast<size_t>(x_bytes));
+            std::memcpy(src_info + flat, rec + src_offset, sizeof(int32_t));
+            if (scales != nullptr) {
+                const int64_t e = flat / rows_per_expert, r = flat % rows_per_expert;
+                uint8_t* out = scales + e * scales_expert_stride + r * scales_row_stride;
+                for (int64_t c = 0; c < num_scales; ++c)
+                    std::memcpy(out + c * scales_col_stride, rec + scales_offset + c * scale_bytes,
+                                static_cast<size_t>(scale_bytes));
+            }
+        }
+    });
+}
+
+}  // namespace moe_comm::cpu
