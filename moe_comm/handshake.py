@@ -47,22 +47,27 @@ def _show(field: str, value: int) -> str:
 
 @dataclass(frozen=True)
 class Handshake:
-    """Every rank's vector, as received by this rank (identical on all ranks)."""
+    """Every rank's vector, as received by this rank (identical on all ranks). Plain lists: the
+    checks on a few ranks' small vectors are cheaper in Python than as tensor ops."""
 
-    # values[r, f] = rank r's value of FIELDS[f]                                    [R, F] int64
-    values: torch.Tensor
-    # sent[i, j] = rows rank i sends to rank j                                      [R, R] int64
-    sent: torch.Tensor
-    # expected[i, j] = rows rank i expects from rank j, -1 where it cannot know     [R, R] int64
-    expected: torch.Tensor
+    # rows[r] = rank r's vector: FIELDS values, then rows sent to each rank, then rows expected
+    # from each rank (-1 where it cannot know)
+    rows: list[list[int]]
 
     def field(self, name: str) -> list[int]:
         """Every rank's value of field ``name``."""
-        return self.values[:, FIELDS.index(name)].tolist()
+        f = FIELDS.index(name)
+        return [row[f] for row in self.rows]
+
+    @property
+    def sent(self) -> torch.Tensor:
+        """``[R, R]`` int64: sent[i, j] = rows rank i sends to rank j."""
+        F, R = len(FIELDS), len(self.rows)
+        return torch.tensor([row[F:F + R] for row in self.rows], dtype=torch.int64)
 
     def recv_counts(self, rank: int) -> list[int]:
         """Rows ``rank`` receives from each rank: ``sent[:, rank]``."""
-        return self.sent[:, rank].tolist()
+        return [row[len(FIELDS) + rank] for row in self.rows]
 
 
 def handshake(transport: Transport, op: str, fields: Mapping[str, int], send_counts: Sequence[int],
@@ -88,9 +93,7 @@ def handshake(transport: Transport, op: str, fields: Mapping[str, int], send_cou
     mine = torch.tensor(row, dtype=torch.int64, device=device).expand(R, len(row)).contiguous()
     got = torch.empty_like(mine)
     transport.all_to_all(got, mine, [1] * R, [1] * R, op=op).wait()
-    got = got.cpu()
-    F = len(FIELDS)
-    shake = Handshake(got[:, :F], got[:, F:F + R], got[:, F + R:])
+    shake = Handshake(got.cpu().tolist())
     _check(shake, op, compare)
     return shake
 
@@ -107,11 +110,13 @@ def _check(shake: Handshake, op: str, compare: Sequence[str]) -> None:
     for name in compare:
         if len(set(shake.field(name))) > 1:
             raise CrossRankMismatchError(f"{op}: ranks disagree on {name}: {_per_rank(shake, name)}; {hint}")
-    known = shake.expected >= 0
-    bad = (known & (shake.expected != shake.sent.t())).nonzero().tolist()
+    F, R = len(FIELDS), len(shake.rows)
+    sent = [row[F:F + R] for row in shake.rows]
+    expected = [row[F + R:] for row in shake.rows]
+    bad = [(i, j) for i in range(R) for j in range(R) if 0 <= expected[i][j] != sent[j][i]]
     if bad:
-        shown = "; ".join(f"rank {i} expects {int(shake.expected[i, j])} rows from rank {j}, which sends "
-                          f"{int(shake.sent[j, i])}" for i, j in bad[:4])
+        shown = "; ".join(f"rank {i} expects {expected[i][j]} rows from rank {j}, which sends {sent[j][i]}"
+                          for i, j in bad[:4])
         more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
         raise CrossRankMismatchError(f"{op}: row counts disagree: {shown}{more}; every rank must pass the handle "
                                      f"of the same dispatch")

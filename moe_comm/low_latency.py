@@ -28,27 +28,16 @@ import torch
 from .alloc import zeros
 from .handle import LowLatencyHandle
 from .handshake import handshake
-from .ops import RecordLayout, combine_reduce, low_latency_unpack, pack_rows, per_token_cast_to_fp8
+from .ops import (RecordLayout, combine_reduce, combine_rows, low_latency_unpack, pack_rows, per_token_cast_to_fp8,
+                  send_order)
 from .ops.fp8 import FP8_DTYPE
 from .transport import Transport
 from .workspace import Workspace
 
-__all__ = ["LowLatencyMode", "LowLatencyDispatch", "Receive", "send_order"]
+__all__ = ["LowLatencyMode", "LowLatencyDispatch", "Receive"]
 
 _DISPATCH, _COMBINE, _CLEAN = 4, 5, 6
 _COMPARED = ("hidden", "num_experts", "num_max_dispatch_tokens_per_rank")
-
-
-def send_order(topk_idx: torch.Tensor, num_ranks: int, experts_per_rank: int
-               ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """The messages of ``topk_idx`` `[T, K]` in send order: by global expert (so by destination rank,
-    then local expert), then token. Returns (flat index t * K + k `[S]` int64, expert id `[S]` int64,
-    messages per destination rank)."""
-    flat = topk_idx.reshape(-1)
-    msg = torch.nonzero(flat >= 0).reshape(-1)
-    experts, order = torch.sort(flat[msg], stable=True)
-    counts = torch.bincount(experts // experts_per_rank, minlength=num_ranks)
-    return msg[order], experts, counts.tolist()
 
 
 class Receive:
@@ -136,7 +125,7 @@ class LowLatencyMode:
         R, device, hidden = self.num_ranks, x.device, x.shape[1]
         local = num_experts // R
         slot = self._acquire(op)
-        msg, experts, send_counts = send_order(topk_idx, R, local)
+        msg, experts, send_counts = send_order(topk_idx, num_experts, R)
         start = time.perf_counter_ns()
         shake = handshake(self.transport, op, dict(op=_DISPATCH, hidden=hidden, num_experts=num_experts,
                                                    num_max_dispatch_tokens_per_rank=m, fp8_format=fp8_format),
@@ -208,23 +197,16 @@ class LowLatencyMode:
         R, device = self.num_ranks, x.device
         local, rows, hidden = x.shape
         slot = self._acquire(op, zero_copy)
-        counts, begins = handle.counts(), handle.begins()  # [e, s]
-        msg, _, expected = send_order(topk_idx, R, local)
-        return_counts = counts.sum(0).tolist()  # rows going back to each source rank
+        msg, _, expected = send_order(topk_idx, handle.num_experts, R)
+        return_counts = handle.counts().sum(0).tolist()  # rows going back to each source rank
         start = time.perf_counter_ns()
         handshake(self.transport, op, dict(op=_COMBINE, hidden=hidden, num_experts=handle.num_experts,
                                            num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank),
                   return_counts, expected, _COMPARED, device)
         waited = time.perf_counter_ns() - start
 
-        # Valid rows in send order: by source rank, then local expert, then row.
-        arrival = counts.t().reshape(-1)
-        total = int(arrival.sum())
-        block = torch.repeat_interleave(torch.arange(R * local, device=device), arrival)
-        block_start = arrival.cumsum(0) - arrival
-        within = torch.arange(total, device=device) - block_start[block]
-        block_expert = block % local
-        send_rows = block_expert * rows + begins.t().reshape(-1)[block] + within
+        send_rows = combine_rows(handle.layout_range, rows)  # by source rank, then local expert, then row
+        total = send_rows.shape[0]
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
         records = RecordLayout.build([("x", torch.bfloat16, hidden)])
         send_store, packed = self.workspace.take("send", total, records.record_bytes, device)

@@ -1,11 +1,11 @@
-"""``low_latency_unpack`` (the ``_C`` kernel) against its plain-torch reference, bitwise."""
+"""The low-latency layout ops (``_C`` kernels) against their plain-torch references, exactly."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_comm.low_latency import send_order
-from moe_comm.ops import RecordLayout, low_latency_unpack, low_latency_unpack_reference, pack_rows
+from moe_comm.ops import (RecordLayout, combine_rows, combine_rows_reference, low_latency_unpack,
+                          low_latency_unpack_reference, pack_rows, send_order, send_order_reference)
 
 
 def _records(seed: int, num_ranks: int, local: int, tokens: int, hidden: int, scales: bool):
@@ -18,7 +18,7 @@ def _records(seed: int, num_ranks: int, local: int, tokens: int, hidden: int, sc
         topk = torch.stack([torch.randperm(local, generator=g)[:2] for _ in range(tokens)]) if tokens else \
             torch.zeros(0, 2, dtype=torch.int64)
         topk[torch.rand(topk.shape, generator=g) < 0.3] = -1
-        msg, experts, _ = send_order(topk, 1, local)
+        msg, experts, _ = send_order(topk, local, 1)
         fields = [torch.randint(0, 256, (tokens, hidden), dtype=torch.uint8, generator=g)]
         fields += [torch.randn(tokens, hidden // 128, generator=g)] if scales else []
         fields += [torch.arange(tokens, dtype=torch.int32).unsqueeze(1) + 1000 * s, None]
@@ -61,3 +61,30 @@ def test_low_latency_unpack_rejects_bad_expert_ids():
     with pytest.raises(ValueError, match=r"low_latency_unpack: record 0 from rank 0 names local expert 7, "
                                          r"outside \[0, 3\)"):
         low_latency_unpack(layout, records, counts, *_outputs(3, 8, 128, False, 2))
+
+
+@pytest.mark.parametrize("tokens,topk,experts,ranks", [(0, 3, 8, 2), (1, 1, 1, 1), (37, 5, 12, 3), (64, 8, 32, 4)])
+def test_send_order_matches_reference(tokens, topk, experts, ranks):
+    g = torch.Generator().manual_seed(tokens + topk)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)]) if tokens else \
+        torch.zeros(0, topk, dtype=torch.int64)
+    idx[torch.rand(idx.shape, generator=g) < 0.25] = -1
+    got, want = send_order(idx, experts, ranks), send_order_reference(idx, experts, ranks)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2] == want[2]
+    assert torch.equal(got[1], idx.view(-1)[got[0]])  # each message's expert is its top-k entry
+    assert sum(got[2]) == int((idx >= 0).sum())
+
+
+def test_send_order_rejects_bad_ids():
+    with pytest.raises(ValueError, match=r"topk_idx\[1, 0\] = 9 is outside \[-1, 8\)"):
+        send_order(torch.tensor([[0, 1], [9, 2]]), 8, 2)
+
+
+@pytest.mark.parametrize("local,ranks,rows", [(1, 1, 4), (3, 2, 10), (4, 4, 16)])
+def test_combine_rows_matches_reference(local, ranks, rows):
+    g = torch.Generator().manual_seed(local * ranks)
+    counts = torch.randint(0, rows // ranks + 1, (local, ranks), generator=g)
+    begins = counts.cumsum(1) - counts
+    layout_range = (begins << 32) | counts
+    got, want = combine_rows(layout_range, rows), combine_rows_reference(layout_range, rows)
+    assert torch.equal(got, want) and got.shape[0] == int(counts.sum())

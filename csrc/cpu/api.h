@@ -62,6 +62,21 @@ void combine_reduce(void* out, float* out_weights,
                     int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
                     int num_threads);
 
+// Low-latency send order: the (token, k) messages of topk_idx [num_tokens, num_topk] with an expert
+// (-1 skipped), sorted by expert id, then by t * num_topk + k (a stable counting sort). Writes msg[i]
+// = t * num_topk + k and experts[i] for each message i, send_counts[r] = messages to rank
+// r = expert / (num_experts / num_ranks); returns the number of messages.
+int64_t low_latency_send_order(int64_t* msg, int64_t* experts, int64_t* send_counts,
+                               const int64_t* topk_idx,
+                               int64_t num_tokens, int64_t num_topk, int64_t num_experts, int64_t num_ranks);
+
+// Rows a low-latency combine returns, in send order: for each source rank s, each local expert e,
+// rows [begin, begin + count) of e (layout_range[e * num_ranks + s] = begin << 32 | count) as flat
+// row indices e * rows_per_expert + row. Returns the number of rows written to `rows`.
+int64_t low_latency_combine_rows(int64_t* rows,
+                                 const int64_t* layout_range,
+                                 int64_t num_local_experts, int64_t num_ranks, int64_t rows_per_expert);
+
 // Low-latency receive. The records of one low-latency dispatch arrive grouped by source rank
 // (recv_counts[s] records from rank s), each source's records ordered by local expert, then token.
 // Record j of block (s, e) lands at row r = begin[e, s] + j of local expert e, where begin[e, s] is

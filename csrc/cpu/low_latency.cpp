@@ -7,6 +7,50 @@
 
 namespace moe_comm::cpu {
 
+int64_t low_latency_send_order(int64_t* msg, int64_t* experts, int64_t* send_counts,
+                               const int64_t* topk_idx,
+                               int64_t num_tokens, int64_t num_topk, int64_t num_experts, int64_t num_ranks) {
+    MC_CHECK(num_ranks > 0 && num_experts % num_ranks == 0,
+             "low_latency_send_order: num_experts " << num_experts << " is not a multiple of num_ranks " << num_ranks);
+    std::vector<int64_t> start(static_cast<size_t>(num_experts) + 1, 0);
+    const int64_t n = num_tokens * num_topk;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t e = topk_idx[i];
+        MC_CHECK(e >= -1 && e < num_experts, "low_latency_send_order: topk_idx[" << i / num_topk << ", "
+                                                 << i % num_topk << "] = " << e << " is outside [-1, " << num_experts << ")");
+        if (e >= 0) ++start[static_cast<size_t>(e) + 1];
+    }
+    for (int64_t e = 0; e < num_experts; ++e) start[static_cast<size_t>(e) + 1] += start[static_cast<size_t>(e)];
+    const int64_t total = start[static_cast<size_t>(num_experts)];
+    const int64_t per_rank = num_experts / num_ranks;
+    for (int64_t r = 0; r < num_ranks; ++r)
+        send_counts[r] = start[static_cast<size_t>((r + 1) * per_rank)] - start[static_cast<size_t>(r * per_rank)];
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t e = topk_idx[i];
+        if (e < 0) continue;
+        const int64_t pos = start[static_cast<size_t>(e)]++;
+        msg[pos] = i;
+        experts[pos] = e;
+    }
+    return total;
+}
+
+int64_t low_latency_combine_rows(int64_t* rows,
+                                 const int64_t* layout_range,
+                                 int64_t num_local_experts, int64_t num_ranks, int64_t rows_per_expert) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < num_ranks; ++s)
+        for (int64_t e = 0; e < num_local_experts; ++e) {
+            const int64_t range = layout_range[e * num_ranks + s];
+            const int64_t begin = range >> 32, count = range & 0xFFFFFFFF;
+            MC_CHECK(begin + count <= rows_per_expert, "low_latency_combine_rows: layout_range[" << e << ", " << s
+                                                           << "] spans rows [" << begin << ", " << begin + count
+                                                           << "), past " << rows_per_expert);
+            for (int64_t i = 0; i < count; ++i) rows[n++] = e * rows_per_expert + begin + i;
+        }
+    return n;
+}
+
 void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int32_t* recv_count,
                         int64_t* layout_range,
                         const uint8_t* records, const int64_t* recv_counts,

@@ -103,6 +103,29 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_threads"));
 
     m.def(
+        "low_latency_send_order",
+        [](std::uintptr_t msg, std::uintptr_t experts, std::uintptr_t send_counts, std::uintptr_t topk_idx,
+           int64_t num_tokens, int64_t num_topk, int64_t num_experts, int64_t num_ranks) {
+            py::gil_scoped_release release;
+            return cpu::low_latency_send_order(ptr<int64_t>(msg), ptr<int64_t>(experts), ptr<int64_t>(send_counts),
+                                               ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts,
+                                               num_ranks);
+        },
+        py::arg("msg"), py::arg("experts"), py::arg("send_counts"), py::arg("topk_idx"), py::arg("num_tokens"),
+        py::arg("num_topk"), py::arg("num_experts"), py::arg("num_ranks"));
+
+    m.def(
+        "low_latency_combine_rows",
+        [](std::uintptr_t rows, std::uintptr_t layout_range, int64_t num_local_experts, int64_t num_ranks,
+           int64_t rows_per_expert) {
+            py::gil_scoped_release release;
+            return cpu::low_latency_combine_rows(ptr<int64_t>(rows), ptr<const int64_t>(layout_range),
+                                                 num_local_experts, num_ranks, rows_per_expert);
+        },
+        py::arg("rows"), py::arg("layout_range"), py::arg("num_local_experts"), py::arg("num_ranks"),
+        py::arg("rows_per_expert"));
+
+    m.def(
         "low_latency_unpack",
         [](std::uintptr_t recv_x, std::uintptr_t scales, std::uintptr_t src_info, std::uintptr_t recv_count,
            std::uintptr_t layout_range, std::uintptr_t records, std::uintptr_t recv_counts, int64_t num_ranks,

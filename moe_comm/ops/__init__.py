@@ -3,7 +3,8 @@ and a plain-torch ``*_reference`` that is its specification. Ops never import a 
 from .combine_reduce import combine_reduce, combine_reduce_reference
 from .fp8 import per_token_cast_back, per_token_cast_to_fp8, ue8m0_to_float
 from .layout import DispatchLayout, dispatch_layout, dispatch_layout_reference
-from .low_latency_unpack import low_latency_unpack, low_latency_unpack_reference
+from .low_latency_layout import (combine_rows, combine_rows_reference, low_latency_unpack, low_latency_unpack_reference,
+                                 send_order, send_order_reference)
 from .records import RecordLayout, pack_rows, pack_rows_reference, unpack_rows, unpack_rows_reference
 
 __all__ = [
@@ -11,5 +12,6 @@ __all__ = [
     "RecordLayout", "pack_rows", "pack_rows_reference", "unpack_rows", "unpack_rows_reference",
     "combine_reduce", "combine_reduce_reference",
     "per_token_cast_to_fp8", "per_token_cast_back", "ue8m0_to_float",
+    "send_order", "send_order_reference", "combine_rows", "combine_rows_reference",
     "low_latency_unpack", "low_latency_unpack_reference",
 ]

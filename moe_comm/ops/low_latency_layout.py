@@ -1,4 +1,5 @@
-"""The low-latency receive: place each received (token, expert) record in its expert's fixed block."""
+"""Where low-latency messages go: the send order of one (token, expert) message each, the rows a
+combine returns, and the receive that places each record in its expert's fixed block."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -8,7 +9,57 @@ import torch
 from .._native import cpu_threads, native
 from .records import RecordLayout, unpack_rows
 
-__all__ = ["low_latency_unpack", "low_latency_unpack_reference"]
+__all__ = ["send_order", "send_order_reference", "combine_rows", "combine_rows_reference", "low_latency_unpack",
+           "low_latency_unpack_reference"]
+
+
+def send_order(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
+               ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The messages of ``topk_idx`` `[T, K]` int64 (-1 = none) in send order: by expert id (so by
+    destination rank, then local expert), then token. Returns (``t * K + k`` `[S]` int64, expert
+    `[S]` int64, messages per destination rank). Reference: ``send_order_reference``."""
+    if topk_idx.device.type != "cpu":
+        return send_order_reference(topk_idx, num_experts, num_ranks)
+    topk_idx = topk_idx.contiguous()
+    msg = torch.empty(topk_idx.numel(), dtype=torch.int64)
+    experts = torch.empty_like(msg)
+    counts = torch.empty(num_ranks, dtype=torch.int64)
+    n = native().low_latency_send_order(msg.data_ptr(), experts.data_ptr(), counts.data_ptr(), topk_idx.data_ptr(),
+                                        topk_idx.shape[0], topk_idx.shape[1], num_experts, num_ranks)
+    return msg[:n], experts[:n], counts.tolist()
+
+
+def send_order_reference(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Plain-torch specification of ``send_order``; also the path for non-CPU devices."""
+    flat = topk_idx.reshape(-1)
+    msg = torch.nonzero(flat >= 0).reshape(-1)
+    experts, order = torch.sort(flat[msg], stable=True)
+    counts = torch.bincount(experts // (num_experts // num_ranks), minlength=num_ranks)
+    return msg[order], experts, counts.tolist()
+
+
+def combine_rows(layout_range: torch.Tensor, rows_per_expert: int) -> torch.Tensor:
+    """Flat rows ``e * rows_per_expert + row`` a low-latency combine returns, in send order: by
+    source rank, then local expert, then row. ``layout_range`` `[E_loc, R]` int64 (begin << 32 |
+    count). Reference: ``combine_rows_reference``."""
+    if layout_range.device.type != "cpu":
+        return combine_rows_reference(layout_range, rows_per_expert)
+    local, num_ranks = layout_range.shape
+    layout_range = layout_range.contiguous()
+    rows = torch.empty(local * rows_per_expert, dtype=torch.int64)
+    n = native().low_latency_combine_rows(rows.data_ptr(), layout_range.data_ptr(), local, num_ranks, rows_per_expert)
+    return rows[:n]
+
+
+def combine_rows_reference(layout_range: torch.Tensor, rows_per_expert: int) -> torch.Tensor:
+    """Plain-torch specification of ``combine_rows``; also the path for non-CPU devices."""
+    local, num_ranks = layout_range.shape
+    device = layout_range.device
+    counts, begins = (layout_range & 0xFFFFFFFF).t().reshape(-1), (layout_range >> 32).t().reshape(-1)  # (s, e)
+    block = torch.repeat_interleave(torch.arange(num_ranks * local, device=device), counts)
+    within = torch.arange(block.shape[0], device=device) - (counts.cumsum(0) - counts)[block]
+    return (block % local) * rows_per_expert + begins[block] + within
 
 
 def low_latency_unpack(layout: RecordLayout, records: torch.Tensor, recv_counts: Sequence[int],
