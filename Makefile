@@ -25,6 +25,7 @@ test: setup
 
 bench: setup
 	$(PY) bench/bench_normal.py --ranks 4
+	$(PY) bench/bench_low_latency.py --ranks 4
 	$(PY) bench/bench_kernels.py
 
 clean:
