@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,11 +25,22 @@ def _dispatch(buf: moe_comm.Buffer, hidden: int = 64, dtype: torch.dtype = torch
     return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts, **kw)
 
 
+def _outcome(call: Callable[[], Any], still_works: Callable[[], torch.Tensor]) -> tuple[str, str, bool]:
+    """(exception name, message) of ``call`` and whether ``still_works()`` then returns finite values."""
+    try:
+        call()
+        outcome = ("no exception", "")
+    except Exception as exc:  # the test compares across ranks
+        outcome = (type(exc).__name__, str(exc))
+    return outcome + (bool(torch.isfinite(still_works().float()).all()),)
+
+
 def mismatch(group: dist.ProcessGroup, kind: str) -> tuple[str, str, bool]:
     """Rank 0 and the others disagree in one way; returns (exception, message, buffer still works)."""
     buf = moe_comm.Buffer(group, timeout_s=20)
     odd = buf.rank == 0
-    try:
+
+    def call() -> None:
         if kind == "hidden":
             _dispatch(buf, hidden=32 if odd else 64)
         elif kind == "dtype":
@@ -52,12 +63,12 @@ def mismatch(group: dist.ProcessGroup, kind: str) -> tuple[str, str, bool]:
             buf.combine(recv_x if odd else recv_x2, handle if odd else handle2)
         else:
             raise ValueError(kind)
-        outcome = ("no exception", "")
-    except Exception as exc:  # the test compares across ranks
-        outcome = (type(exc).__name__, str(exc))
-    recv_x, _, _, _, handle, _ = _dispatch(buf)  # the group is still in step
-    y, _, _ = buf.combine(recv_x, handle)
-    return outcome + (bool(torch.isfinite(y.float()).all()),)
+
+    def still_works() -> torch.Tensor:  # the group is still in step
+        recv_x, _, _, _, handle, _ = _dispatch(buf)
+        return buf.combine(recv_x, handle)[0]
+
+    return _outcome(call, still_works)
 
 
 def skip_dispatch(group: dist.ProcessGroup, timeout_s: float) -> Any:
@@ -103,7 +114,8 @@ def ll_mismatch(group: dist.ProcessGroup, kind: str) -> tuple[str, str, bool]:
     still works)."""
     buf = _ll_buffer(group)
     odd = buf.rank == 0
-    try:
+
+    def call() -> None:
         if kind == "ll_m":
             _ll_dispatch(buf, m=16 if odd else 8)
         elif kind == "ll_hidden":
@@ -123,13 +135,13 @@ def ll_mismatch(group: dist.ProcessGroup, kind: str) -> tuple[str, str, bool]:
             buf.low_latency_combine(recv_x, idx, w, handle)
         else:
             raise ValueError(kind)
-        outcome = ("no exception", "")
-    except Exception as exc:  # the test compares across ranks
-        outcome = (type(exc).__name__, str(exc))
-    recv_x, _, handle, _, _ = _ll_dispatch(buf, use_fp8=False)  # the group is still in step
-    idx, w = _routing(6, 12, 2, buf.rank)
-    y, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
-    return outcome + (bool(torch.isfinite(y.float()).all()),)
+
+    def still_works() -> torch.Tensor:  # the group is still in step
+        recv_x, _, handle, _, _ = _ll_dispatch(buf, use_fp8=False)
+        idx, w = _routing(6, 12, 2, buf.rank)
+        return buf.low_latency_combine(recv_x, idx, w, handle)[0]
+
+    return _outcome(call, still_works)
 
 
 def skip_ll_dispatch(group: dist.ProcessGroup, timeout_s: float, hook: bool) -> Any:
