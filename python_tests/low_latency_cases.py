@@ -218,3 +218,22 @@ def ll_uneven(group: dist.ProcessGroup, hidden: int, num_topk: int, num_experts:
     assert diff < 1e-5, diff
     buffer.destroy()
     return {"rank": rank, "tokens": num_tokens}
+
+
+def ll_empty(group: dist.ProcessGroup) -> list:
+    """Every rank sends nothing (no tokens, then only -1 routing): zero counts, zero outputs."""
+    buffer = ll_buffer(group, 4, 256, 8 * dist.get_world_size(group))
+    experts = 8 * dist.get_world_size(group)
+    out = []
+    for x, idx in ((torch.zeros(0, 256, dtype=torch.bfloat16), torch.zeros(0, 2, dtype=torch.int64)),
+                   (torch.ones(3, 256, dtype=torch.bfloat16), torch.full((3, 2), -1, dtype=torch.int64))):
+        for use_fp8 in (False, True):
+            recv_x, count, handle, _, hook = buffer.low_latency_dispatch(x, idx, 4, experts, use_fp8=use_fp8,
+                                                                         return_recv_hook=True)
+            hook()
+            y = _dequant(recv_x, use_fp8, 256)
+            combined, _, _ = buffer.low_latency_combine(y, idx, torch.ones(idx.shape), handle)
+            out.append((int(count.sum()), bool((handle[1] == 0).all()), tuple(combined.shape),
+                        float(combined.float().abs().sum())))
+    buffer.destroy()
+    return out

@@ -4,7 +4,7 @@ ranks, with hidden sizes DeepEP supports and ones it does not."""
 import pytest
 
 from ll_hook_cases import hook_does_not_wait_for_peers_hooks, hooks_and_buffers
-from low_latency_cases import ll_digest, ll_uneven, low_latency
+from low_latency_cases import ll_digest, ll_empty, ll_uneven, low_latency
 
 CASES = [
     # world, tokens (= M), hidden, topk, experts
@@ -35,6 +35,11 @@ def test_low_latency(worlds, world_size, tokens, hidden, topk, experts):
 def test_low_latency_uneven_tokens(worlds, world_size):
     results = worlds(world_size).run(ll_uneven, 256, 3, 4 * world_size, 10)
     assert results[0]["tokens"] == 0 and results[-1]["tokens"] == 10
+
+
+def test_low_latency_with_nothing_to_send(worlds):
+    for result in worlds(2).run(ll_empty):
+        assert result == [(0, True, (0, 256), 0.0)] * 2 + [(0, True, (3, 256), 0.0)] * 2
 
 
 @pytest.mark.parametrize("use_fp8", [False, True])
