@@ -23,7 +23,8 @@ from moe_comm._native import cpu_threads
 from moe_comm.ops import per_token_cast_back
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import calc_diff, format_table, launch, launched_ranks, summarize, time_cases, write_json
+from common import (calc_diff, case_rows, format_table, gather_results, launch, launched_ranks, require_all_ranks,
+                    time_cases, write_json)
 
 BYTE_RULE = ("DeepEP test_low_latency, per (token, selected expert != -1) on the sending rank: FP8 dispatch "
              "H + H/128*4 + 16 bytes; BF16 combine 2H bytes. BF16 dispatch (DeepEP benchmarks FP8 only) counts "
@@ -56,11 +57,7 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     combined_fp8, _, _ = buf.low_latency_combine(deq, topk_idx, topk_weights, handle_fp8)
     checks["combine_fp8_calc_diff"] = calc_diff(combined_fp8, want)
     ok = checks["combine_bf16_calc_diff"] < 1e-5 and checks["combine_fp8_calc_diff"] < 9e-4
-    flags = torch.tensor([0.0 if ok else 1.0])
-    dist.all_reduce(flags, group=group)
-    if flags.item():
-        raise RuntimeError(f"bench_low_latency: correctness check failed on {int(flags.item())} rank(s); rank {rank}: "
-                           f"{checks}; refusing to time broken ops")
+    require_all_ranks(ok, "bench_low_latency", rank, checks, group)
 
     # raw all-to-all of exactly the FP8 message bytes, preallocated (the transport's ceiling)
     fp8_msg = H + H // 128 * 4 + 16
@@ -103,16 +100,11 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
                   "combine_bf16": bf16_bytes, "combine_bf16_hook_send": bf16_bytes,
                   "combine_bf16_hook_recv": bf16_bytes, "compute_only": 0, "dispatch_fp8_then_compute": fp8_bytes,
                   "dispatch_fp8_hook_overlap": fp8_bytes}
-    all_bytes = torch.zeros(R, len(cases), dtype=torch.float64)
-    all_bytes[rank] = torch.tensor([mine_bytes[n] for n in cases], dtype=torch.float64)
-    dist.all_reduce(all_bytes, group=group)
-    checks_max = torch.tensor(list(checks.values()), dtype=torch.float64)
-    dist.all_reduce(checks_max, op=dist.ReduceOp.MAX, group=group)
-    if rank != 0:
+    res = gather_results(times, mine_bytes, checks, group)
+    if res is None:
         return None
-    return {"times_s": times, "bytes": {n: all_bytes[:, c].tolist() for c, n in enumerate(cases)},
-            "checks_max_over_ranks": dict(zip(checks, checks_max.tolist())), "selections_rank0": selections,
-            "threads_per_rank": torch.get_num_threads(), "kernel_threads_per_rank": cpu_threads()}
+    return {**res, "selections_rank0": selections, "threads_per_rank": torch.get_num_threads(),
+            "kernel_threads_per_rank": cpu_threads()}
 
 
 def _overlapped(result: tuple, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -123,13 +115,7 @@ def _overlapped(result: tuple, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str, json_path: str) -> None:
     """Prints the table and writes the JSON record (rank 0 only)."""
-    rows = []
-    for name, secs in res["times_s"].items():
-        stats = summarize(secs)
-        per_rank = res["bytes"][name]
-        mean_bytes = sum(per_rank) / len(per_rank)
-        rows.append({"case": name, **stats, "p10_p90": f"{stats['p10_us']:.0f}/{stats['p90_us']:.0f}",
-                     "bytes_per_rank_mean": mean_bytes, "times_us": [s * 1e6 for s in secs]})
+    rows = case_rows(res)
     by = {r["case"]: r for r in rows}
     for op in ("dispatch_fp8", "combine_bf16"):  # a hooked op costs its send plus its recv
         total = by[f"{op}_hook_send"]["median_us"] + by[f"{op}_hook_recv"]["median_us"]

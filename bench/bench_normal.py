@@ -23,7 +23,8 @@ from moe_comm._native import cpu_threads
 from moe_comm.ops import per_token_cast_back, per_token_cast_to_fp8
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import calc_diff, format_table, launch, launched_ranks, summarize, time_cases, write_json
+from common import (calc_diff, case_rows, format_table, gather_results, launch, launched_ranks, require_all_ranks,
+                    time_cases, write_json)
 
 BYTE_RULE = ("DeepEP test_intranode: dispatch BF16 bytes = recv_x.numel()*2 (rows received, own rank "
              "included, x H*2 bytes; top-k ids/weights not counted); FP8 = BF16 bytes*(1+4/128)/2; combine = "
@@ -103,11 +104,7 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     a2a_out = torch.empty(int(recv_counts.sum()), H, dtype=x.dtype)
     sc, rc = send_counts.tolist(), recv_counts.tolist()
 
-    flags = torch.tensor([0.0 if ok else 1.0])
-    dist.all_reduce(flags, group=group)
-    if flags.item():
-        raise RuntimeError(f"bench_normal: correctness check failed on {int(flags.item())} rank(s); rank {rank}: "
-                           f"{checks}; refusing to time broken ops")
+    require_all_ranks(ok, "bench_normal", rank, checks, group)
 
     cases: dict[str, Callable[[], Any]] = {
         "moe_dispatch_bf16": lambda: buf.dispatch(x, **routing),
@@ -124,16 +121,10 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     mine_bytes = {"moe_dispatch_bf16": bf16, "moe_dispatch_fp8": bf16 * (1 + 4 / 128) / 2,
                   "naive_dispatch": R * T * (2 * H + 8 * K + 4 * K), "a2a_ceiling": bf16,
                   "moe_combine_bf16": bf16, "naive_combine": R * T * H * 2}
-    all_bytes = torch.zeros(R, len(cases), dtype=torch.float64)
-    all_bytes[rank] = torch.tensor([mine_bytes[n] for n in cases], dtype=torch.float64)
-    dist.all_reduce(all_bytes, group=group)
-    checks_max = torch.tensor(list(checks.values()), dtype=torch.float64)
-    dist.all_reduce(checks_max, op=dist.ReduceOp.MAX, group=group)
-    if rank != 0:
+    res = gather_results(times, mine_bytes, checks, group)
+    if res is None:
         return None
-    return {"times_s": times, "bytes": {n: all_bytes[:, c].tolist() for c, n in enumerate(cases)},
-            "checks_max_over_ranks": dict(zip(checks, checks_max.tolist())),
-            "recv_rows_rank0": recv_x.shape[0], "threads_per_rank": torch.get_num_threads(),
+    return {**res, "recv_rows_rank0": recv_x.shape[0], "threads_per_rank": torch.get_num_threads(),
             "kernel_threads_per_rank": cpu_threads()}
 
 
@@ -141,16 +132,11 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
 def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str, json_path: str) -> None:
     """Prints the table and writes the JSON record (rank 0 only)."""
     R = cfg["ranks"]
-    rows = []
-    for name, secs in res["times_s"].items():
-        stats = summarize(secs)
-        per_rank = res["bytes"][name]
-        mean_bytes = sum(per_rank) / len(per_rank)
-        rows.append({"case": name, "ranks": R, "tokens": cfg["tokens"], "hidden": cfg["hidden"],
-                     "topk": cfg["topk"], "experts": cfg["experts"], **stats,
-                     "p10_p90": f"{stats['p10_us']:.0f}/{stats['p90_us']:.0f}",
-                     "bytes_per_rank_mean": mean_bytes, "bytes_aggregate": sum(per_rank),
-                     "GBps_per_rank": mean_bytes / (stats["median_us"] * 1e-6) / 1e9, "times_us": [s * 1e6 for s in secs]})
+    rows = case_rows(res)
+    for r in rows:
+        r.update({"ranks": R, "tokens": cfg["tokens"], "hidden": cfg["hidden"], "topk": cfg["topk"],
+                  "experts": cfg["experts"],
+                  "GBps_per_rank": r["bytes_per_rank_mean"] / (r["median_us"] * 1e-6) / 1e9})
     by = {r["case"]: r for r in rows}
     for r in rows:
         base = by["naive_dispatch" if r["case"] in DISPATCH_CASES else "naive_combine"]

@@ -109,6 +109,44 @@ def time_cases(cases: dict[str, Callable[[], Any]], group: dist.ProcessGroup, wa
     return {name: times[c].tolist() for c, name in enumerate(cases)}
 
 
+def require_all_ranks(ok: bool, bench: str, rank: int, checks: dict[str, float], group: dist.ProcessGroup) -> None:
+    """Raises on every rank unless ``ok`` holds on every rank: broken ops are never timed."""
+    flags = torch.tensor([0.0 if ok else 1.0])
+    dist.all_reduce(flags, group=group)
+    if flags.item():
+        raise RuntimeError(f"{bench}: correctness check failed on {int(flags.item())} rank(s); rank {rank}: "
+                           f"{checks}; refusing to time broken ops")
+
+
+def gather_results(times: dict[str, list[float]], mine_bytes: dict[str, float], checks: dict[str, float],
+                   group: dist.ProcessGroup) -> Optional[dict[str, Any]]:
+    """On rank 0: ``times_s``, every rank's ``bytes`` per case and ``checks_max_over_ranks``; None
+    elsewhere. Collective."""
+    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    all_bytes = torch.zeros(num_ranks, len(times), dtype=torch.float64)
+    all_bytes[rank] = torch.tensor([mine_bytes[n] for n in times], dtype=torch.float64)
+    dist.all_reduce(all_bytes, group=group)
+    checks_max = torch.tensor(list(checks.values()), dtype=torch.float64)
+    dist.all_reduce(checks_max, op=dist.ReduceOp.MAX, group=group)
+    if rank != 0:
+        return None
+    return {"times_s": times, "bytes": {n: all_bytes[:, c].tolist() for c, n in enumerate(times)},
+            "checks_max_over_ranks": dict(zip(checks, checks_max.tolist()))}
+
+
+def case_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per case: median/p10/p90/min/max µs, a "p10_p90" table cell, the mean bytes per rank
+    and every iteration's µs."""
+    rows = []
+    for name, secs in res["times_s"].items():
+        stats = summarize(secs)
+        per_rank = res["bytes"][name]
+        rows.append({"case": name, **stats, "p10_p90": f"{stats['p10_us']:.0f}/{stats['p90_us']:.0f}",
+                     "bytes_per_rank_mean": sum(per_rank) / len(per_rank), "bytes_aggregate": sum(per_rank),
+                     "times_us": [s * 1e6 for s in secs]})
+    return rows
+
+
 def launch(run_rank: Callable[[dist.ProcessGroup, dict[str, Any]], Optional[dict[str, Any]]],
            report: Callable[[dict[str, Any], dict[str, Any], str, str], None], cfg: dict[str, Any],
            local_ranks: int, threads_per_rank: int) -> None:
