@@ -18,7 +18,8 @@ from .configs import combine_config, dispatch_config
 from .errors import bad_argument
 from .event import EventHandle, EventOverlap
 from .handle import LowLatencyHandle, NormalHandle
-from .ll_args import check_flags, check_ll_combine, check_ll_dispatch, check_ll_sizes, low_latency_buffer_bytes
+from .ll_args import (check_flags, check_ll_combine, check_ll_counts, check_ll_dispatch, check_ll_sizes, check_rdma_bytes,
+                      low_latency_buffer_bytes)
 from .low_latency import LowLatencyMode
 from .normal import NormalMode
 from .normal_args import (TOPK_IDX_T, check_combine_args, check_dispatch_routing, check_num_experts, check_topk_idx,
@@ -340,13 +341,12 @@ class Buffer:
         check_flags(op, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
                     return_recv_hook=return_recv_hook)
         self._no_async_with_hook(op, async_finish, return_recv_hook)
-        if not isinstance(x, torch.Tensor):
-            bad_argument(op, "x", "a bf16 tensor [T, H]", describe(x), kind=TypeError)
-        check_ll_sizes(op, num_max_dispatch_tokens_per_rank, x.shape[-1] if x.dim() else 0, num_experts,
-                       self.group_size, self.num_rdma_bytes)
+        check_ll_counts(op, num_max_dispatch_tokens_per_rank, num_experts, self.group_size)
         args = check_ll_dispatch(op, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, self.group_size,
                                  cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
                                  round_scale, use_ue8m0)
+        check_rdma_bytes(op, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, self.group_size,
+                         self.num_rdma_bytes)
         result = self._low_latency.dispatch(args.x, args.topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                             args.fp8_format, cumulative_local_expert_recv_stats,
                                             dispatch_wait_recv_cost_stats, return_recv_hook)
@@ -386,8 +386,8 @@ class Buffer:
         self._no_async_with_hook(op, async_finish, return_recv_hook)
         x, topk_idx, topk_weights, parsed = check_ll_combine(op, x, topk_idx, topk_weights, handle, self.group_size,
                                                              out, combine_wait_recv_cost_stats)
-        check_ll_sizes(op, parsed.num_max_dispatch_tokens_per_rank, parsed.hidden, parsed.num_experts,
-                       self.group_size, self.num_rdma_bytes)
+        check_rdma_bytes(op, parsed.num_max_dispatch_tokens_per_rank, parsed.hidden, parsed.num_experts,
+                         self.group_size, self.num_rdma_bytes)
         combined, receive = self._low_latency.combine(x, topk_idx, topk_weights, parsed, zero_copy, out,
                                                       combine_wait_recv_cost_stats, return_recv_hook)
         event, hook = self._ll_end(receive, async_finish, return_recv_hook, (x, topk_idx, topk_weights, combined))

@@ -14,6 +14,7 @@ from .normal_args import check_topk_idx
 from .ops.fp8 import GROUP
 
 __all__ = ["low_latency_buffer_bytes", "check_flags", "check_ll_dispatch", "check_ll_combine", "check_ll_sizes",
+           "check_ll_counts", "check_rdma_bytes",
            "LowLatencyDispatchArgs"]
 
 
@@ -37,23 +38,33 @@ def check_flags(op: str, **flags: Any) -> None:
             bad_argument(op, name, "a bool", describe(value), kind=TypeError)
 
 
-def check_ll_sizes(op: str, num_max_dispatch_tokens_per_rank: Any, hidden: Any, num_experts: Any, num_ranks: int,
-                   num_rdma_bytes: int) -> None:
-    """M >= 1, hidden a positive multiple of 128, experts a positive multiple of the group size, and
-    the Buffer's ``num_rdma_bytes`` large enough for them (DeepEP asserts the same)."""
-    m = check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-    h = check_int(op, "hidden", hidden, minimum=GROUP)
-    if h % GROUP:
-        bad_argument(op, "hidden", f"a multiple of {GROUP}", h)
-    e = check_int(op, "num_experts", num_experts, minimum=1)
-    if e % num_ranks:
-        bad_argument(op, "num_experts", f"a multiple of the group size {num_ranks}", e)
-    need = low_latency_buffer_bytes(m, h, e)
+def check_ll_counts(op: str, num_max_dispatch_tokens_per_rank: Any, num_experts: Any, num_ranks: int) -> None:
+    """M >= 1 and the experts a positive multiple of the group size."""
+    check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+    check_int(op, "num_experts", num_experts, minimum=1)
+    if num_experts % num_ranks:
+        bad_argument(op, "num_experts", f"a multiple of the group size {num_ranks}", num_experts)
+
+
+def check_rdma_bytes(op: str, m: int, hidden: int, num_experts: int, num_ranks: int, num_rdma_bytes: int) -> None:
+    """The Buffer's ``num_rdma_bytes`` holds DeepEP's low-latency layout for these (checked) sizes,
+    as DeepEP asserts."""
+    need = low_latency_buffer_bytes(m, hidden, num_experts)
     if num_rdma_bytes < need:
         bad_argument(op, "the Buffer's num_rdma_bytes",
-                     f">= {need} for num_max_dispatch_tokens_per_rank={m}, hidden={h}, num_experts={e} "
-                     f"(create it with num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint({m}, {h}, {num_ranks}, {e}))",
-                     num_rdma_bytes)
+                     f">= {need} for num_max_dispatch_tokens_per_rank={m}, hidden={hidden}, num_experts={num_experts} "
+                     f"(create it with num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint({m}, {hidden}, "
+                     f"{num_ranks}, {num_experts}))", num_rdma_bytes)
+
+
+def check_ll_sizes(op: str, num_max_dispatch_tokens_per_rank: Any, hidden: Any, num_experts: Any, num_ranks: int,
+                   num_rdma_bytes: int) -> None:
+    """``check_ll_counts``, hidden a positive multiple of 128, and ``check_rdma_bytes``."""
+    check_ll_counts(op, num_max_dispatch_tokens_per_rank, num_experts, num_ranks)
+    check_int(op, "hidden", hidden, minimum=GROUP)
+    if hidden % GROUP:
+        bad_argument(op, "hidden", f"a multiple of {GROUP}", hidden)
+    check_rdma_bytes(op, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_ranks, num_rdma_bytes)
 
 
 def _check_ll_topk(op: str, topk_idx: Any, num_experts: int, m: int, num_tokens: Optional[int],

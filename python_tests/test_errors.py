@@ -67,8 +67,9 @@ EXPECTED = {
                             r"num_max_dispatch_tokens_per_rank=8, hidden=128, num_experts=8 \(create it with "
                             r"num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint\(8, 128, 1, 8\)\), got 1024"),
     "ll_x_dtype": ("TypeError", r"low_latency_dispatch: x must be of dtype bfloat16, got \[8, 128\] float32"),
-    "ll_x_type": ("TypeError", r"low_latency_dispatch: x must be a bf16 tensor \[T, H\], got list"),
-    "ll_hidden": ("ValueError", r"low_latency_dispatch: hidden must be a multiple of 128, got 200"),
+    "ll_x_type": ("TypeError", r"low_latency_dispatch: x must be a tensor \[\*, \*\], got list"),
+    "ll_hidden": ("ValueError", r"low_latency_dispatch: x must be \[T, hidden\] with hidden a positive multiple of "
+                  r"128, got \[8, 200\] bfloat16 on cpu"),
     "ll_too_many_tokens": ("ValueError", r"x must be at most num_max_dispatch_tokens_per_rank = 8 rows, got \[9, 128\]"),
     "ll_topk_rows": ("ValueError", r"low_latency_dispatch: topk_idx must be shaped \[8, \*\], got \[7, 2\]"),
     "ll_topk_duplicate": ("ValueError", r"topk_idx must be rows that pick each expert at most once, got row 3 picking "
