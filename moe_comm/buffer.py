@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 
 from . import env, transport as transports
-from .checks import check_int, describe
+from .checks import check_bools, check_int, describe
 from .config import Config
 from .configs import combine_config, dispatch_config
 from .errors import bad_argument
 from .event import EventHandle, EventOverlap
 from .handle import LowLatencyHandle, NormalHandle
-from .ll_args import (check_flags, check_ll_combine, check_ll_counts, check_ll_dispatch, check_ll_sizes, check_rdma_bytes,
+from .ll_args import (check_ll_combine, check_ll_counts, check_ll_dispatch, check_ll_sizes, check_rdma_bytes,
                       low_latency_buffer_bytes)
 from .low_latency import LowLatencyMode
 from .normal import NormalMode
@@ -60,12 +60,9 @@ class Buffer:
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
                             ("num_qps_per_rank", num_qps_per_rank)):
             check_int(op, name, value, minimum=0)
-        for name, value in (("low_latency_mode", low_latency_mode),
-                            ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
-                            ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
-                            ("explicitly_destroy", explicitly_destroy), ("enable_shrink", enable_shrink)):
-            if not isinstance(value, bool):
-                bad_argument(op, name, "a bool", describe(value), kind=TypeError)
+        check_bools(op, low_latency_mode=low_latency_mode,
+                    allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode, allow_mnnvl=allow_mnnvl,
+                    use_fabric=use_fabric, explicitly_destroy=explicitly_destroy, enable_shrink=enable_shrink)
         if group is None:
             if comm is not None:
                 raise NotImplementedError("Buffer: an mpi4py communicator (comm=...) needs the MPI transport, which "
@@ -156,9 +153,7 @@ class Buffer:
     # ------------------------------------------------------------------ async plumbing
     @staticmethod
     def _begin(op: str, previous_event: Any, async_finish: Any, allocate_on_comm_stream: Any) -> None:
-        for name, value in (("async_finish", async_finish), ("allocate_on_comm_stream", allocate_on_comm_stream)):
-            if not isinstance(value, bool):
-                bad_argument(op, name, "a bool", describe(value), kind=TypeError)
+        check_bools(op, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             bad_argument(op, "previous_event", "an EventOverlap or None", describe(previous_event), kind=TypeError)
         if allocate_on_comm_stream and not (previous_event is not None and async_finish):
@@ -338,7 +333,7 @@ class Buffer:
         """
         op = "low_latency_dispatch"
         self._low_latency_ready(op)
-        check_flags(op, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
+        check_bools(op, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
                     return_recv_hook=return_recv_hook)
         self._no_async_with_hook(op, async_finish, return_recv_hook)
         check_ll_counts(op, num_max_dispatch_tokens_per_rank, num_experts, self.group_size)
@@ -378,7 +373,7 @@ class Buffer:
         """
         op = "low_latency_combine"
         self._low_latency_ready(op)
-        check_flags(op, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
+        check_bools(op, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
                     return_recv_hook=return_recv_hook)
         if use_logfmt:
             raise NotImplementedError(f"{op}: use_logfmt=True (DeepEP's 10-bit LogFMT combine) is not implemented; "

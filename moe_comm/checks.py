@@ -8,7 +8,7 @@ import torch
 
 from .errors import bad_argument
 
-__all__ = ["check_tensor", "check_int", "describe"]
+__all__ = ["check_tensor", "check_int", "check_bools", "describe"]
 
 DTypes = Union[torch.dtype, Sequence[torch.dtype]]
 
@@ -46,3 +46,10 @@ def check_int(op: str, name: str, value: Any, *, minimum: int) -> int:
     if value < minimum:
         bad_argument(op, name, f">= {minimum}", value)
     return value
+
+
+def check_bools(op: str, **flags: Any) -> None:
+    """Checks that every keyword's value is a bool (not merely truthy)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            bad_argument(op, name, "a bool", describe(value), kind=TypeError)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .checks import check_tensor
+from .checks import check_int, check_tensor
 from .errors import bad_argument
 
 __all__ = ["NormalHandle", "LowLatencyHandle"]
@@ -113,8 +113,7 @@ class LowLatencyHandle:
         src_info, layout_range, m, hidden, num_experts = handle
         for name, value in (("handle[2] (num_max_dispatch_tokens_per_rank)", m), ("handle[3] (hidden)", hidden),
                             ("handle[4] (num_experts)", num_experts)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                bad_argument(op, name, "a positive int", repr(value), kind=TypeError)
+            check_int(op, name, value, minimum=1)
         if num_experts % num_ranks:
             bad_argument(op, "handle[4] (num_experts)", f"a multiple of the group size {num_ranks}", num_experts)
         local = num_experts // num_ranks

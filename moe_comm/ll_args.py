@@ -13,7 +13,7 @@ from .handle import LowLatencyHandle
 from .normal_args import check_topk_idx
 from .ops.fp8 import GROUP
 
-__all__ = ["low_latency_buffer_bytes", "check_flags", "check_ll_dispatch", "check_ll_combine", "check_ll_sizes",
+__all__ = ["low_latency_buffer_bytes", "check_ll_dispatch", "check_ll_combine", "check_ll_sizes",
            "check_ll_counts", "check_rdma_bytes",
            "LowLatencyDispatchArgs"]
 
@@ -29,13 +29,6 @@ def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int,
     recv = max(e * m * dispatch_msg, e * m * combine_msg)
     signal = -(-4 * e // 128) * 128
     return 2 * (send + recv + signal)
-
-
-def check_flags(op: str, **flags: Any) -> None:
-    """Every flag is a bool."""
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            bad_argument(op, name, "a bool", describe(value), kind=TypeError)
 
 
 def check_ll_counts(op: str, num_max_dispatch_tokens_per_rank: Any, num_experts: Any, num_ranks: int) -> None:
