@@ -122,7 +122,8 @@ class LowLatencyHandle:
         check_tensor(op, "handle[1] (layout_range)", layout_range, shape=(local, num_ranks), dtype=torch.int64,
                      device=device)
         parsed = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts)
-        begins, ends = parsed.begins(), parsed.begins() + parsed.counts()
+        begins = parsed.begins()
+        ends = begins + parsed.counts()
         if bool((layout_range < 0).any()) or bool((ends > num_ranks * m).any()):
             bad_argument(op, "handle[1] (layout_range)", f"begin << 32 | count ranges inside [0, {num_ranks * m})",
                          f"begins {begins.tolist()}, counts {parsed.counts().tolist()}")
