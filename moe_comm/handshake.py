@@ -62,8 +62,13 @@ class Handshake:
     @property
     def sent(self) -> torch.Tensor:
         """``[R, R]`` int64: sent[i, j] = rows rank i sends to rank j."""
+        return torch.tensor(self.matrix, dtype=torch.int64)
+
+    @property
+    def matrix(self) -> list[list[int]]:
+        """``[R][R]``: matrix[i][j] = rows rank i sends to rank j."""
         F, R = len(FIELDS), len(self.rows)
-        return torch.tensor([row[F:F + R] for row in self.rows], dtype=torch.int64)
+        return [row[F:F + R] for row in self.rows]
 
     def recv_counts(self, rank: int) -> list[int]:
         """Rows ``rank`` receives from each rank: ``sent[:, rank]``."""

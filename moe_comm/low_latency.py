@@ -32,7 +32,6 @@ from .ops import (RecordLayout, combine_reduce, combine_rows, low_latency_unpack
                   send_order)
 from .ops.fp8 import FP8_DTYPE
 from .transport import Transport
-from .workspace import Workspace
 
 __all__ = ["LowLatencyMode", "LowLatencyDispatch", "Receive"]
 
@@ -84,7 +83,6 @@ class LowLatencyMode:
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
-        self.workspace = Workspace()
         self._slots = [_Slot(), _Slot()]
         self._idx = 0
         self._lent: Optional[int] = None  # slot whose combine buffer was lent for a zero-copy combine
@@ -143,11 +141,17 @@ class LowLatencyMode:
         records = RecordLayout.build(specs + [("src", torch.int32, 1), ("expert", torch.int32, 1)])
         src_index = torch.arange(x.shape[0], dtype=torch.int32, device=device).unsqueeze(1)
         fields = [data] + ([] if scales is None else [scales]) + [src_index, None]
-        send_store, packed = self.workspace.take("send", msg.shape[0], records.record_bytes, device)
-        pack_rows(records, fields, msg // max(topk_idx.shape[1], 1), out=packed)
-        records.view(packed, "expert").copy_((experts % local).to(torch.int32).unsqueeze(1))
-        recv_store, received = self.workspace.take("recv", sum(recv_counts), records.record_bytes, device)
-        pending = self.transport.all_to_all(received, packed, recv_counts, send_counts, op=op)
+        tokens, local_expert = msg // max(topk_idx.shape[1], 1), (experts % local).to(torch.int32).unsqueeze(1)
+        starts = [0]
+        for count in send_counts:
+            starts.append(starts[-1] + count)
+
+        def pack(dest: int, out: torch.Tensor) -> None:
+            part = slice(starts[dest], starts[dest + 1])
+            pack_rows(records, fields, tokens[part], out=out)
+            records.view(out, "expert").copy_(local_expert[part])
+
+        exchange = self.transport.exchange(shake.matrix, records.record_bytes, pack, op=op, device=device)
 
         rows = R * m
         # Zero-filled (rows past recv_count stay 0), at the cost of the pages written only.
@@ -161,13 +165,11 @@ class LowLatencyMode:
 
         def finish() -> None:
             begin = time.perf_counter_ns()
-            pending.wait()
             try:
-                low_latency_unpack(records, received, recv_counts, recv_x, recv_scales, src_info, layout_range,
-                                   recv_count)
+                low_latency_unpack(records, exchange.wait(), recv_counts, recv_x, recv_scales, src_info,
+                                   layout_range, recv_count)
             finally:
-                self.workspace.give_back("send", send_store)
-                self.workspace.give_back("recv", recv_store)
+                exchange.release()
             if recv_stats is not None:
                 recv_stats.add_(recv_count)
             if wait_stats is not None:
@@ -200,19 +202,23 @@ class LowLatencyMode:
         msg, _, expected = send_order(topk_idx, handle.num_experts, R)
         return_counts = handle.counts().sum(0).tolist()  # rows going back to each source rank
         start = time.perf_counter_ns()
-        handshake(self.transport, op, dict(op=_COMBINE, hidden=hidden, num_experts=handle.num_experts,
-                                           num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank),
-                  return_counts, expected, _COMPARED, device)
+        shake = handshake(self.transport, op, dict(op=_COMBINE, hidden=hidden, num_experts=handle.num_experts,
+                                                   num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank),
+                          return_counts, expected, _COMPARED, device)
         waited = time.perf_counter_ns() - start
 
         send_rows = combine_rows(handle.layout_range, rows)  # by source rank, then local expert, then row
-        total = send_rows.shape[0]
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
+        source = [source.reshape(local * rows, hidden)]
         records = RecordLayout.build([("x", torch.bfloat16, hidden)])
-        send_store, packed = self.workspace.take("send", total, records.record_bytes, device)
-        pack_rows(records, [source.reshape(local * rows, hidden)], send_rows, out=packed)
-        recv_store, received = self.workspace.take("recv", sum(expected), records.record_bytes, device)
-        pending = self.transport.all_to_all(received, packed, expected, return_counts, op=op)
+        starts = [0]
+        for count in return_counts:
+            starts.append(starts[-1] + count)
+
+        def pack(dest: int, out: torch.Tensor) -> None:
+            pack_rows(records, source, send_rows[starts[dest]:starts[dest + 1]], out=out)
+
+        exchange = self.transport.exchange(shake.matrix, records.record_bytes, pack, op=op, device=device)
 
         num_tokens, num_topk = topk_idx.shape
         pos = torch.full((num_tokens * num_topk,), -1, dtype=torch.int32, device=device)
@@ -223,12 +229,10 @@ class LowLatencyMode:
 
         def finish() -> None:
             begin = time.perf_counter_ns()
-            pending.wait()
             try:
-                combine_reduce(records, received, pos, None, None, out, None, scale=topk_weights)
+                combine_reduce(records, exchange.wait(), pos, None, None, out, None, scale=topk_weights)
             finally:
-                self.workspace.give_back("send", send_store)
-                self.workspace.give_back("recv", recv_store)
+                exchange.release()
             if wait_stats is not None:
                 wait_stats.add_(waited + time.perf_counter_ns() - begin)
 

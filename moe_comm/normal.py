@@ -19,7 +19,6 @@ from .handle import NormalHandle
 from .handshake import dtype_code, handshake
 from .ops import DispatchLayout, RecordLayout, combine_reduce, pack_rows, unpack_rows
 from .transport import Transport
-from .workspace import Workspace
 
 __all__ = ["NormalMode", "DispatchResult", "SendPlan", "plan_sends"]
 
@@ -83,27 +82,28 @@ class NormalMode:
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
-        self.workspace = Workspace()
 
     def _exchange(self, op: str, records_layout: RecordLayout, fields: list[torch.Tensor], src_rows: torch.Tensor,
-                  send_counts: list[int], recv_counts: list[int], device: torch.device,
+                  sent: list[list[int]], device: torch.device,
                   packed: Optional[torch.Tensor] = None) -> Callable[[Callable[[torch.Tensor], None]], None]:
-        """Packs (unless ``packed`` records are given) and starts the payload all-to-all in workspace
-        buffers. Returns ``complete(consume)``: waits for the exchange, calls ``consume(received
-        records)``, then returns the buffers to the workspace."""
-        send_store = None
+        """Starts the payload exchange of ``sent`` (rows between every pair of ranks): this rank's
+        records are rows ``src_rows`` of ``fields`` (destination-major), or ``packed`` records. Returns
+        ``complete(consume)``: waits, calls ``consume(received records)``, then releases them."""
         if packed is None:
-            send_store, packed = self.workspace.take("send", sum(send_counts), records_layout.record_bytes, device)
-            pack_rows(records_layout, fields, src_rows, out=packed)
-        recv_store, received = self.workspace.take("recv", sum(recv_counts), records_layout.record_bytes, device)
-        pending = self.transport.all_to_all(received, packed, recv_counts, send_counts, op=op)
+            starts = [0]
+            for count in sent[self.rank]:
+                starts.append(starts[-1] + int(count))
+
+            def rows(dest: int, out: torch.Tensor) -> None:
+                pack_rows(records_layout, fields, src_rows[starts[dest]:starts[dest + 1]], out=out)
+        exchange = self.transport.exchange(sent, records_layout.record_bytes, rows if packed is None else packed,
+                                           op=op, device=device)
 
         def complete(consume: Callable[[torch.Tensor], None]) -> None:
-            pending.wait()
-            consume(received)
-            if send_store is not None:
-                self.workspace.give_back("send", send_store)
-            self.workspace.give_back("recv", recv_store)
+            try:
+                consume(exchange.wait())
+            finally:
+                exchange.release()
 
         return complete
 
@@ -150,8 +150,7 @@ class NormalMode:
         specs.append(("src_idx", torch.int32, 1))
         fields_in.append(src_index)
         records_layout = RecordLayout.build(specs)
-        complete = self._exchange("dispatch", records_layout, fields_in, plan.send_rows, plan.send_counts,
-                                  recv_counts, device)
+        complete = self._exchange("dispatch", records_layout, fields_in, plan.send_rows, shake.matrix, device)
 
         counts_pending.wait()
         got = got.cpu()
@@ -205,13 +204,13 @@ class NormalMode:
         fields = dict(op=_CACHED, hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
                       num_scales=-1 if scales is None else scales.shape[1],
                       scales_dtype=dtype_code(None if scales is None else scales.dtype))
-        handshake(self.transport, "dispatch", fields, plan.send_counts, expected,
-                  ("hidden", "x_dtype", "num_scales", "scales_dtype"), device)
+        shake = handshake(self.transport, "dispatch", fields, plan.send_counts, expected,
+                          ("hidden", "x_dtype", "num_scales", "scales_dtype"), device)
         num_recv = sum(expected)
         specs = [("x", x.dtype, x.shape[1])] + ([] if scales is None else [("scales", scales.dtype, scales.shape[1])])
         records_layout = RecordLayout.build(specs)
         complete = self._exchange("dispatch", records_layout, [x] if scales is None else [x, scales],
-                                  plan.send_rows, plan.send_counts, expected, device)
+                                  plan.send_rows, shake.matrix, device)
         rows = handle.recv_src_idx.shape[0]
         recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=device)
         recv_scales = None if scales is None else torch.empty(rows, scales.shape[1], dtype=scales.dtype, device=device)
@@ -235,8 +234,8 @@ class NormalMode:
         fields = dict(op=_COMBINE, hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
                       num_topk=-1 if topk_weights is None else topk_weights.shape[1],
                       has_weights=int(topk_weights is not None))
-        handshake(self.transport, "combine", fields, return_counts, expected,
-                  ("hidden", "x_dtype", "num_topk", "has_weights"), device)
+        shake = handshake(self.transport, "combine", fields, return_counts, expected,
+                          ("hidden", "x_dtype", "num_topk", "has_weights"), device)
 
         specs = [("x", x.dtype, x.shape[1])]
         if topk_weights is not None:
@@ -247,7 +246,7 @@ class NormalMode:
         if topk_weights is None and records_layout.record_bytes == x.shape[1] * x.element_size() and x.is_contiguous():
             packed = x[:num_return].view(torch.uint8).view(num_return, records_layout.record_bytes)  # a row is a record
         rows = torch.arange(num_return, dtype=torch.int64, device=device)
-        complete = self._exchange("combine", records_layout, payload, rows, return_counts, expected, device, packed)
+        complete = self._exchange("combine", records_layout, payload, rows, shake.matrix, device, packed)
 
         num_tokens = handle.is_token_in_rank.shape[0]
         out = torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=device)

@@ -99,6 +99,21 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
                         int64_t src_offset, int64_t expert_offset,
                         int num_threads);
 
+// Shared-memory flags (the shm transport's synchronisation). A sender publishes data with a release
+// store after writing it; a receiver that sees the value with an acquire load also sees the data.
+void flag_store(int64_t* flag, int64_t value);
+int64_t flag_load(const int64_t* flag);
+
+// Whether process `pid` runs on this host (an exited, unreaped process counts as dead).
+bool process_alive(int64_t pid);
+
+// Waits until *flags[i] >= targets[i] for every i, polling, then sleeping in short naps. Every 20 ms
+// it checks the deadline and whether pids[i] (the process that sets flag i; <= 0: not checked) still
+// runs. Returns -1 when every flag is reached; otherwise the index of a flag not reached, with
+// *reason = 1 when timeout_s passed or 2 when that flag's process has exited.
+int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t* pids, int64_t n,
+                   double timeout_s, int* reason);
+
 // Number of hardware threads, the default for num_threads.
 int hardware_threads();
 

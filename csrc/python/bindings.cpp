@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <tuple>
 #include <vector>
 
@@ -147,6 +148,32 @@ PYBIND11_MODULE(_C, m) {
         py::arg("scales_offset"), py::arg("num_scales"), py::arg("scale_bytes"), py::arg("scales_expert_stride"),
         py::arg("scales_row_stride"), py::arg("scales_col_stride"), py::arg("src_offset"), py::arg("expert_offset"),
         py::arg("num_threads"));
+
+    m.def(
+        "flag_store", [](std::uintptr_t flag, int64_t value) { cpu::flag_store(ptr<int64_t>(flag), value); },
+        py::arg("flag"), py::arg("value"));
+    m.def(
+        "flag_load", [](std::uintptr_t flag) { return cpu::flag_load(ptr<const int64_t>(flag)); }, py::arg("flag"));
+    m.def("process_alive", &cpu::process_alive, py::arg("pid"));
+    m.def(
+        "flags_wait",
+        [](const std::vector<std::uintptr_t>& flags, const std::vector<int64_t>& targets,
+           const std::vector<int64_t>& pids, double timeout_s) {
+            const auto n = static_cast<int64_t>(flags.size());
+            if (targets.size() != flags.size() || pids.size() != flags.size())
+                throw std::invalid_argument("flags_wait: flags, targets and pids must have the same length");
+            std::vector<int64_t*> addresses(flags.size());
+            for (size_t i = 0; i < flags.size(); ++i) addresses[i] = ptr<int64_t>(flags[i]);
+            int reason = 0;
+            int64_t index;
+            {
+                py::gil_scoped_release release;
+                index = cpu::flags_wait(addresses.data(), targets.data(), pids.data(), n, timeout_s, &reason);
+            }
+            return std::make_tuple(index, reason);
+        },
+        py::arg("flags"), py::arg("targets"), py::arg("pids"), py::arg("timeout_s"),
+        "Waits for flags[i] >= targets[i]; returns (-1, 0) or (index not reached, 1 deadline | 2 process exited).");
 
     m.def("hardware_threads", &cpu::hardware_threads);
 }

@@ -89,6 +89,7 @@ class CollectiveTransport(Transport):
     def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
         """Collective over ``group``: every rank of the group must construct it, in the same order
         as any other transport on the group (the n-th construction on each rank pairs up)."""
+        super().__init__()
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
@@ -165,6 +166,7 @@ class CollectiveTransport(Transport):
     def close(self) -> None:
         self._book = _ArrivalBook(None, "", self.rank, self.num_ranks)
         self._recent.clear()
+        self.workspace.clear()
 
 
 def _process_alive(pid: int) -> bool:

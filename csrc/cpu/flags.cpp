@@ -1,0 +1,100 @@
+// Release/acquire flags in shared memory, and the deadline-bounded wait the shm transport uses.
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include "api.h"
+#include "check.h"
+
+namespace moe_comm::cpu {
+namespace {
+
+// How often a waiting rank checks the deadline and whether peers still run.
+constexpr auto kCheckEvery = std::chrono::milliseconds(20);
+// Busy polls before the waiter starts sleeping: short, because on a small machine a spinning
+// waiter takes the core from the peer it is waiting for.
+constexpr int kSpins = 256;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+}
+
+bool reached(int64_t* const* flags, const int64_t* targets, int64_t n, int64_t* first_missing) {
+    for (int64_t i = 0; i < n; ++i) {
+        if (flag_load(flags[i]) < targets[i]) {
+            *first_missing = i;
+            return false;
+        }
+    }
+    return true;
+}
+
+}  // namespace
+
+void flag_store(int64_t* flag, int64_t value) { __atomic_store_n(flag, value, __ATOMIC_RELEASE); }
+
+int64_t flag_load(const int64_t* flag) { return __atomic_load_n(flag, __ATOMIC_ACQUIRE); }
+
+bool process_alive(int64_t pid) {
+    char path[64];
+    std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+    FILE* f = std::fopen(path, "r");
+    if (f == nullptr) {
+        if (errno != ENOENT) return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH;
+        return false;
+    }
+    char buf[512];
+    const size_t len = std::fread(buf, 1, sizeof(buf) - 1, f);
+    std::fclose(f);
+    buf[len] = '\0';
+    const char* paren = std::strrchr(buf, ')');
+    // "pid (comm) S ...": an exited process that is not yet reaped (zombie) counts as dead.
+    return paren == nullptr || (paren[1] != '\0' && paren[2] != 'Z' && paren[2] != 'X');
+}
+
+int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t* pids, int64_t n,
+                   double timeout_s, int* reason) {
+    MC_CHECK(n >= 0 && timeout_s >= 0, "flags_wait: n=" << n << " timeout_s=" << timeout_s);
+    *reason = 0;
+    int64_t missing = 0;
+    for (int spin = 0; spin < kSpins; ++spin) {
+        if (reached(flags, targets, n, &missing)) return -1;
+        cpu_relax();
+    }
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                      std::chrono::duration<double>(timeout_s));
+    auto next_check = start + kCheckEvery;
+    auto sleep = std::chrono::microseconds(1);
+    while (!reached(flags, targets, n, &missing)) {
+        const auto now = std::chrono::steady_clock::now();
+        if (now >= next_check) {
+            next_check = now + kCheckEvery;
+            for (int64_t i = 0; i < n; ++i) {
+                if (pids[i] > 0 && flag_load(flags[i]) < targets[i] && !process_alive(pids[i])) {
+                    *reason = 2;
+                    return i;
+                }
+            }
+            if (now >= deadline) {
+                *reason = 1;
+                return missing;
+            }
+        }
+        std::this_thread::sleep_for(sleep);
+        sleep = std::min(sleep * 2, std::chrono::microseconds(50));
+    }
+    return -1;
+}
+
+}  // namespace moe_comm::cpu
