@@ -9,11 +9,11 @@
 from ._native import build_info
 from .buffer import Buffer, topk_idx_t
 from .config import Config
-from .errors import CommTimeoutError, CrossRankMismatchError
+from .errors import CommTimeoutError, CrossRankMismatchError, PeerExitedError
 from .event import EventHandle, EventOverlap
 from .launch import init_from_env, spawn
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "CommTimeoutError", "CrossRankMismatchError",
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "CommTimeoutError", "CrossRankMismatchError", "PeerExitedError",
            "topk_idx_t", "build_info", "init_from_env", "spawn", "__version__"]

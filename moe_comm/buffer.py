@@ -30,16 +30,22 @@ __all__ = ["Buffer"]
 
 XType = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
+# NOTES: DeepEP's size hints cover every expert's worst case (GBs at DeepSeek shapes); the shm
+# transport's compact layout needs far less, so it preallocates at most this and grows on demand.
+_PREALLOCATE_MAX = 512 << 20
+
 
 class Buffer:
     """The expert-parallel communication buffer of one group (DeepEP v1 ``Buffer``).
 
     Construction is collective: every rank of ``group`` must build its ``Buffer`` (buffers on one
-    group pair up in creation order). Keywords that size or tune DeepEP's NVLink/RDMA buffers
-    (``num_nvl_bytes``, ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``,
-    ``use_fabric``, ``enable_shrink``) are accepted and checked but have no effect on the collective
-    transport, which allocates per call. ``num_rdma_bytes`` is checked as DeepEP does: low-latency
-    calls need ``low_latency_mode=True`` and at least ``get_low_latency_rdma_size_hint(...)`` bytes.
+    group pair up in creation order). The ``shm`` transport (the default for CPU ranks) preallocates
+    its two data slots from ``max(num_nvl_bytes, num_rdma_bytes)`` (capped at 2 x 256 MiB) and grows
+    them when an exchange needs more; the ``collective`` transport allocates per call. Keywords that
+    tune DeepEP's NVLink/RDMA hardware (``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``,
+    ``allow_mnnvl``, ``use_fabric``) are accepted and checked but have no effect. ``num_rdma_bytes``
+    is checked as DeepEP does: low-latency calls need ``low_latency_mode=True`` and at least
+    ``get_low_latency_rdma_size_hint(...)`` bytes.
 
     Args (besides DeepEP's):
         transport: ``"auto"`` (default; env ``MOE_COMM_TRANSPORT`` may name one) or a name from
@@ -89,7 +95,8 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self.timeout_s = float(timeout_s)
         self.transport_name = transports.resolve(transport, group)
-        self.runtime: Optional[transports.Transport] = transports.create(self.transport_name, group, self.timeout_s)
+        self.runtime: Optional[transports.Transport] = transports.create(
+            self.transport_name, group, self.timeout_s, min(max(num_nvl_bytes, num_rdma_bytes), _PREALLOCATE_MAX))
         self._normal = NormalMode(self.runtime)
         self._low_latency = LowLatencyMode(self.runtime)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn, Sequence
 
-__all__ = ["CommTimeoutError", "CrossRankMismatchError", "bad_argument"]
+__all__ = ["CommTimeoutError", "CrossRankMismatchError", "PeerExitedError", "bad_argument"]
 
 
 class CommTimeoutError(TimeoutError):
@@ -22,6 +22,18 @@ class CommTimeoutError(TimeoutError):
         who = "unknown (the transport cannot tell)" if missing_ranks is None else str(self.missing_ranks)
         message = f"{op}: rank {rank} timed out after {timeout_s:g} s; ranks not heard from: {who}"
         super().__init__(message + (f"; {detail}" if detail else ""))
+
+
+class PeerExitedError(RuntimeError):
+    """A rank this rank was waiting for has exited (found while waiting, before the deadline).
+
+    Attributes:
+        op: the operation that was waiting; rank: the rank that raised; peer, pid: the exited rank.
+    """
+
+    def __init__(self, op: str, rank: int, peer: int, pid: int) -> None:
+        self.op, self.rank, self.peer, self.pid = op, rank, peer, pid
+        super().__init__(f"{op}: rank {rank}: rank {peer} (pid {pid}) has exited while this rank waited for it")
 
 
 class CrossRankMismatchError(ValueError):

@@ -60,7 +60,7 @@ EXPECTED = {
     "buffer_timeout_type": ("ValueError", r"Buffer: timeout_s must be a positive number of seconds, got str '5'"),
     "buffer_qps_negative": ("ValueError", r"Buffer: num_qps_per_rank must be >= 0, got -2"),
     "buffer_transport_type": ("TypeError", r"Buffer: transport must be a str, got NoneType None"),
-    "buffer_transport": ("ValueError", r"Buffer: transport must be 'auto' or one of \['collective'\], got 'carrier-pigeon'"),
+    "buffer_transport": ("ValueError", r"Buffer: transport must be 'auto' or one of \['collective', 'shm'\], got 'carrier-pigeon'"),
     "buffer_comm": ("NotImplementedError", r"mpi4py communicator \(comm=...\) needs the MPI transport"),
     "ll_not_low_latency_mode": ("RuntimeError", r"low_latency_dispatch: needs a Buffer created with low_latency_mode=True"),
     "ll_rdma_bytes_small": ("ValueError", r"low_latency_dispatch: the Buffer's num_rdma_bytes must be >= \d+ for "

@@ -127,6 +127,11 @@ class CollectiveTransport(Transport):
                 f"in the same order on every rank")
         return [(host, pid) for host, pid, _ in rows]
 
+    @property
+    def peers(self) -> list[tuple[int, int]]:
+        """(host hash, pid) of every rank."""
+        return list(self._peers)
+
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
                    output_splits: Sequence[int], input_splits: Sequence[int], *, op: str) -> Pending:
         self._book.enter()

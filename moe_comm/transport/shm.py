@@ -1,0 +1,323 @@
+"""The ``shm`` transport: ranks on one host exchange rows through POSIX shared memory, one copy each way.
+
+Every rank maps its own segment and its host peers' (``shm_segment``). A sender writes its rows
+straight into the receiver's data slot, at its block's offset (known from the exchange's count
+matrix), then publishes with a release store of the exchange's sequence number into the receiver's
+``arrived`` flag. The receiver waits with acquire loads, reads the rows in place and stores its
+``consumed`` flag, which a sender checks before it writes that slot again. Every wait has the
+buffer's deadline and checks, every 20 ms, that the ranks it waits for still run.
+
+Two slots per channel give DeepEP's double buffering. Before a rank reuses a slot of its own that
+still holds an unreleased exchange, it moves those rows to private memory ("spill"), so a third
+exchange in flight never waits on a caller's hook.
+
+Ranks on other hosts (or beyond ``LOCAL_WORLD_SIZE``) go through the collective transport, like
+DeepEP's NVLink + RDMA split; their rows are copied into the data slot on arrival, so a receiver
+sees one block per source rank either way.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .._native import native
+from ..errors import CommTimeoutError, PeerExitedError
+from .base import Exchange, Pending, Rows, Transport
+from .collective import CollectiveTransport
+from .shm_segment import DATA, META, META_CELL, NUM_SLOTS, Segment, SegmentLayout, segment_name, sweep_stale
+
+__all__ = ["ShmTransport", "node_ranks"]
+
+_MIN_CAPACITY = 1 << 20
+_NAME_BYTES = 64
+
+
+def node_ranks(group: dist.ProcessGroup, hosts: Sequence[int]) -> list[list[int]]:
+    """The group's ranks split into nodes: same host and, when ``LOCAL_WORLD_SIZE`` is set on the
+    default group, the same ``rank // LOCAL_WORLD_SIZE`` (torchrun's node blocks; setting it below
+    the world size makes one host act as several)."""
+    local_size = os.environ.get("LOCAL_WORLD_SIZE", "")
+    blocks = [0] * len(hosts)
+    if local_size.isdigit() and int(local_size) > 0 and dist.get_world_size(group) == dist.get_world_size():
+        blocks = [dist.get_global_rank(group, r) // int(local_size) for r in range(len(hosts))]
+    nodes: dict[tuple[int, int], list[int]] = {}
+    for r, key in enumerate(zip(hosts, blocks)):
+        nodes.setdefault(key, []).append(r)
+    return list(nodes.values())
+
+
+class _Waiter:
+    """Deadline-bounded waits on flags set by ranks of this transport, with clear errors."""
+
+    def __init__(self, transport: "ShmTransport") -> None:
+        self._t = transport
+
+    def until(self, flags: list[int], targets: list[int], ranks: list[int], op: str) -> None:
+        """Waits until each flag (an address) reaches its target; ranks[i] sets flags[i]."""
+        if not flags:
+            return
+        t = self._t
+        pids = [t.pids[r] for r in ranks]
+        index, reason = native().flags_wait(flags, targets, pids, t.timeout_s)
+        if index < 0:
+            return
+        if reason == 2:
+            raise PeerExitedError(op, t.rank, ranks[index], pids[index])
+        late = sorted({r for f, goal, r in zip(flags, targets, ranks) if native().flag_load(f) < goal})
+        dead = [f"rank {r} (pid {t.pids[r]}) has exited" for r in late if not native().process_alive(t.pids[r])]
+        raise CommTimeoutError(op, t.rank, t.timeout_s, late, ", ".join(dead))
+
+
+class _MetaPending:
+    """A small all-to-all: local rows in meta cells, remote rows through the collective transport."""
+
+    def __init__(self, transport: "ShmTransport", segments: list[Segment], slot: int, seq: int, op: str,
+                 output: torch.Tensor, output_splits: list[int], remote: Optional[tuple]) -> None:
+        self._t, self._segments, self._slot, self._seq, self._op = transport, segments, slot, seq, op
+        self._output, self._splits, self._remote = output, output_splits, remote
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        t, me = self._t, self._segments[self._t.local_index]
+        layout = me.layout
+        t.waiter.until([me.flag(layout.arrived(META, self._slot, i)) for i in range(len(t.local))],
+                       [self._seq] * len(t.local), t.local, self._op)
+        out = self._output.view(torch.uint8).view(self._output.shape[0], -1) if self._output.numel() else None
+        starts = _starts(self._splits)
+        for i, src in enumerate(t.local):
+            rows = self._splits[src]
+            if rows:
+                nbytes = rows * out.shape[1]
+                out[starts[src]:starts[src] + rows].view(-1).copy_(me.view(layout.meta_cell(self._slot, i), nbytes))
+        native().flag_store(me.flag(layout.consumed(META, self._slot)), self._seq)
+        if self._remote is not None:
+            pending, received, sources = self._remote
+            pending.wait()
+            _scatter_blocks(received, out, sources, self._splits, starts)
+
+
+class _ShmExchange:
+    """A payload exchange whose rows land in this rank's data slot."""
+
+    def __init__(self, transport: "ShmTransport", segment: Segment, slot: int, seq: int, op: str,
+                 received: torch.Tensor, recv_counts: list[int], remote: Optional[tuple]) -> None:
+        self._t, self._segment, self._slot, self._seq, self._op = transport, segment, slot, seq, op
+        self._received, self._recv_counts, self._remote = received, recv_counts, remote
+        self._arrived = False
+        self.released = False
+
+    def wait(self) -> torch.Tensor:
+        if not self._arrived:
+            t, layout = self._t, self._segment.layout
+            t.waiter.until([self._segment.flag(layout.arrived(DATA, self._slot, i)) for i in range(len(t.local))],
+                           [self._seq] * len(t.local), t.local, self._op)
+            if self._remote is not None:
+                pending, received, sources = self._remote
+                pending.wait()
+                _scatter_blocks(received, self._received, sources, self._recv_counts, _starts(self._recv_counts))
+            self._arrived = True
+        return self._received
+
+    def spill(self) -> None:
+        """Moves the rows to private memory and frees the slot (the slot is about to be reused)."""
+        if not self.released:
+            self._received = self.wait().clone()
+            self._free_slot()
+
+    def release(self) -> None:
+        if not self.released:
+            self._free_slot()
+        self._received = None
+
+    def _free_slot(self) -> None:
+        self.released = True
+        native().flag_store(self._segment.flag(self._segment.layout.consumed(DATA, self._slot)), self._seq)
+
+
+def _starts(counts: Sequence[int]) -> list[int]:
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + int(c))
+    return starts
+
+
+def _scatter_blocks(received: torch.Tensor, out: torch.Tensor, sources: list[int], counts: Sequence[int],
+                    starts: list[int]) -> None:
+    """Copies the collective transport's blocks (sources in rank order, packed) to their rows of out."""
+    begin = 0
+    for src in sources:
+        rows = int(counts[src])
+        if rows:
+            out[starts[src]:starts[src] + rows].copy_(received[begin:begin + rows])
+        begin += rows
+
+
+class ShmTransport(Transport):
+    """Shared memory between the ranks of a host; the collective transport between hosts."""
+
+    name = "shm"
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, capacity: int = 0) -> None:
+        """Maps one segment per host rank with data slots of ``capacity`` bytes (grown on demand).
+        Collective over ``group``; CPU tensors only."""
+        super().__init__()
+        self._coll = CollectiveTransport(group, timeout_s)
+        self.rank, self.num_ranks, self.timeout_s = self._coll.rank, self._coll.num_ranks, timeout_s
+        self.device = torch.device("cpu")
+        self.pids = [pid for _, pid in self._coll.peers]
+        self.local = next(node for node in node_ranks(group, [h for h, _ in self._coll.peers]) if self.rank in node)
+        self.local_index = self.local.index(self.rank)
+        self.remote = [r for r in range(self.num_ranks) if r not in self.local]
+        self.waiter = _Waiter(self)
+        self._seq = [0, 0]
+        self._held: dict[tuple[int, int], object] = {}
+        self._segments: list[Segment] = []
+        self._map(max(_MIN_CAPACITY, -(-capacity // _MIN_CAPACITY) * _MIN_CAPACITY))
+
+    # ------------------------------------------------------------------ segments
+    def _map(self, capacity: int) -> None:
+        """Creates this rank's segment, maps the host peers' and unlinks the name once all have
+        mapped it. Collective. Slots start free: consumed flags hold the current sequence numbers."""
+        layout = SegmentLayout(len(self.local), capacity)
+        sweep_stale()
+        mine = Segment.create(segment_name(), layout)
+        try:
+            for channel in (META, DATA):
+                for slot in range(NUM_SLOTS):
+                    native().flag_store(mine.flag(layout.consumed(channel, slot)), self._seq[channel])
+            names = self._gather_names(mine.name)
+            segments = [mine if r == self.rank else Segment.open(names[r], layout) for r in self.local]
+            self._barrier("shm transport: mapping segments")
+        finally:
+            mine.unlink()
+        self._segments = segments
+
+    def _gather_names(self, name: str) -> list[str]:
+        encoded = name.encode()
+        row = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+        row[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+        got = torch.empty(self.num_ranks, _NAME_BYTES, dtype=torch.uint8)
+        self._coll.all_to_all(got, row.expand(self.num_ranks, _NAME_BYTES).contiguous(), [1] * self.num_ranks,
+                              [1] * self.num_ranks, op="shm transport: exchanging segment names").wait()
+        return [bytes(r).rstrip(b"\0").decode() for r in got.tolist()]
+
+    def _barrier(self, op: str) -> None:
+        ones = torch.ones(self.num_ranks, 1, dtype=torch.uint8)
+        self._coll.all_to_all(torch.empty_like(ones), ones, [1] * self.num_ranks, [1] * self.num_ranks, op=op).wait()
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of one data slot."""
+        return self._segments[0].layout.capacity
+
+    # ------------------------------------------------------------------ slots
+    def _next(self, channel: int) -> tuple[int, int]:
+        """(sequence number, slot) of the next exchange on ``channel``; settles this rank's own
+        unfinished exchange in that slot first."""
+        self._seq[channel] += 1
+        seq = self._seq[channel]
+        slot = seq % NUM_SLOTS
+        held = self._held.pop((channel, slot), None)
+        if held is not None:
+            held.wait() if channel == META else held.spill()
+        return seq, slot
+
+    def _send(self, channel: int, slot: int, seq: int, dest: int, write: Callable[[Segment], None], op: str) -> None:
+        """Waits until host rank ``dest`` has freed ``slot``, lets ``write`` fill it, publishes."""
+        segment = self._segments[self.local.index(dest)]
+        layout = segment.layout
+        self.waiter.until([segment.flag(layout.consumed(channel, slot))], [seq - NUM_SLOTS], [dest], op)
+        write(segment)
+        native().flag_store(segment.flag(layout.arrived(channel, slot, self.local_index)), seq)
+
+    def _remote_exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                         op: str) -> Optional[tuple]:
+        """Starts the collective all-to-all of the rows to and from other hosts (zero for this host)."""
+        if not self.remote:
+            return None
+        send_remote = [send_counts[r] if r in self.remote else 0 for r in range(self.num_ranks)]
+        recv_remote = [recv_counts[r] if r in self.remote else 0 for r in range(self.num_ranks)]
+        received = torch.empty(sum(recv_remote), *send.shape[1:], dtype=send.dtype)
+        pending = self._coll.all_to_all(received, send, recv_remote, send_remote, op=op)
+        return pending, received, self.remote
+
+    # ------------------------------------------------------------------ Transport
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   output_splits: Sequence[int], input_splits: Sequence[int], *, op: str) -> Pending:
+        seq, slot = self._next(META)
+        output_splits, input_splits = [int(n) for n in output_splits], [int(n) for n in input_splits]
+        row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
+        data = input.contiguous().view(torch.uint8).view(input.shape[0], -1) if input.numel() else input
+        starts = _starts(input_splits)
+        remote = None
+        if self.remote:
+            keep = torch.cat([data[starts[r]:starts[r + 1]] for r in self.remote]) if data.numel() else data
+            remote = self._remote_exchange(keep, input_splits, output_splits, op)
+        for dest in self.local:
+            nbytes = input_splits[dest] * row_bytes
+            if nbytes > META_CELL:
+                raise ValueError(f"{op}: shm transport: {nbytes} bytes of metadata for rank {dest} exceed the "
+                                 f"{META_CELL}-byte cell")
+
+            def write(segment: Segment, dest: int = dest, nbytes: int = nbytes) -> None:
+                if nbytes:
+                    segment.view(segment.layout.meta_cell(slot, self.local_index), nbytes).copy_(
+                        data[starts[dest]:starts[dest + 1]].reshape(-1))
+
+            self._send(META, slot, seq, dest, write, op)
+        pending = _MetaPending(self, self._segments, slot, seq, op, output, output_splits, remote)
+        self._held[(META, slot)] = pending
+        return pending
+
+    def exchange(self, sent: Sequence[Sequence[int]], record_bytes: int, rows: Rows, *, op: str,
+                 device: torch.device) -> Exchange:
+        seq, slot = self._next(DATA)
+        me = self.rank
+        recv_counts = [int(row[me]) for row in sent]
+        send_counts = [int(n) for n in sent[me]]
+        need = max(sum(int(row[j]) for row in sent) for j in range(self.num_ranks)) * record_bytes
+        if need > self.capacity:  # every rank sees the same matrix, so all grow here together
+            self._map(max(need, 2 * self.capacity))
+        remote = None
+        if self.remote:
+            # A fresh buffer: the collective transport reads it in the background.
+            packed = torch.empty(sum(send_counts[r] for r in self.remote), record_bytes, dtype=torch.uint8)
+            starts = _starts(send_counts)
+            begin = 0
+            for dest in self.remote:
+                part = packed[begin:begin + send_counts[dest]]
+                if send_counts[dest]:
+                    rows(dest, part) if callable(rows) else part.copy_(rows[starts[dest]:starts[dest + 1]])
+                begin += send_counts[dest]
+            remote = self._remote_exchange(packed, send_counts, recv_counts, op)
+        send_starts = _starts(send_counts)
+        for dest in self.local:
+            offset = sum(int(sent[i][dest]) for i in range(me)) * record_bytes
+            count = send_counts[dest]
+
+            def write(segment: Segment, dest: int = dest, offset: int = offset, count: int = count) -> None:
+                if not count:
+                    return
+                out = segment.view(segment.layout.data_slot(slot) + offset, count * record_bytes)
+                out = out.view(count, record_bytes)
+                rows(dest, out) if callable(rows) else out.copy_(rows[send_starts[dest]:send_starts[dest + 1]])
+
+            self._send(DATA, slot, seq, dest, write, op)
+        segment = self._segments[self.local_index]
+        received = segment.view(segment.layout.data_slot(slot), sum(recv_counts) * record_bytes)
+        exchange = _ShmExchange(self, segment, slot, seq, op, received.view(sum(recv_counts), record_bytes),
+                                recv_counts, remote)
+        self._held[(DATA, slot)] = exchange
+        return exchange
+
+    def close(self) -> None:
+        self._held.clear()
+        self._segments = []
+        self.workspace.clear()
+        self._coll.close()
