@@ -6,15 +6,18 @@ MOE_COMM_TRANSPORT   transport for ``Buffer(transport="auto")``: ``collective`` 
 MOE_COMM_TIMEOUT_S   deadline in seconds for every wait (default 300); ``Buffer(timeout_s=...)``
                      overrides it.
 MOE_COMM_NUM_THREADS threads the CPU kernels of ``moe_comm._C`` may use (default: all cores).
+MOE_COMM_POOL_BYTES  idle bytes the CPU output pool (``moe_comm.alloc.empty``) may keep (default 2 GiB;
+                     0 disables recycling).
 """
 from __future__ import annotations
 
 import os
 from typing import Optional
 
-__all__ = ["transport", "timeout_s", "num_threads"]
+__all__ = ["transport", "timeout_s", "num_threads", "pool_bytes"]
 
 DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_POOL_BYTES = 2 << 30
 
 
 def transport() -> Optional[str]:
@@ -43,3 +46,13 @@ def num_threads() -> Optional[int]:
     """Thread count for CPU kernels from ``MOE_COMM_NUM_THREADS``, or None (use all cores)."""
     value = os.environ.get("MOE_COMM_NUM_THREADS")
     return None if value is None else int(_positive("MOE_COMM_NUM_THREADS", value, int))
+
+
+def pool_bytes() -> int:
+    """Idle bytes the CPU output pool may keep, from ``MOE_COMM_POOL_BYTES`` (0 allowed), else 2 GiB."""
+    value = os.environ.get("MOE_COMM_POOL_BYTES")
+    if value is None:
+        return DEFAULT_POOL_BYTES
+    if not value.strip().isdigit():
+        raise ValueError(f"environment variable MOE_COMM_POOL_BYTES must be a non-negative int, got {value!r}")
+    return int(value)

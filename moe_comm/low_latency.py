@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .alloc import zeros
+from .alloc import empty, zeros
 from .handle import LowLatencyHandle
 from .handshake import handshake
 from .ops import (RecordLayout, combine_reduce, combine_rows, low_latency_unpack, pack_rows, per_token_cast_to_fp8,
@@ -225,7 +225,7 @@ class LowLatencyMode:
         pos[msg] = torch.arange(msg.shape[0], dtype=torch.int32, device=device)
         pos = pos.view(num_tokens, num_topk)
         if out is None:
-            out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=device)
+            out = empty((num_tokens, hidden), torch.bfloat16, device)
 
         def finish() -> None:
             begin = time.perf_counter_ns()

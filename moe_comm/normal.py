@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .alloc import empty
 from .errors import CrossRankMismatchError
 from .handle import NormalHandle
 from .handshake import dtype_code, handshake
@@ -76,6 +77,21 @@ def _fill_padding(tensors: list[Optional[torch.Tensor]], values: list[float], st
             t[start:].fill_(v)
 
 
+def _own_rows(fields: list[torch.Tensor], src_rows: torch.Tensor, outputs: list[torch.Tensor], start: int) -> None:
+    """This rank's rows to itself, in one copy: ``outputs[f][start + i] = fields[f][src_rows[i]]``."""
+    for field, out in zip(fields, outputs):
+        torch.index_select(field, 0, src_rows, out=out[start:start + src_rows.shape[0]])
+
+
+def _unpack_around(records_layout: RecordLayout, received: torch.Tensor, outputs: list[torch.Tensor],
+                   before: int, own: int) -> None:
+    """Unpacks records that skip this rank's own block: the first ``before`` rows to output rows
+    ``[0, before)``, the rest after the ``own`` rows this rank copied itself."""
+    rest = received.shape[0] - before
+    unpack_rows(records_layout, received[:before], [o[:before] for o in outputs])
+    unpack_rows(records_layout, received[before:], [o[before + own:before + own + rest] for o in outputs])
+
+
 class NormalMode:
     """Normal-mode operations of one ``Buffer`` over its transport."""
 
@@ -84,20 +100,25 @@ class NormalMode:
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
 
     def _exchange(self, op: str, records_layout: RecordLayout, fields: list[torch.Tensor], src_rows: torch.Tensor,
-                  sent: list[list[int]], device: torch.device,
-                  packed: Optional[torch.Tensor] = None) -> Callable[[Callable[[torch.Tensor], None]], None]:
+                  sent: list[list[int]], device: torch.device, packed: Optional[torch.Tensor] = None,
+                  skip_self: bool = True) -> Callable[[Callable[[torch.Tensor], None]], None]:
         """Starts the payload exchange of ``sent`` (rows between every pair of ranks): this rank's
-        records are rows ``src_rows`` of ``fields`` (destination-major), or ``packed`` records. Returns
+        records are rows ``src_rows`` of ``fields`` (destination-major), or ``packed`` records; with
+        ``skip_self`` the rows for this rank stay out (the caller copies them once, directly). Returns
         ``complete(consume)``: waits, calls ``consume(received records)``, then releases them."""
-        if packed is None:
-            starts = [0]
-            for count in sent[self.rank]:
-                starts.append(starts[-1] + int(count))
+        starts = [0]
+        for count in sent[self.rank]:
+            starts.append(starts[-1] + int(count))
 
-            def rows(dest: int, out: torch.Tensor) -> None:
-                pack_rows(records_layout, fields, src_rows[starts[dest]:starts[dest + 1]], out=out)
-        exchange = self.transport.exchange(sent, records_layout.record_bytes, rows if packed is None else packed,
-                                           op=op, device=device)
+        def rows(dest: int, out: torch.Tensor) -> None:
+            part = slice(starts[dest], starts[dest + 1])
+            if packed is None:
+                pack_rows(records_layout, fields, src_rows[part], out=out)
+            else:
+                out.copy_(packed[part])
+
+        exchange = self.transport.exchange(sent, records_layout.record_bytes, rows, op=op, device=device,
+                                           skip_self=skip_self)
 
         def complete(consume: Callable[[torch.Tensor], None]) -> None:
             try:
@@ -160,18 +181,22 @@ class NormalMode:
         recv_chan = (chan - chan.diff(dim=1, prepend=torch.zeros(R, 1, dtype=torch.int64))).to(torch.int32).to(device)
 
         rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
-        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=device)
-        recv_scales = None if scales is None else torch.empty(rows, scales.shape[1], dtype=scales.dtype, device=device)
+        recv_x = empty((rows, x.shape[1]), x.dtype, device)
+        recv_scales = None if scales is None else empty((rows, scales.shape[1]), scales.dtype, device)
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:
-            recv_topk_idx = torch.empty(rows, topk_idx.shape[1], dtype=topk_idx.dtype, device=device)
-            recv_topk_weights = torch.empty(rows, topk_idx.shape[1], dtype=torch.float32, device=device)
+            recv_topk_idx = empty((rows, topk_idx.shape[1]), topk_idx.dtype, device)
+            recv_topk_weights = empty((rows, topk_idx.shape[1]), torch.float32, device)
         recv_src_idx = torch.empty(rows, dtype=torch.int32, device=device)
         outputs = [t for t in (recv_x, recv_scales, recv_topk_idx, recv_topk_weights) if t is not None]
         outputs.append(recv_src_idx.unsqueeze(1))
 
+        own_rows = plan.send_rows[sum(plan.send_counts[:me]):sum(plan.send_counts[:me + 1])]
+        before, own = sum(recv_counts[:me]), recv_counts[me]
+
         def finish() -> None:
-            complete(lambda received: unpack_rows(records_layout, received, outputs))
+            _own_rows(fields_in, own_rows, outputs, before)
+            complete(lambda received: _unpack_around(records_layout, received, outputs, before, own))
             if recv_topk_idx is not None:
                 idx, weights = recv_topk_idx[:num_recv], recv_topk_weights[:num_recv]
                 idx.sub_(me * experts_per_rank)
@@ -212,12 +237,15 @@ class NormalMode:
         complete = self._exchange("dispatch", records_layout, [x] if scales is None else [x, scales],
                                   plan.send_rows, shake.matrix, device)
         rows = handle.recv_src_idx.shape[0]
-        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=device)
-        recv_scales = None if scales is None else torch.empty(rows, scales.shape[1], dtype=scales.dtype, device=device)
+        recv_x = empty((rows, x.shape[1]), x.dtype, device)
+        recv_scales = None if scales is None else empty((rows, scales.shape[1]), scales.dtype, device)
         outputs = [recv_x] if recv_scales is None else [recv_x, recv_scales]
+        own_rows = plan.send_rows[sum(plan.send_counts[:me]):sum(plan.send_counts[:me + 1])]
+        before, own = sum(expected[:me]), expected[me]
 
         def finish() -> None:
-            complete(lambda received: unpack_rows(records_layout, received, outputs))
+            _own_rows([x] if scales is None else [x, scales], own_rows, outputs, before)
+            complete(lambda received: _unpack_around(records_layout, received, outputs, before, own))
             _fill_padding([recv_x, recv_scales], [0, 0], num_recv)
 
         return DispatchResult(recv_x, recv_scales, None, None, None, None, finish)
@@ -246,16 +274,38 @@ class NormalMode:
         if topk_weights is None and records_layout.record_bytes == x.shape[1] * x.element_size() and x.is_contiguous():
             packed = x[:num_return].view(torch.uint8).view(num_return, records_layout.record_bytes)  # a row is a record
         rows = torch.arange(num_return, dtype=torch.int64, device=device)
-        complete = self._exchange("combine", records_layout, payload, rows, shake.matrix, device, packed)
+        # Records that are plain rows of x: this rank's own rows are reduced in place, not sent.
+        direct = packed is not None
+        complete = self._exchange("combine", records_layout, payload, rows, shake.matrix, device, packed,
+                                  skip_self=direct)
+        send_pos = handle.send_head
+        if direct:
+            send_starts = [sum(expected[:r]) for r in range(self.num_ranks)]
+            starts = torch.tensor(send_starts, dtype=torch.int32, device=device)
+            send_pos = torch.where(send_pos >= 0, send_pos - starts, -1).to(torch.int32)
+            own_begin = sum(return_counts[:me])
+            own = packed[own_begin:own_begin + return_counts[me]]
+
+        def sources(received: torch.Tensor) -> list[torch.Tensor]:
+            """Each rank's returned records: in ``received`` (which skips this rank) or, for this
+            rank, its own rows of x."""
+            blocks, begin = [], 0
+            for r, count in enumerate(expected):
+                if r == me:
+                    blocks.append(own)
+                else:
+                    blocks.append(received[begin:begin + count])
+                    begin += count
+            return blocks
 
         num_tokens = handle.is_token_in_rank.shape[0]
-        out = torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=device)
+        out = empty((num_tokens, x.shape[1]), x.dtype, device)
         out_weights = None
         if topk_weights is not None:
             out_weights = torch.empty(num_tokens, topk_weights.shape[1], dtype=torch.float32, device=device)
 
         def finish() -> None:
-            complete(lambda received: combine_reduce(records_layout, received, handle.send_head, bias0, bias1,
-                                                     out, out_weights))
+            complete(lambda received: combine_reduce(records_layout, sources(received) if direct else received,
+                                                     send_pos, bias0, bias1, out, out_weights))
 
         return out, out_weights, finish

@@ -405,7 +405,7 @@ def test_combine_reduce_thread_count_independent(dtype):
     for threads in (1, 2):
         out = torch.empty(num_tokens, hidden, dtype=dtype)
         w = torch.empty(num_tokens, num_topk)
-        native().combine_reduce(out.data_ptr(), w.data_ptr(), records.data_ptr(), send_pos.data_ptr(), 0,
+        native().combine_reduce(out.data_ptr(), w.data_ptr(), [records.data_ptr()] * num_ranks, send_pos.data_ptr(), 0,
                                 biases[0].data_ptr(), biases[1].data_ptr(), num_tokens, num_ranks, hidden,
                                 REDUCE_DTYPES[dtype], layout.record_bytes, layout.field("x").offset, w_field.offset,
                                 num_topk, threads)
@@ -415,3 +415,41 @@ def test_combine_reduce_thread_count_independent(dtype):
     want, want_w = _run_combine(combine_reduce_reference, layout, records, send_pos, biases, True)
     _assert_bitwise(outs[1][0], want)
     _assert_bitwise(outs[1][1], want_w)
+
+
+@pytest.mark.parametrize("dtype", list(REDUCE_DTYPES))
+def test_combine_reduce_builds_agree_bitwise(dtype):
+    """The AVX2 build of the reduction (where the CPU has it) and the generic build give the same bits."""
+    gen = _gen(str(dtype), "isa")
+    layout, records, send_pos, biases = _combine_case(gen, dtype, 3, 300, 1100, 4, True, 2)
+    results = []
+    try:
+        for generic in (False, True):
+            native().set_combine_reduce_generic(generic)
+            results.append((native().combine_reduce_isa(),
+                            _run_combine(combine_reduce, layout, records, send_pos, biases, True)))
+    finally:
+        native().set_combine_reduce_generic(False)
+    (isa_a, (out_a, w_a)), (isa_b, (out_b, w_b)) = results
+    assert isa_b == "generic"
+    _assert_bitwise(out_a, out_b)
+    _assert_bitwise(w_a, w_b)
+
+
+def test_combine_reduce_per_source_records():
+    """Records split into one tensor per source (rows read in place) reduce exactly as one shared tensor."""
+    gen = _gen("per source")
+    dtype, num_ranks = torch.bfloat16, 3
+    layout, records, send_pos, biases = _combine_case(gen, dtype, num_ranks, 200, 256, 4, False, 1)
+    want, _ = _run_combine(combine_reduce, layout, records, send_pos, biases, False)
+    # Source j's rows become their own tensor (a copy elsewhere in memory), positions made relative.
+    blocks, rel = [], send_pos.clone()
+    for j in range(num_ranks):
+        used = send_pos[:, j][send_pos[:, j] >= 0].long()
+        begin = int(used.min()) if used.numel() else 0
+        end = int(used.max()) + 1 if used.numel() else 0
+        blocks.append(records[begin:end].clone())
+        rel[:, j] = torch.where(send_pos[:, j] >= 0, send_pos[:, j] - begin, -1)
+    for fn in (combine_reduce, combine_reduce_reference):
+        got, _ = _run_combine(fn, layout, blocks, rel, biases, False)
+        _assert_bitwise(got, want)

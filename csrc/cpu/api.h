@@ -49,18 +49,24 @@ void unpack_rows(const Segment* segments, int num_segments,
                  int num_threads);
 
 // Combine reduction, in a fixed order so results are bitwise reproducible:
-//   acc = 0; for j in 0..num_sources-1: if send_pos[t, j] >= 0: acc += scale[t, j] * x(record send_pos[t, j])
+//   acc = 0; for j in 0..num_sources-1: if send_pos[t, j] >= 0: acc += scale[t, j] * x(record send_pos[t, j] of source j)
 //   out[t] = dtype(acc + bias0[t] + bias1[t])        (each bias optional, fp32 adds)
-// A source j is a rank (normal mode) or a top-k slot (low-latency mode). Without `scale` (null)
-// rows are added unscaled. x is `hidden` elements of `dtype` at byte `x_offset` of each record.
-// When out_weights is non-null it receives the unscaled sum (no bias) of the `num_topk` fp32
-// weights at `weights_offset`. The multiply and the add are separate roundings (no FMA).
+// A source j is a rank (normal mode) or a top-k slot (low-latency mode); its records start at
+// sources[j] and are record_bytes apart. Without `scale` (null) rows are added unscaled. x is
+// `hidden` elements of `dtype` at byte `x_offset` of each record. When out_weights is non-null it
+// receives the unscaled sum (no bias) of the `num_topk` fp32 weights at `weights_offset`. The
+// multiply and the add are separate roundings (no FMA).
 void combine_reduce(void* out, float* out_weights,
-                    const uint8_t* records, const int32_t* send_pos, const float* scale,
+                    const uint8_t* const* sources, const int32_t* send_pos, const float* scale,
                     const void* bias0, const void* bias1,
                     int64_t num_tokens, int64_t num_sources, int64_t hidden, DType dtype,
                     int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
                     int num_threads);
+
+// Which build of combine_reduce this CPU runs: "avx2" or "generic". Tests force the generic build
+// with set_combine_reduce_generic(true) to check that both give the same bits.
+const char* combine_reduce_isa();
+void set_combine_reduce_generic(bool generic);
 
 // Low-latency send order: the (token, k) messages of topk_idx [num_tokens, num_topk] with an expert
 // (-1 skipped), sorted by expert id, then by t * num_topk + k (a stable counting sort). Writes msg[i]

@@ -8,6 +8,14 @@
 
 namespace moe_comm::cpu {
 
+// Rows smaller than this are handled by one thread: starting a thread costs ~10-30 us.
+constexpr int64_t kBytesPerThread = 1 << 20;
+
+// Rows of `row_bytes` each that make one thread's share of work.
+inline int64_t grain_rows(int64_t row_bytes) {
+    return std::max<int64_t>(1, kBytesPerThread / std::max<int64_t>(row_bytes, 1));
+}
+
 // Calls fn(begin, end) over disjoint chunks covering [0, n). Runs inline when the work is too small
 // to pay for thread start-up (`grain` items per thread at least) or when num_threads <= 1.
 template <typename Fn>

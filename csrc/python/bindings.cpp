@@ -39,6 +39,7 @@ py::dict build_info() {
     info["ascend"] = false;
     info["bang"] = false;
     info["hardware_threads"] = cpu::hardware_threads();
+    info["combine_reduce_isa"] = cpu::combine_reduce_isa();
     return info;
 }
 
@@ -88,17 +89,21 @@ PYBIND11_MODULE(_C, m) {
 
     m.def(
         "combine_reduce",
-        [](std::uintptr_t out, std::uintptr_t out_weights, std::uintptr_t records, std::uintptr_t send_pos,
-           std::uintptr_t scale, std::uintptr_t bias0, std::uintptr_t bias1, int64_t num_tokens, int64_t num_sources,
-           int64_t hidden, int dtype, int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
-           int num_threads) {
+        [](std::uintptr_t out, std::uintptr_t out_weights, const std::vector<std::uintptr_t>& sources,
+           std::uintptr_t send_pos, std::uintptr_t scale, std::uintptr_t bias0, std::uintptr_t bias1,
+           int64_t num_tokens, int64_t num_sources, int64_t hidden, int dtype, int64_t record_bytes, int64_t x_offset,
+           int64_t weights_offset, int64_t num_topk, int num_threads) {
+            if (static_cast<int64_t>(sources.size()) != num_sources)
+                throw std::invalid_argument("combine_reduce: need one records base per source");
+            std::vector<const uint8_t*> bases(sources.size());
+            for (size_t j = 0; j < sources.size(); ++j) bases[j] = ptr<const uint8_t>(sources[j]);
             py::gil_scoped_release release;
-            cpu::combine_reduce(ptr<void>(out), ptr<float>(out_weights), ptr<const uint8_t>(records),
+            cpu::combine_reduce(ptr<void>(out), ptr<float>(out_weights), bases.data(),
                                 ptr<const int32_t>(send_pos), ptr<const float>(scale), ptr<const void>(bias0),
                                 ptr<const void>(bias1), num_tokens, num_sources, hidden, static_cast<cpu::DType>(dtype), record_bytes,
                                 x_offset, weights_offset, num_topk, num_threads);
         },
-        py::arg("out"), py::arg("out_weights"), py::arg("records"), py::arg("send_pos"), py::arg("scale"),
+        py::arg("out"), py::arg("out_weights"), py::arg("sources"), py::arg("send_pos"), py::arg("scale"),
         py::arg("bias0"), py::arg("bias1"), py::arg("num_tokens"), py::arg("num_sources"), py::arg("hidden"), py::arg("dtype"),
         py::arg("record_bytes"), py::arg("x_offset"), py::arg("weights_offset"), py::arg("num_topk"),
         py::arg("num_threads"));
@@ -175,5 +180,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("flags"), py::arg("targets"), py::arg("pids"), py::arg("timeout_s"),
         "Waits for flags[i] >= targets[i]; returns (-1, 0) or (index not reached, 1 deadline | 2 process exited).");
 
+    m.def("combine_reduce_isa", &cpu::combine_reduce_isa);
+    m.def("set_combine_reduce_generic", &cpu::set_combine_reduce_generic, py::arg("generic"));
     m.def("hardware_threads", &cpu::hardware_threads);
 }

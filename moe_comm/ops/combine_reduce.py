@@ -1,20 +1,32 @@
 """The combine reduction: sum each token's returned rows in a fixed order, optionally weighted, plus biases."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
 from .._native import cpu_threads, native
 from .records import RecordLayout
 
-__all__ = ["combine_reduce", "combine_reduce_reference", "REDUCE_DTYPES"]
+__all__ = ["combine_reduce", "combine_reduce_reference", "REDUCE_DTYPES", "Records"]
+
+#: The rows a reduction reads: one `[rows, record_bytes]` uint8 tensor for every source, or one per source.
+Records = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def _per_source(records: Records, num_sources: int) -> list[torch.Tensor]:
+    if isinstance(records, torch.Tensor):
+        return [records] * num_sources
+    if len(records) != num_sources:
+        raise ValueError(f"combine_reduce: records must be one tensor or one per source ({num_sources}), "
+                         f"got {len(records)}")
+    return list(records)
 
 # dtype -> code of moe_comm::cpu::DType
 REDUCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def combine_reduce(layout: RecordLayout, records: torch.Tensor, send_pos: torch.Tensor,
+def combine_reduce(layout: RecordLayout, records: Records, send_pos: torch.Tensor,
                    bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor],
                    out: torch.Tensor, out_weights: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None) -> None:
     """Reduces returned rows per original token. Local; deterministic.
@@ -22,9 +34,10 @@ def combine_reduce(layout: RecordLayout, records: torch.Tensor, send_pos: torch.
     Args:
         layout: record layout with field ``x`` (`[hidden]` of a REDUCE_DTYPES dtype) and, when
             ``out_weights`` is given, field ``weights`` (`[num_topk]` float32).
-        records: `[num_returned, record_bytes]` uint8.
+        records: `[rows, record_bytes]` uint8 shared by all sources, or one such tensor per source
+            (rows in place, e.g. a rank's own rows read straight from the combine input).
         send_pos: `[num_tokens, num_sources]` int32: record of token t from source j (a rank in
-            normal mode, a top-k slot in low-latency mode), or -1.
+            normal mode, a top-k slot in low-latency mode) in source j's records, or -1.
         bias0, bias1: optional `[num_tokens, hidden]` of x's dtype, contiguous.
         out: `[num_tokens, hidden]` x's dtype, contiguous, written with
             ``out[t] = round(((0 + s_0 * x_0 + s_1 * x_1 + ...) + bias0[t]) + bias1[t])`` over sources j
@@ -34,10 +47,11 @@ def combine_reduce(layout: RecordLayout, records: torch.Tensor, send_pos: torch.
         scale: optional `[num_tokens, num_sources]` float32 weights s_j (1 when None).
     Reference: ``combine_reduce_reference`` (tests compare bitwise).
     """
-    if records.device.type != "cpu":
-        return combine_reduce_reference(layout, records, send_pos, bias0, bias1, out, out_weights, scale)
-    x_field = layout.field("x")
     num_tokens, num_sources = send_pos.shape
+    sources = _per_source(records, num_sources)
+    if out.device.type != "cpu":
+        return combine_reduce_reference(layout, sources, send_pos, bias0, bias1, out, out_weights, scale)
+    x_field = layout.field("x")
     w_offset, num_topk = 0, 0
     if out_weights is not None:
         w_field = layout.field("weights")
@@ -45,7 +59,8 @@ def combine_reduce(layout: RecordLayout, records: torch.Tensor, send_pos: torch.
     send_pos = send_pos.contiguous()
     if scale is not None:
         scale = scale.contiguous()
-    native().combine_reduce(out.data_ptr(), 0 if out_weights is None else out_weights.data_ptr(), records.data_ptr(),
+    native().combine_reduce(out.data_ptr(), 0 if out_weights is None else out_weights.data_ptr(),
+                            [r.data_ptr() for r in sources],
                             send_pos.data_ptr(), 0 if scale is None else scale.data_ptr(),
                             0 if bias0 is None else bias0.data_ptr(), 0 if bias1 is None else bias1.data_ptr(),
                             num_tokens, num_sources, x_field.num_cols,
@@ -53,24 +68,23 @@ def combine_reduce(layout: RecordLayout, records: torch.Tensor, send_pos: torch.
                             cpu_threads())
 
 
-def combine_reduce_reference(layout: RecordLayout, records: torch.Tensor, send_pos: torch.Tensor,
+def combine_reduce_reference(layout: RecordLayout, records: Records, send_pos: torch.Tensor,
                              bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor],
                              out: torch.Tensor, out_weights: Optional[torch.Tensor],
                              scale: Optional[torch.Tensor] = None) -> None:
     """Plain-torch specification of ``combine_reduce``; also the path for non-CPU devices."""
     x_field = layout.field("x")
     num_tokens, num_sources = send_pos.shape
-    x = layout.view(records, "x").float()
-    acc = torch.zeros(num_tokens, x_field.num_cols, dtype=torch.float32, device=records.device)
-    w = layout.view(records, "weights") if out_weights is not None else None
-    wacc = None if w is None else torch.zeros(num_tokens, w.shape[1], dtype=torch.float32, device=records.device)
+    sources = _per_source(records, num_sources)
+    acc = torch.zeros(num_tokens, x_field.num_cols, dtype=torch.float32, device=out.device)
+    wacc = None if out_weights is None else torch.zeros(out_weights.shape, dtype=torch.float32, device=out.device)
     for j in range(num_sources):
         pos = send_pos[:, j].long()
         hit = pos >= 0
-        rows = x[pos[hit]]
+        rows = layout.view(sources[j], "x").float()[pos[hit]]
         acc[hit] += rows if scale is None else scale[hit, j:j + 1] * rows
         if wacc is not None:
-            wacc[hit] += w[pos[hit]]
+            wacc[hit] += layout.view(sources[j], "weights")[pos[hit]]
     for bias in (bias0, bias1):
         if bias is not None:
             acc += bias.float()

@@ -6,18 +6,17 @@ and reports ranks that miss a deadline.
 from __future__ import annotations
 
 import abc
-from typing import Callable, Protocol, Sequence, Union
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from ..workspace import Workspace
 
-__all__ = ["Exchange", "Pending", "Rows", "Transport"]
+__all__ = ["Exchange", "Pending", "Rows", "Transport", "own_counts"]
 
 #: What a rank sends in an exchange: ``pack(dest, out)`` writes the rows for rank ``dest`` into
-#: ``out`` (`[rows, record_bytes]` uint8, possibly another rank's memory), or the rows themselves as
-#: one `[rows, record_bytes]` uint8 tensor ordered by destination rank.
-Rows = Union[Callable[[int, torch.Tensor], None], torch.Tensor]
+#: ``out`` (`[rows, record_bytes]` uint8, possibly another rank's memory).
+Rows = Callable[[int, torch.Tensor], None]
 
 
 class Pending(Protocol):
@@ -64,26 +63,22 @@ class Transport(abc.ABC):
         metadata; payloads go through ``exchange``."""
 
     def exchange(self, sent: Sequence[Sequence[int]], record_bytes: int, rows: Rows, *, op: str,
-                 device: torch.device) -> Exchange:
+                 device: torch.device, skip_self: bool = False) -> Exchange:
         """Starts an all-to-all of records whose counts every rank knows: ``sent[i][j]`` rows go from
         rank i to rank j (the same matrix on every rank, e.g. from a handshake). ``rows`` supplies this
         rank's rows; a transport with direct access to peers' memory packs them straight into place.
-        Collective, in the same order on every rank.
+        With ``skip_self`` no rank sends to itself (the caller moves those rows itself, in one copy)
+        and the received rows lack that block. Collective, in the same order on every rank.
 
         This implementation packs into a local buffer and runs ``all_to_all``."""
         me = self.rank
-        send_counts = [int(n) for n in sent[me]]
-        recv_counts = [int(row[me]) for row in sent]
-        send_store = None
-        if callable(rows):
-            send_store, packed = self.workspace.take("send", sum(send_counts), record_bytes, device)
-            begin = 0
-            for dest, count in enumerate(send_counts):
-                if count:
-                    rows(dest, packed[begin:begin + count])
-                begin += count
-        else:
-            packed = rows
+        send_counts, recv_counts = own_counts(sent, me, skip_self)
+        send_store, packed = self.workspace.take("send", sum(send_counts), record_bytes, device)
+        begin = 0
+        for dest, count in enumerate(send_counts):
+            if count:
+                rows(dest, packed[begin:begin + count])
+            begin += count
         recv_store, received = self.workspace.take("recv", sum(recv_counts), record_bytes, device)
         pending = self.all_to_all(received, packed, recv_counts, send_counts, op=op)
         return _BufferedExchange(self.workspace, pending, received, send_store, recv_store)
@@ -93,11 +88,20 @@ class Transport(abc.ABC):
         """Releases transport resources. Idempotent."""
 
 
+def own_counts(sent: Sequence[Sequence[int]], me: int, skip_self: bool) -> tuple[list[int], list[int]]:
+    """(rows rank ``me`` sends to each rank, rows it receives from each rank) in an exchange."""
+    send_counts = [int(n) for n in sent[me]]
+    recv_counts = [int(row[me]) for row in sent]
+    if skip_self:
+        send_counts[me] = recv_counts[me] = 0
+    return send_counts, recv_counts
+
+
 class _BufferedExchange:
     """An ``exchange`` through workspace buffers and ``all_to_all``."""
 
     def __init__(self, workspace: Workspace, pending: Pending, received: torch.Tensor,
-                 send_store: torch.Tensor | None, recv_store: torch.Tensor) -> None:
+                 send_store: torch.Tensor, recv_store: torch.Tensor) -> None:
         self._workspace, self._pending, self._received = workspace, pending, received
         self._stores = [("send", send_store), ("recv", recv_store)]
 
@@ -107,6 +111,5 @@ class _BufferedExchange:
 
     def release(self) -> None:
         for name, store in self._stores:
-            if store is not None:
-                self._workspace.give_back(name, store)
+            self._workspace.give_back(name, store)
         self._stores = []

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .._native import native
 from ..errors import CommTimeoutError, PeerExitedError
-from .base import Exchange, Pending, Rows, Transport
+from .base import Exchange, Pending, Rows, Transport, own_counts
 from .collective import CollectiveTransport
 from .shm_segment import DATA, META, META_CELL, NUM_SLOTS, Segment, SegmentLayout, segment_name, sweep_stale
 
@@ -276,29 +276,27 @@ class ShmTransport(Transport):
         return pending
 
     def exchange(self, sent: Sequence[Sequence[int]], record_bytes: int, rows: Rows, *, op: str,
-                 device: torch.device) -> Exchange:
+                 device: torch.device, skip_self: bool = False) -> Exchange:
         seq, slot = self._next(DATA)
         me = self.rank
-        recv_counts = [int(row[me]) for row in sent]
-        send_counts = [int(n) for n in sent[me]]
-        need = max(sum(int(row[j]) for row in sent) for j in range(self.num_ranks)) * record_bytes
+        send_counts, recv_counts = own_counts(sent, me, skip_self)
+        # rows_to[i][j]: what actually travels from i to j
+        rows_to = [[0 if skip_self and i == j else int(n) for j, n in enumerate(row)] for i, row in enumerate(sent)]
+        need = max(sum(row[j] for row in rows_to) for j in range(self.num_ranks)) * record_bytes
         if need > self.capacity:  # every rank sees the same matrix, so all grow here together
             self._map(max(need, 2 * self.capacity))
         remote = None
         if self.remote:
             # A fresh buffer: the collective transport reads it in the background.
             packed = torch.empty(sum(send_counts[r] for r in self.remote), record_bytes, dtype=torch.uint8)
-            starts = _starts(send_counts)
             begin = 0
             for dest in self.remote:
-                part = packed[begin:begin + send_counts[dest]]
                 if send_counts[dest]:
-                    rows(dest, part) if callable(rows) else part.copy_(rows[starts[dest]:starts[dest + 1]])
+                    rows(dest, packed[begin:begin + send_counts[dest]])
                 begin += send_counts[dest]
             remote = self._remote_exchange(packed, send_counts, recv_counts, op)
-        send_starts = _starts(send_counts)
         for dest in self.local:
-            offset = sum(int(sent[i][dest]) for i in range(me)) * record_bytes
+            offset = sum(rows_to[i][dest] for i in range(me)) * record_bytes
             count = send_counts[dest]
 
             def write(segment: Segment, dest: int = dest, offset: int = offset, count: int = count) -> None:
@@ -306,7 +304,7 @@ class ShmTransport(Transport):
                     return
                 out = segment.view(segment.layout.data_slot(slot) + offset, count * record_bytes)
                 out = out.view(count, record_bytes)
-                rows(dest, out) if callable(rows) else out.copy_(rows[send_starts[dest]:send_starts[dest + 1]])
+                rows(dest, out)
 
             self._send(DATA, slot, seq, dest, write, op)
         segment = self._segments[self.local_index]
