@@ -95,7 +95,8 @@ class RankFailure(RuntimeError):
 
 
 def _worker(rank: int, world_size: int, store_port: int, backend: str, timeout_s: float, threads: int,
-            tasks: Any, results: Any) -> None:
+            environ: dict[str, str], tasks: Any, results: Any) -> None:
+    os.environ.update(environ)
     os.environ.setdefault("MOE_COMM_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
     if backend == "nccl":  # one GPU per rank, as torchrun users do with LOCAL_RANK
@@ -121,11 +122,12 @@ class LocalWorld:
 
     ``run(fn, *args)`` calls ``fn(group, *args)`` on every rank and returns the per-rank results
     (picklable); one process group serves many calls. After a failed or timed-out call the world is
-    closed, since ranks may be out of step.
+    closed, since ranks may be out of step. ``env`` sets environment variables in the ranks (e.g.
+    ``{"MOE_COMM_TRANSPORT": "collective"}``).
     """
 
     def __init__(self, world_size: int, *, backend: str = "gloo", timeout_s: float = 300.0,
-                 threads_per_rank: Optional[int] = None) -> None:
+                 threads_per_rank: Optional[int] = None, env: Optional[dict[str, str]] = None) -> None:
         if world_size < 1:
             raise ValueError(f"LocalWorld: world_size must be >= 1, got {world_size}")
         self.world_size, self.timeout_s = world_size, timeout_s
@@ -138,7 +140,7 @@ class LocalWorld:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._procs = [ctx.Process(target=_worker, args=(r, world_size, self._store.port, backend, timeout_s, threads,
-                                                         self._tasks[r], self._results), daemon=True)
+                                                         dict(env or {}), self._tasks[r], self._results), daemon=True)
                        for r in range(world_size)]
         for p in self._procs:
             p.start()

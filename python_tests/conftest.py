@@ -12,16 +12,35 @@ from moe_comm.launch import LocalWorld
 os.environ.setdefault("MOE_COMM_NUM_THREADS", "1")
 
 
+#: Every multi-rank test runs on each CPU transport; outputs must be identical (tests compare to
+#: the same references, and test_shm compares the transports directly).
+TRANSPORTS = ("shm", "collective")
+
+
 @pytest.fixture(scope="session")
-def worlds() -> Callable[[int], LocalWorld]:
-    """``worlds(n)`` returns a live ``LocalWorld`` of n ranks, starting (or restarting) it on demand."""
-    pool: dict[int, LocalWorld] = {}
-
-    def get(n: int) -> LocalWorld:
-        if n not in pool or pool[n].closed:
-            pool[n] = LocalWorld(n, timeout_s=240, threads_per_rank=1)
-        return pool[n]
-
-    yield get
+def _world_pool():
+    pool: dict[tuple[int, str], LocalWorld] = {}
+    yield pool
     for world in pool.values():
         world.close()
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request) -> str:
+    """The transport ``Buffer(transport="auto")`` picks in the ranks of ``worlds``."""
+    return request.param
+
+
+@pytest.fixture
+def worlds(_world_pool, transport) -> Callable[[int], LocalWorld]:
+    """``worlds(n)`` returns a live ``LocalWorld`` of n ranks whose buffers use ``transport``,
+    starting (or restarting) it on demand; worlds are shared across tests."""
+
+    def get(n: int) -> LocalWorld:
+        key = (n, transport)
+        if key not in _world_pool or _world_pool[key].closed:
+            _world_pool[key] = LocalWorld(n, timeout_s=240, threads_per_rank=1,
+                                          env={"MOE_COMM_TRANSPORT": transport})
+        return _world_pool[key]
+
+    return get

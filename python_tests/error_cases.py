@@ -199,6 +199,7 @@ def after_destroy(group: dist.ProcessGroup) -> tuple[str, str]:
 
 def env_transport(group: dist.ProcessGroup, value: str) -> tuple[str, str]:
     import os
+    before = os.environ.get("MOE_COMM_TRANSPORT")
     os.environ["MOE_COMM_TRANSPORT"] = value
     try:
         buf = moe_comm.Buffer(group)
@@ -206,4 +207,6 @@ def env_transport(group: dist.ProcessGroup, value: str) -> tuple[str, str]:
     except Exception as exc:
         return type(exc).__name__, str(exc)
     finally:
-        del os.environ["MOE_COMM_TRANSPORT"]
+        os.environ.pop("MOE_COMM_TRANSPORT")
+        if before is not None:
+            os.environ["MOE_COMM_TRANSPORT"] = before
