@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import env, transport as transports
-from .checks import check_bools, check_int, describe
+from .checks import check_bools, check_int, check_tensor, describe
 from .config import Config
 from .configs import combine_config, dispatch_config
 from .errors import bad_argument
@@ -98,7 +98,7 @@ class Buffer:
         self.runtime: Optional[transports.Transport] = transports.create(
             self.transport_name, group, self.timeout_s, min(max(num_nvl_bytes, num_rdma_bytes), _PREALLOCATE_MAX))
         self._normal = NormalMode(self.runtime)
-        self._low_latency = LowLatencyMode(self.runtime)
+        self._low_latency = LowLatencyMode(self.runtime, shrink=enable_shrink)
 
     # ------------------------------------------------------------------ static helpers
     @staticmethod
@@ -405,6 +405,42 @@ class Buffer:
         device = src_info.device if isinstance(src_info, torch.Tensor) else torch.device("cpu")
         parsed = LowLatencyHandle.from_tuple(op, handle, self.group_size, device)
         return self._low_latency.next_combine_buffer(parsed, device)
+
+    # ------------------------------------------------------------------ fault tolerance (enable_shrink)
+    def _shrink_ready(self, op: str) -> None:
+        self._low_latency_ready(op)
+        if not self.enable_shrink:
+            raise RuntimeError(f"{op}: needs a Buffer created with enable_shrink=True (as DeepEP requires)")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Masks (``mask=True``) or unmasks a rank for this rank's low-latency calls: a masked rank is
+        neither sent to nor waited for, and its experts' top-k entries count as -1 (so they add
+        nothing to a combine). Local; every surviving rank should apply the same mask. Ranks whose
+        process has exited are masked automatically at the start of each low-latency call."""
+        op = "low_latency_update_mask_buffer"
+        self._shrink_ready(op)
+        check_int(op, "rank_to_mask", rank_to_mask, minimum=0)
+        if rank_to_mask >= self.group_size:
+            bad_argument(op, "rank_to_mask", f"a rank in [0, {self.group_size})", rank_to_mask)
+        check_bools(op, mask=mask)
+        if rank_to_mask == self.rank and mask:
+            bad_argument(op, "rank_to_mask", f"another rank than this one ({self.rank})", rank_to_mask)
+        (self._low_latency.masked.add if mask else self._low_latency.masked.discard)(rank_to_mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Writes 1 for masked ranks and 0 for the others into ``mask_status`` (`[num_ranks]` int32)."""
+        op = "low_latency_query_mask_buffer"
+        self._shrink_ready(op)
+        check_tensor(op, "mask_status", mask_status, shape=(self.group_size,), dtype=torch.int32)
+        self._low_latency._skip()
+        status = torch.zeros(self.group_size, dtype=torch.int32)
+        status[sorted(self._low_latency.masked)] = 1
+        mask_status.copy_(status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmasks every rank."""
+        self._shrink_ready("low_latency_clean_mask_buffer")
+        self._low_latency.masked.clear()
 
     @staticmethod
     def _no_async_with_hook(op: str, async_finish: bool, return_recv_hook: bool) -> None:

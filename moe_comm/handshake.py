@@ -76,7 +76,8 @@ class Handshake:
 
 
 def handshake(transport: Transport, op: str, fields: Mapping[str, int], send_counts: Sequence[int],
-              expected: Optional[Sequence[int]], compare: Sequence[str], device: torch.device) -> Handshake:
+              expected: Optional[Sequence[int]], compare: Sequence[str], device: torch.device,
+              skip: frozenset[int] = frozenset()) -> Handshake:
     """Exchanges this rank's vector with all ranks and checks them. Collective; blocks the host.
 
     Args:
@@ -85,6 +86,8 @@ def handshake(transport: Transport, op: str, fields: Mapping[str, int], send_cou
         expected: rows this rank expects from each rank, or None when unknown before the exchange.
         compare: fields that must be equal on every rank.
         device: where the vectors travel (the payload's device: NCCL moves CUDA tensors only).
+        skip: masked ranks, left out; their vectors read as this rank's fields with no rows sent
+            or expected (this rank must send them nothing).
     Raises:
         CrossRankMismatchError, the same on every rank, when ops, compared fields or counts disagree.
         CommTimeoutError when a rank does not take part before the deadline.
@@ -97,8 +100,11 @@ def handshake(transport: Transport, op: str, fields: Mapping[str, int], send_cou
     row += [int(c) for c in expected] if expected is not None else [-1] * R
     mine = torch.tensor(row, dtype=torch.int64, device=device).expand(R, len(row)).contiguous()
     got = torch.empty_like(mine)
-    transport.all_to_all(got, mine, [1] * R, [1] * R, op=op).wait()
-    shake = Handshake(got.cpu().tolist())
+    transport.all_to_all(got, mine, [1] * R, [1] * R, op=op, skip=skip).wait()
+    rows = got.cpu().tolist()
+    for r in skip:
+        rows[r] = row[:len(FIELDS)] + [0] * R + [-1] * R
+    shake = Handshake(rows)
     _check(shake, op, compare)
     return shake
 

@@ -19,6 +19,7 @@ raises unless the buffer it reads was lent by ``get_next_low_latency_combine_buf
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -26,6 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from .alloc import empty, zeros
+from .errors import PeerExitedError
 from .handle import LowLatencyHandle
 from .handshake import handshake
 from .ops import (RecordLayout, combine_reduce, combine_rows, low_latency_unpack, pack_rows, per_token_cast_to_fp8,
@@ -80,9 +82,13 @@ class LowLatencyDispatch:
 class LowLatencyMode:
     """Low-latency operations of one ``Buffer`` over its transport."""
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, shrink: bool = False) -> None:
         self.transport = transport
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
+        #: DeepEP's enable_shrink: ranks found dead at the start of a call are masked automatically
+        self.shrink = shrink
+        #: masked ranks (DeepEP's mask buffer): low-latency calls neither send to nor wait for them
+        self.masked: set[int] = set()
         self._slots = [_Slot(), _Slot()]
         self._idx = 0
         self._lent: Optional[int] = None  # slot whose combine buffer was lent for a zero-copy combine
@@ -108,6 +114,32 @@ class LowLatencyMode:
                                f"(DeepEP's double buffering), so this call would overwrite it. Call that hook first")
         slot.receive.complete()
 
+    # ------------------------------------------------------------------ masked ranks
+    def _skip(self) -> frozenset[int]:
+        """The ranks this call leaves out: the masked ones, plus (with shrink) peers that have exited."""
+        if self.shrink:
+            self.masked.update(self.transport.exited_ranks())
+        return frozenset(self.masked)
+
+    def _shake(self, op: str, fields: dict, send_counts: list[int], expected: Optional[list[int]],
+               compare: tuple, device: torch.device, skip: frozenset[int]):
+        """The handshake; with shrink, a peer that exits meanwhile is masked before the error propagates."""
+        try:
+            return handshake(self.transport, op, fields, send_counts, expected, compare, device, skip)
+        except PeerExitedError as exc:
+            if self.shrink:
+                self.masked.add(exc.peer)
+            raise
+
+    def _routable(self, topk_idx: torch.Tensor, num_experts: int, skip: frozenset[int]) -> torch.Tensor:
+        """``topk_idx`` with the experts of masked ranks replaced by -1."""
+        if not skip:
+            return topk_idx
+        dead = torch.zeros(self.num_ranks, dtype=torch.bool, device=topk_idx.device)
+        dead[list(skip)] = True
+        owner = topk_idx.clamp(min=0) // (num_experts // self.num_ranks)
+        return topk_idx.masked_fill((topk_idx >= 0) & dead[owner], -1)
+
     def _launch(self, slot: _Slot, op: str, finish: Callable[[], None], hook: bool) -> Receive:
         receive = Receive(op, finish)
         slot.receive, slot.hook = receive, hook
@@ -123,11 +155,12 @@ class LowLatencyMode:
         R, device, hidden = self.num_ranks, x.device, x.shape[1]
         local = num_experts // R
         slot = self._acquire(op)
-        msg, experts, send_counts = send_order(topk_idx, num_experts, R)
+        skip = self._skip()
+        msg, experts, send_counts = send_order(self._routable(topk_idx, num_experts, skip), num_experts, R)
         start = time.perf_counter_ns()
-        shake = handshake(self.transport, op, dict(op=_DISPATCH, hidden=hidden, num_experts=num_experts,
-                                                   num_max_dispatch_tokens_per_rank=m, fp8_format=fp8_format),
-                          send_counts, None, _COMPARED + ("fp8_format",), device)
+        shake = self._shake(op, dict(op=_DISPATCH, hidden=hidden, num_experts=num_experts,
+                                     num_max_dispatch_tokens_per_rank=m, fp8_format=fp8_format),
+                            send_counts, None, _COMPARED + ("fp8_format",), device, skip)
         waited = time.perf_counter_ns() - start
         recv_counts = shake.recv_counts(self.rank)
 
@@ -151,7 +184,7 @@ class LowLatencyMode:
             pack_rows(records, fields, tokens[part], out=out)
             records.view(out, "expert").copy_(local_expert[part])
 
-        exchange = self.transport.exchange(shake.matrix, records.record_bytes, pack, op=op, device=device)
+        exchange = self.transport.exchange(shake.matrix, records.record_bytes, pack, op=op, device=device, skip=skip)
 
         rows = R * m
         # Zero-filled (rows past recv_count stay 0), at the cost of the pages written only.
@@ -199,12 +232,17 @@ class LowLatencyMode:
         R, device = self.num_ranks, x.device
         local, rows, hidden = x.shape
         slot = self._acquire(op, zero_copy)
-        msg, _, expected = send_order(topk_idx, handle.num_experts, R)
+        skip = self._skip()
+        msg, _, expected = send_order(self._routable(topk_idx, handle.num_experts, skip), handle.num_experts, R)
+        if skip:  # nothing goes back to masked sources
+            layout_range = handle.layout_range.clone()
+            layout_range[:, list(skip)] = 0
+            handle = dataclasses.replace(handle, layout_range=layout_range)
         return_counts = handle.counts().sum(0).tolist()  # rows going back to each source rank
         start = time.perf_counter_ns()
-        shake = handshake(self.transport, op, dict(op=_COMBINE, hidden=hidden, num_experts=handle.num_experts,
-                                                   num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank),
-                          return_counts, expected, _COMPARED, device)
+        shake = self._shake(op, dict(op=_COMBINE, hidden=hidden, num_experts=handle.num_experts,
+                                     num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank),
+                            return_counts, expected, _COMPARED, device, skip)
         waited = time.perf_counter_ns() - start
 
         send_rows = combine_rows(handle.layout_range, rows)  # by source rank, then local expert, then row
@@ -218,7 +256,7 @@ class LowLatencyMode:
         def pack(dest: int, out: torch.Tensor) -> None:
             pack_rows(records, source, send_rows[starts[dest]:starts[dest + 1]], out=out)
 
-        exchange = self.transport.exchange(shake.matrix, records.record_bytes, pack, op=op, device=device)
+        exchange = self.transport.exchange(shake.matrix, records.record_bytes, pack, op=op, device=device, skip=skip)
 
         num_tokens, num_topk = topk_idx.shape
         pos = torch.full((num_tokens * num_topk,), -1, dtype=torch.int32, device=device)
@@ -247,5 +285,5 @@ class LowLatencyMode:
             self._settle(op, slot)
         self._lent = None
         zeros = [0] * self.num_ranks
-        handshake(self.transport, op, dict(op=_CLEAN, hidden=hidden, num_experts=num_experts,
-                                           num_max_dispatch_tokens_per_rank=m), zeros, zeros, _COMPARED, device)
+        self._shake(op, dict(op=_CLEAN, hidden=hidden, num_experts=num_experts, num_max_dispatch_tokens_per_rank=m),
+                    zeros, zeros, _COMPARED, device, self._skip())

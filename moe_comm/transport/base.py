@@ -55,20 +55,27 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
-                   output_splits: Sequence[int], input_splits: Sequence[int], *, op: str) -> Pending:
+                   output_splits: Sequence[int], input_splits: Sequence[int], *, op: str,
+                   skip: frozenset[int] = frozenset()) -> Pending:
         """Starts an all-to-all of rows: rows ``[sum(input_splits[:j]), +input_splits[j])`` of
         ``input`` go to rank j, and rank i's rows land, in source-rank order, in ``output`` at
-        ``[sum(output_splits[:i]), +output_splits[i])``. Collective: every rank must call it, in the
-        same order. Any dtype; ``op`` names the caller's operation in errors. Meant for small
-        metadata; payloads go through ``exchange``."""
+        ``[sum(output_splits[:i]), +output_splits[i])``. Collective: every rank not in ``skip`` must
+        call it, in the same order, with the same ``skip``; skipped ranks (masked, e.g. dead) neither
+        send nor receive, and their blocks of ``output`` stay as they are. Any dtype; ``op`` names the
+        caller's operation in errors. Meant for small metadata; payloads go through ``exchange``."""
+
+    @abc.abstractmethod
+    def exited_ranks(self) -> list[int]:
+        """Ranks on this host whose process has exited (a dead peer, found without waiting)."""
 
     def exchange(self, sent: Sequence[Sequence[int]], record_bytes: int, rows: Rows, *, op: str,
-                 device: torch.device, skip_self: bool = False) -> Exchange:
+                 device: torch.device, skip_self: bool = False, skip: frozenset[int] = frozenset()) -> Exchange:
         """Starts an all-to-all of records whose counts every rank knows: ``sent[i][j]`` rows go from
         rank i to rank j (the same matrix on every rank, e.g. from a handshake). ``rows`` supplies this
         rank's rows; a transport with direct access to peers' memory packs them straight into place.
         With ``skip_self`` no rank sends to itself (the caller moves those rows itself, in one copy)
-        and the received rows lack that block. Collective, in the same order on every rank.
+        and the received rows lack that block. Collective, in the same order on every rank not in
+        ``skip`` (masked ranks: their rows and columns of ``sent`` must be 0).
 
         This implementation packs into a local buffer and runs ``all_to_all``."""
         me = self.rank
@@ -80,7 +87,7 @@ class Transport(abc.ABC):
                 rows(dest, packed[begin:begin + count])
             begin += count
         recv_store, received = self.workspace.take("recv", sum(recv_counts), record_bytes, device)
-        pending = self.all_to_all(received, packed, recv_counts, send_counts, op=op)
+        pending = self.all_to_all(received, packed, recv_counts, send_counts, op=op, skip=skip)
         return _BufferedExchange(self.workspace, pending, received, send_store, recv_store)
 
     @abc.abstractmethod

@@ -67,18 +67,17 @@ class _ArrivalBook:
 
 
 class _CollectivePending:
-    def __init__(self, transport: "CollectiveTransport", work: Optional[dist.Work], op: str) -> None:
-        self._transport, self._work, self._op = transport, work, op
+    def __init__(self, transport: "CollectiveTransport", works: list[dist.Work], op: str) -> None:
+        self._transport, self._works, self._op = transport, works, op
 
     def wait(self) -> None:
-        if self._work is None:
-            return
-        work, self._work = self._work, None
+        works, self._works = self._works, []
         transport = self._transport
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=transport.timeout_s))
-        except RuntimeError as exc:
-            transport.raise_failure(self._op, exc)
+        for work in works:
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=transport.timeout_s))
+            except RuntimeError as exc:
+                transport.raise_failure(self._op, exc)
 
 
 class CollectiveTransport(Transport):
@@ -133,19 +132,46 @@ class CollectiveTransport(Transport):
         return list(self._peers)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
-                   output_splits: Sequence[int], input_splits: Sequence[int], *, op: str) -> Pending:
+                   output_splits: Sequence[int], input_splits: Sequence[int], *, op: str,
+                   skip: frozenset[int] = frozenset()) -> Pending:
         self._book.enter()
         if self.num_ranks == 1:
             if input.numel():
                 output.copy_(input)
-            return _CollectivePending(self, None, op)
+            return _CollectivePending(self, [], op)
         try:
-            work = dist.all_to_all_single(_as_wire(output), _as_wire(input), list(output_splits),
-                                          list(input_splits), group=self.group, async_op=True)
+            if skip:
+                works = self._point_to_point(output, input, output_splits, input_splits, skip)
+            else:
+                works = [dist.all_to_all_single(_as_wire(output), _as_wire(input), list(output_splits),
+                                                list(input_splits), group=self.group, async_op=True)]
         except RuntimeError as exc:
             self.raise_failure(op, exc)
-        self._recent.append((work, output, input))
-        return _CollectivePending(self, work, op)
+        self._recent.append((works, output, input))
+        return _CollectivePending(self, works, op)
+
+    def _point_to_point(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+                        input_splits: Sequence[int], skip: frozenset[int]) -> list[dist.Work]:
+        """The all-to-all as sends and receives between the ranks not in ``skip`` (a collective
+        would wait for them). Blocks of skipped ranks stay as they are."""
+        out_at, in_at = [0], [0]
+        for o, i in zip(output_splits, input_splits):
+            out_at.append(out_at[-1] + int(o))
+            in_at.append(in_at[-1] + int(i))
+        works = []
+        for peer in range(self.num_ranks):
+            if peer in skip:
+                continue
+            send, recv = input[in_at[peer]:in_at[peer + 1]], output[out_at[peer]:out_at[peer + 1]]
+            if peer == self.rank:
+                recv.copy_(send)
+                continue
+            dst = dist.get_global_rank(self.group, peer)
+            if send.shape[0]:
+                works.append(dist.isend(_as_wire(send), dst, group=self.group))
+            if recv.shape[0]:
+                works.append(dist.irecv(_as_wire(recv), dst, group=self.group))
+        return works
 
     def raise_failure(self, op: str, exc: RuntimeError) -> None:
         """Re-raises a backend error as CommTimeoutError (deadline) or RuntimeError naming ranks."""
@@ -156,6 +182,11 @@ class CollectiveTransport(Transport):
         who = "unknown" if missing is None else str(missing)
         raise RuntimeError(f"{op}: rank {self.rank}: {self._backend} exchange failed ({exc}); "
                            f"ranks not heard from: {who}" + (f"; {detail}" if detail else "")) from exc
+
+    def exited_ranks(self) -> list[int]:
+        """Ranks on this host whose process has exited."""
+        return [peer for peer, (host, pid) in enumerate(self._peers)
+                if host == self._host and peer != self.rank and not _process_alive(pid)]
 
     def _liveness(self, ranks: list[int]) -> str:
         """Which of ``ranks`` run on this host and have exited."""

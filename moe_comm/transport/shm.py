@@ -75,9 +75,9 @@ class _MetaPending:
     """A small all-to-all: local rows in meta cells, remote rows through the collective transport."""
 
     def __init__(self, transport: "ShmTransport", segments: list[Segment], slot: int, seq: int, op: str,
-                 output: torch.Tensor, output_splits: list[int], remote: Optional[tuple]) -> None:
+                 output: torch.Tensor, output_splits: list[int], remote: Optional[tuple], sources: list[int]) -> None:
         self._t, self._segments, self._slot, self._seq, self._op = transport, segments, slot, seq, op
-        self._output, self._splits, self._remote = output, output_splits, remote
+        self._output, self._splits, self._remote, self._sources = output, output_splits, remote, sources
         self.done = False
 
     def wait(self) -> None:
@@ -86,11 +86,12 @@ class _MetaPending:
         self.done = True
         t, me = self._t, self._segments[self._t.local_index]
         layout = me.layout
-        t.waiter.until([me.flag(layout.arrived(META, self._slot, i)) for i in range(len(t.local))],
-                       [self._seq] * len(t.local), t.local, self._op)
+        t.waiter.until([me.flag(layout.arrived(META, self._slot, t.local.index(r))) for r in self._sources],
+                       [self._seq] * len(self._sources), self._sources, self._op)
         out = self._output.view(torch.uint8).view(self._output.shape[0], -1) if self._output.numel() else None
         starts = _starts(self._splits)
-        for i, src in enumerate(t.local):
+        for src in self._sources:
+            i = t.local.index(src)
             rows = self._splits[src]
             if rows:
                 nbytes = rows * out.shape[1]
@@ -106,17 +107,17 @@ class _ShmExchange:
     """A payload exchange whose rows land in this rank's data slot."""
 
     def __init__(self, transport: "ShmTransport", segment: Segment, slot: int, seq: int, op: str,
-                 received: torch.Tensor, recv_counts: list[int], remote: Optional[tuple]) -> None:
+                 received: torch.Tensor, recv_counts: list[int], remote: Optional[tuple], sources: list[int]) -> None:
         self._t, self._segment, self._slot, self._seq, self._op = transport, segment, slot, seq, op
-        self._received, self._recv_counts, self._remote = received, recv_counts, remote
+        self._received, self._recv_counts, self._remote, self._sources = received, recv_counts, remote, sources
         self._arrived = False
         self.released = False
 
     def wait(self) -> torch.Tensor:
         if not self._arrived:
             t, layout = self._t, self._segment.layout
-            t.waiter.until([self._segment.flag(layout.arrived(DATA, self._slot, i)) for i in range(len(t.local))],
-                           [self._seq] * len(t.local), t.local, self._op)
+            t.waiter.until([self._segment.flag(layout.arrived(DATA, self._slot, t.local.index(r)))
+                            for r in self._sources], [self._seq] * len(self._sources), self._sources, self._op)
             if self._remote is not None:
                 pending, received, sources = self._remote
                 pending.wait()
@@ -237,29 +238,34 @@ class ShmTransport(Transport):
         native().flag_store(segment.flag(layout.arrived(channel, slot, self.local_index)), seq)
 
     def _remote_exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
-                         op: str) -> Optional[tuple]:
+                         op: str, skip: frozenset[int]) -> tuple:
         """Starts the collective all-to-all of the rows to and from other hosts (zero for this host)."""
-        if not self.remote:
-            return None
-        send_remote = [send_counts[r] if r in self.remote else 0 for r in range(self.num_ranks)]
-        recv_remote = [recv_counts[r] if r in self.remote else 0 for r in range(self.num_ranks)]
+        remote = [r for r in self.remote if r not in skip]
+        send_remote = [send_counts[r] if r in remote else 0 for r in range(self.num_ranks)]
+        recv_remote = [recv_counts[r] if r in remote else 0 for r in range(self.num_ranks)]
         received = torch.empty(sum(recv_remote), *send.shape[1:], dtype=send.dtype)
-        pending = self._coll.all_to_all(received, send, recv_remote, send_remote, op=op)
-        return pending, received, self.remote
+        pending = self._coll.all_to_all(received, send, recv_remote, send_remote, op=op, skip=skip)
+        return pending, received, remote
+
+    def exited_ranks(self) -> list[int]:
+        return self._coll.exited_ranks()
 
     # ------------------------------------------------------------------ Transport
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
-                   output_splits: Sequence[int], input_splits: Sequence[int], *, op: str) -> Pending:
+                   output_splits: Sequence[int], input_splits: Sequence[int], *, op: str,
+                   skip: frozenset[int] = frozenset()) -> Pending:
         seq, slot = self._next(META)
+        local = [r for r in self.local if r not in skip]
         output_splits, input_splits = [int(n) for n in output_splits], [int(n) for n in input_splits]
         row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
         data = input.contiguous().view(torch.uint8).view(input.shape[0], -1) if input.numel() else input
         starts = _starts(input_splits)
         remote = None
         if self.remote:
-            keep = torch.cat([data[starts[r]:starts[r + 1]] for r in self.remote]) if data.numel() else data
-            remote = self._remote_exchange(keep, input_splits, output_splits, op)
-        for dest in self.local:
+            keep = torch.cat([data[starts[r]:starts[r + 1]] if r not in skip else data[:0] for r in self.remote]) \
+                if data.numel() else data
+            remote = self._remote_exchange(keep, input_splits, output_splits, op, skip)
+        for dest in local:
             nbytes = input_splits[dest] * row_bytes
             if nbytes > META_CELL:
                 raise ValueError(f"{op}: shm transport: {nbytes} bytes of metadata for rank {dest} exceed the "
@@ -271,13 +277,14 @@ class ShmTransport(Transport):
                         data[starts[dest]:starts[dest + 1]].reshape(-1))
 
             self._send(META, slot, seq, dest, write, op)
-        pending = _MetaPending(self, self._segments, slot, seq, op, output, output_splits, remote)
+        pending = _MetaPending(self, self._segments, slot, seq, op, output, output_splits, remote, local)
         self._held[(META, slot)] = pending
         return pending
 
     def exchange(self, sent: Sequence[Sequence[int]], record_bytes: int, rows: Rows, *, op: str,
-                 device: torch.device, skip_self: bool = False) -> Exchange:
+                 device: torch.device, skip_self: bool = False, skip: frozenset[int] = frozenset()) -> Exchange:
         seq, slot = self._next(DATA)
+        local = [r for r in self.local if r not in skip]
         me = self.rank
         send_counts, recv_counts = own_counts(sent, me, skip_self)
         # rows_to[i][j]: what actually travels from i to j
@@ -294,8 +301,8 @@ class ShmTransport(Transport):
                 if send_counts[dest]:
                     rows(dest, packed[begin:begin + send_counts[dest]])
                 begin += send_counts[dest]
-            remote = self._remote_exchange(packed, send_counts, recv_counts, op)
-        for dest in self.local:
+            remote = self._remote_exchange(packed, send_counts, recv_counts, op, skip)
+        for dest in local:
             offset = sum(rows_to[i][dest] for i in range(me)) * record_bytes
             count = send_counts[dest]
 
@@ -310,7 +317,7 @@ class ShmTransport(Transport):
         segment = self._segments[self.local_index]
         received = segment.view(segment.layout.data_slot(slot), sum(recv_counts) * record_bytes)
         exchange = _ShmExchange(self, segment, slot, seq, op, received.view(sum(recv_counts), record_bytes),
-                                recv_counts, remote)
+                                recv_counts, remote, local)
         self._held[(DATA, slot)] = exchange
         return exchange
 
