@@ -432,7 +432,6 @@ class Buffer:
         op = "low_latency_query_mask_buffer"
         self._shrink_ready(op)
         check_tensor(op, "mask_status", mask_status, shape=(self.group_size,), dtype=torch.int32)
-        self._low_latency._skip()
         status = torch.zeros(self.group_size, dtype=torch.int32)
         status[sorted(self._low_latency.masked)] = 1
         mask_status.copy_(status)

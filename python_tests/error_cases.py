@@ -141,6 +141,15 @@ CASES: dict[str, Callable[[moe_comm.Buffer], Any]] = {
     "buffer_transport_type": lambda b: moe_comm.Buffer(b.group, transport=None),
     "buffer_transport": lambda b: moe_comm.Buffer(b.group, transport="carrier-pigeon"),
     "buffer_comm": lambda b: moe_comm.Buffer(None, comm=object()),
+    "mask_without_shrink": lambda b: _ll_buffer(b).low_latency_update_mask_buffer(0, True),
+    "mask_rank_range": lambda b: _ll_buffer(b, enable_shrink=True).low_latency_update_mask_buffer(b.group_size, True),
+    "mask_rank_type": lambda b: _ll_buffer(b, enable_shrink=True).low_latency_update_mask_buffer(0.0, True),
+    "mask_self": lambda b: _ll_buffer(b, enable_shrink=True).low_latency_update_mask_buffer(b.rank, True),
+    "mask_flag": lambda b: _ll_buffer(b, enable_shrink=True).low_latency_update_mask_buffer(0, 1),
+    "mask_status_shape": lambda b: _ll_buffer(b, enable_shrink=True).low_latency_query_mask_buffer(
+        torch.zeros(b.group_size + 1, dtype=torch.int32)),
+    "mask_status_dtype": lambda b: _ll_buffer(b, enable_shrink=True).low_latency_query_mask_buffer(
+        torch.zeros(b.group_size, dtype=torch.int64)),
     "ll_not_low_latency_mode": lambda b: b.low_latency_dispatch(_inputs(1)["x"], _inputs(1)["topk_idx"], M, E),
     "ll_rdma_bytes_small": lambda b: _ll_buffer(b, num_rdma_bytes=1024).low_latency_dispatch(
         _inputs(1)["x"], _inputs(1)["topk_idx"], M, E),

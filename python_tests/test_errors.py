@@ -62,6 +62,16 @@ EXPECTED = {
     "buffer_transport_type": ("TypeError", r"Buffer: transport must be a str, got NoneType None"),
     "buffer_transport": ("ValueError", r"Buffer: transport must be 'auto' or one of \['collective', 'shm'\], got 'carrier-pigeon'"),
     "buffer_comm": ("NotImplementedError", r"mpi4py communicator \(comm=...\) needs the MPI transport"),
+    "mask_without_shrink": ("RuntimeError", r"low_latency_update_mask_buffer: needs a Buffer created with "
+                                            r"enable_shrink=True"),
+    "mask_rank_range": ("ValueError", r"low_latency_update_mask_buffer: rank_to_mask must be a rank in \[0, 1\), "
+                                      r"got 1$"),
+    "mask_rank_type": ("TypeError", r"low_latency_update_mask_buffer: rank_to_mask must be an int, got float"),
+    "mask_self": ("ValueError", r"low_latency_update_mask_buffer: rank_to_mask must be another rank than this one "
+                                r"\(0\), got 0"),
+    "mask_flag": ("TypeError", r"low_latency_update_mask_buffer: mask must be a bool"),
+    "mask_status_shape": ("ValueError", r"low_latency_query_mask_buffer: mask_status must be shaped \[1\], got \[2\]"),
+    "mask_status_dtype": ("TypeError", r"low_latency_query_mask_buffer: mask_status must be of dtype int32"),
     "ll_not_low_latency_mode": ("RuntimeError", r"low_latency_dispatch: needs a Buffer created with low_latency_mode=True"),
     "ll_rdma_bytes_small": ("ValueError", r"low_latency_dispatch: the Buffer's num_rdma_bytes must be >= \d+ for "
                             r"num_max_dispatch_tokens_per_rank=8, hidden=128, num_experts=8 \(create it with "

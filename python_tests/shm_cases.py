@@ -1,0 +1,200 @@
+"""Rank functions for test_shm: transports compared bit for bit, growth, spill, faults, masks, hosts."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from moe_comm.ops import per_token_cast_to_fp8
+from moe_comm.transport.shm_segment import PREFIX
+
+
+def _digest(*tensors: Any) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            h.update(str((t.dtype, tuple(t.shape))).encode())
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        elif isinstance(t, (tuple, list)):
+            h.update(_digest(*t).encode())
+        else:
+            h.update(repr(t).encode())
+    return h.hexdigest()
+
+
+def _inputs(rank: int, tokens: int, hidden: int, experts: int, topk: int, seed: int = 0):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)]) if tokens else \
+        torch.empty(0, topk, dtype=torch.int64)
+    if tokens:
+        idx[torch.rand(tokens, topk, generator=g) < 0.1] = -1
+    return x, idx, torch.rand(tokens, topk, generator=g)
+
+
+def normal_digests(buf: moe_comm.Buffer, tokens: int = 40, hidden: int = 256, experts: int = 12,
+                   topk: int = 3) -> list[str]:
+    """Digests of every output of BF16/FP8 dispatch, cached dispatch and combine (plain, weighted, biased)."""
+    x, idx, w = _inputs(buf.rank, tokens + 7 * buf.rank, hidden, experts, topk)
+    out = []
+    rx, ri, rw, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts)
+    out.append(_digest(rx, ri, rw, counts, handle))
+    q = per_token_cast_to_fp8(x)
+    fx, *_ = buf.dispatch(q, handle=handle)
+    out.append(_digest(fx))
+    y, _, _ = buf.combine(rx, handle)
+    bias = torch.ones_like(x)
+    yb, _, _ = buf.combine(rx, handle, bias=(bias, bias))
+    yw, ww, _ = buf.combine(rx, handle, topk_weights=rw)
+    out.append(_digest(y, yb, yw, ww))
+    return out
+
+
+def low_latency_digests(buf: moe_comm.Buffer, tokens: int, hidden: int, experts: int, topk: int = 3) -> list[str]:
+    """Digests of low-latency BF16 and FP8 dispatch and combine."""
+    x, idx, w = _inputs(buf.rank, tokens - buf.rank, hidden, experts, topk, seed=1)
+    out = []
+    for use_fp8 in (False, True):
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=use_fp8)
+        out.append(_digest(recv, count, handle))
+        data = recv if not use_fp8 else recv[0].float().bfloat16()
+        y, _, _ = buf.low_latency_combine(data, idx, w, handle)
+        out.append(_digest(y))
+    return out
+
+
+def both_transports(group: dist.ProcessGroup) -> dict[str, list[str]]:
+    """The same calls on a collective buffer and on a shm buffer."""
+    M, H, E = 24, 512, 12
+    hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(M, H, dist.get_world_size(group), E)
+    result = {}
+    for name in ("collective", "shm"):
+        buf = moe_comm.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, transport=name, timeout_s=30,
+                              explicitly_destroy=True)
+        result[name] = normal_digests(buf) + low_latency_digests(buf, M, H, E)
+        buf.destroy()
+    return result
+
+
+def growth(group: dist.ProcessGroup) -> dict[str, Any]:
+    """A shm buffer made small grows to fit an exchange and gives the collective transport's bits."""
+    small = moe_comm.Buffer(group, transport="shm", timeout_s=30, explicitly_destroy=True)
+    before = small.runtime.capacity
+    digests = normal_digests(small, tokens=300, hidden=2048)  # ~2.4 MiB per rank, > 1 MiB
+    after = small.runtime.capacity
+    small.destroy()
+    sized = moe_comm.Buffer(group, num_nvl_bytes=8 << 20, transport="shm", timeout_s=30, explicitly_destroy=True)
+    sized_capacity = sized.runtime.capacity
+    sized.destroy()
+    ref = moe_comm.Buffer(group, transport="collective", timeout_s=30, explicitly_destroy=True)
+    want = normal_digests(ref, tokens=300, hidden=2048)
+    ref.destroy()
+    return dict(before=before, after=after, same=digests == want, sized=sized_capacity)
+
+
+def many_in_flight(group: dist.ProcessGroup, count: int) -> bool:
+    """``count`` async dispatches in flight at once (more than the two slots: the oldest spill)
+    equal the same dispatches run one by one."""
+    buf = moe_comm.Buffer(group, timeout_s=30)
+    inputs = [_inputs(buf.rank, 30, 128, 12, 2, seed=s) for s in range(count)]
+    pending = [buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=12, async_finish=True) for x, i, w in inputs]
+    for p in reversed(pending):
+        p[-1].current_stream_wait()
+    got = [_digest(p[0], p[1], p[2]) for p in pending]
+    want = [_digest(*buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=12)[:3]) for x, i, w in inputs]
+    return got == want
+
+
+def own_segments() -> list[str]:
+    """moe-comm segments in /dev/shm created by this process."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"{PREFIX}{os.getpid()}_")]
+
+
+def segments_after_setup(group: dist.ProcessGroup) -> list[str]:
+    buf = moe_comm.Buffer(group, transport="shm", timeout_s=30)
+    normal_digests(buf)
+    return own_segments()
+
+
+def killed_mid_run(group: dist.ProcessGroup, victim: int, stamp_dir: str) -> tuple[str, str, float]:
+    """Ranks dispatch in a loop; ``victim`` is SIGKILLed in the middle. Survivors return
+    (exception, message, seconds from the kill to the error)."""
+    buf = moe_comm.Buffer(group, transport="shm", timeout_s=120)
+    x, idx, w = _inputs(buf.rank, 64, 1024, 12, 3)
+    try:
+        for step in range(1000):
+            if buf.rank == victim and step == 5:
+                with open(os.path.join(stamp_dir, "killed"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            rx, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=12)
+            buf.combine(rx, handle)
+    except Exception as exc:  # the test checks which
+        noticed = time.time()
+        with open(os.path.join(stamp_dir, "killed")) as f:
+            killed = float(f.read())
+        return type(exc).__name__, str(exc), noticed - killed
+    return "no exception", "", 0.0
+
+
+def plant_stale_segment(group: dist.ProcessGroup, dead_pid: int) -> bool:
+    """A segment named for a dead process disappears when a shm buffer is made."""
+    path = f"/dev/shm/{PREFIX}{dead_pid}_stale{dist.get_rank(group)}"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 4096)
+    moe_comm.Buffer(group, transport="shm", timeout_s=30)
+    return os.path.exists(path)
+
+
+def masked_rank_survives(group: dist.ProcessGroup, victim: int, how: str) -> dict[str, Any]:
+    """Low-latency calls go on without ``victim``: it exits (``how="exit"``, found automatically) or is
+    masked by hand (``how="mask"``, it stays idle). Survivors check against a dense reference of the
+    experts still alive."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    M, H, E, K = 16, 256, 4 * R, 3
+    hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(M, H, R, E)
+    buf = moe_comm.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, enable_shrink=True, timeout_s=30)
+    low_latency_digests(buf, M, H, E)  # everybody alive
+    if rank == victim:
+        if how == "exit":
+            os._exit(0)
+        return {}
+    if how == "mask":
+        buf.low_latency_update_mask_buffer(victim, True)
+    else:
+        time.sleep(0.5)  # the victim has exited by now
+    x, idx, w = _inputs(rank, M, H, E, K, seed=7)
+    alive = (idx >= 0) & (idx // (E // R) != victim)
+    results = {}
+    for use_fp8 in (False, True):
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=use_fp8)
+        data = recv if not use_fp8 else (recv[0].float() * recv[1].repeat_interleave(128, dim=-1)).bfloat16()
+        y, _, _ = buf.low_latency_combine(data, idx, w, handle)
+        ref = x.float() * (w * alive).sum(1, keepdim=True)
+        diff = 1 - 2 * (y.double() * ref.double()).sum() / ((y.double() ** 2).sum() + (ref.double() ** 2).sum())
+        results["fp8" if use_fp8 else "bf16"] = float(diff)
+    status = torch.zeros(R, dtype=torch.int32)
+    buf.low_latency_query_mask_buffer(status)
+    results["mask"] = status.tolist()
+    buf.low_latency_clean_mask_buffer()
+    buf.low_latency_query_mask_buffer(status)
+    results["after_clean"] = status.tolist()
+    return results
+
+
+def node_split(group: dist.ProcessGroup) -> dict[str, Any]:
+    """With LOCAL_WORLD_SIZE=2 one host acts as two: shm inside each pair, collective between them;
+    outputs equal the collective transport's."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        result = both_transports(group)
+        buf = moe_comm.Buffer(group, transport="shm", timeout_s=30)
+        return dict(local=buf.runtime.local, remote=buf.runtime.remote, same=result["shm"] == result["collective"])
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]

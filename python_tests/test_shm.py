@@ -1,0 +1,75 @@
+"""The shm transport: the same bits as the collective transport, growth, spill, faults, masks, hosts."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from moe_comm.launch import LocalWorld
+from shm_cases import (both_transports, growth, killed_mid_run, many_in_flight, masked_rank_survives, node_split,
+                       plant_stale_segment, segments_after_setup)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_shm_gives_the_collective_transports_bits(worlds, world_size):
+    for per_rank in worlds(world_size).run(both_transports):
+        assert per_rank["shm"] == per_rank["collective"]
+
+
+def test_buffer_grows_and_is_sized_from_num_nvl_bytes(worlds):
+    for r in worlds(2).run(growth):
+        assert r["before"] == 1 << 20 and r["after"] > r["before"], r
+        assert r["same"], r
+        assert r["sized"] == 4 << 20, r  # two slots share num_nvl_bytes
+
+
+def test_more_exchanges_in_flight_than_slots(worlds):
+    assert all(worlds(3).run(many_in_flight, 5))
+
+
+def test_segments_are_unlinked_once_mapped(worlds):
+    assert worlds(3).run(segments_after_setup) == [[], [], []]
+
+
+def test_killed_rank_is_reported_within_seconds_and_leaves_no_segment():
+    with tempfile.TemporaryDirectory() as stamps, LocalWorld(3, timeout_s=60, threads_per_rank=1) as world:
+        with pytest.raises(TimeoutError, match=r"ranks \[2\] exited") as info:
+            world.run(killed_mid_run, 2, stamps)
+        survivors = info.value.results
+    assert sorted(survivors) == [0, 1], survivors
+    for rank, (kind, message, seconds) in survivors.items():
+        assert kind == "PeerExitedError", message
+        assert "rank 2 (pid" in message and "has exited" in message, message
+        assert seconds < 5.0, seconds
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("moe_comm_")]
+
+
+def test_stale_segment_of_a_dead_process_is_removed(worlds):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert worlds(2).run(plant_stale_segment, dead.pid) == [False, False]
+
+
+@pytest.mark.parametrize("how", ["exit", "mask"])
+def test_masked_rank_is_skipped_by_low_latency_calls(transport, how):
+    with LocalWorld(3, timeout_s=60, threads_per_rank=1, env={"MOE_COMM_TRANSPORT": transport}) as world:
+        if how == "exit":
+            with pytest.raises(TimeoutError, match=r"ranks \[2\] exited") as info:
+                world.run(masked_rank_survives, 2, how)
+            results = info.value.results
+        else:
+            results = dict(enumerate(world.run(masked_rank_survives, 2, how)))
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["bf16"] < 1e-5 and r["fp8"] < 9e-4, r  # DeepEP's low-latency thresholds
+        assert r["mask"] == [0, 0, 1] and r["after_clean"] == [0, 0, 0], r
+
+
+def test_local_world_size_splits_one_host_into_nodes(worlds):
+    results = worlds(4).run(node_split)
+    assert [r["local"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["remote"] for r in results] == [[2, 3], [2, 3], [0, 1], [0, 1]]
+    assert all(r["same"] for r in results)
