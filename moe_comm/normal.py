@@ -18,7 +18,7 @@ from .alloc import empty
 from .errors import CrossRankMismatchError
 from .handle import NormalHandle
 from .handshake import dtype_code, handshake
-from .ops import DispatchLayout, RecordLayout, combine_reduce, pack_rows, unpack_rows
+from .ops import DispatchLayout, RecordLayout, combine_reduce, gather_rows, pack_rows, unpack_rows
 from .transport import Transport
 
 __all__ = ["NormalMode", "DispatchResult", "SendPlan", "plan_sends"]
@@ -80,7 +80,7 @@ def _fill_padding(tensors: list[Optional[torch.Tensor]], values: list[float], st
 def _own_rows(fields: list[torch.Tensor], src_rows: torch.Tensor, outputs: list[torch.Tensor], start: int) -> None:
     """This rank's rows to itself, in one copy: ``outputs[f][start + i] = fields[f][src_rows[i]]``."""
     for field, out in zip(fields, outputs):
-        torch.index_select(field, 0, src_rows, out=out[start:start + src_rows.shape[0]])
+        gather_rows(out[start:start + src_rows.shape[0]], field, src_rows)
 
 
 def _unpack_around(records_layout: RecordLayout, received: torch.Tensor, outputs: list[torch.Tensor],
@@ -100,22 +100,18 @@ class NormalMode:
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
 
     def _exchange(self, op: str, records_layout: RecordLayout, fields: list[torch.Tensor], src_rows: torch.Tensor,
-                  sent: list[list[int]], device: torch.device, packed: Optional[torch.Tensor] = None,
+                  sent: list[list[int]], device: torch.device,
                   skip_self: bool = True) -> Callable[[Callable[[torch.Tensor], None]], None]:
         """Starts the payload exchange of ``sent`` (rows between every pair of ranks): this rank's
-        records are rows ``src_rows`` of ``fields`` (destination-major), or ``packed`` records; with
-        ``skip_self`` the rows for this rank stay out (the caller copies them once, directly). Returns
-        ``complete(consume)``: waits, calls ``consume(received records)``, then releases them."""
+        records are rows ``src_rows`` of ``fields`` (destination-major); with ``skip_self`` the rows
+        for this rank stay out (the caller copies them once, directly). Returns ``complete(consume)``:
+        waits, calls ``consume(received records)``, then releases them."""
         starts = [0]
         for count in sent[self.rank]:
             starts.append(starts[-1] + int(count))
 
         def rows(dest: int, out: torch.Tensor) -> None:
-            part = slice(starts[dest], starts[dest + 1])
-            if packed is None:
-                pack_rows(records_layout, fields, src_rows[part], out=out)
-            else:
-                out.copy_(packed[part])
+            pack_rows(records_layout, fields, src_rows[starts[dest]:starts[dest + 1]], out=out)
 
         exchange = self.transport.exchange(sent, records_layout.record_bytes, rows, op=op, device=device,
                                            skip_self=skip_self)
@@ -270,21 +266,18 @@ class NormalMode:
             specs.append(("weights", torch.float32, topk_weights.shape[1]))
         records_layout = RecordLayout.build(specs)
         payload = [x] if topk_weights is None else [x, topk_weights]
-        packed = None
-        if topk_weights is None and records_layout.record_bytes == x.shape[1] * x.element_size() and x.is_contiguous():
-            packed = x[:num_return].view(torch.uint8).view(num_return, records_layout.record_bytes)  # a row is a record
         rows = torch.arange(num_return, dtype=torch.int64, device=device)
         # Records that are plain rows of x: this rank's own rows are reduced in place, not sent.
-        direct = packed is not None
-        complete = self._exchange("combine", records_layout, payload, rows, shake.matrix, device, packed,
-                                  skip_self=direct)
+        direct = topk_weights is None and records_layout.record_bytes == x.shape[1] * x.element_size() \
+            and x.is_contiguous()
+        complete = self._exchange("combine", records_layout, payload, rows, shake.matrix, device, skip_self=direct)
         send_pos = handle.send_head
         if direct:
             send_starts = [sum(expected[:r]) for r in range(self.num_ranks)]
             starts = torch.tensor(send_starts, dtype=torch.int32, device=device)
             send_pos = torch.where(send_pos >= 0, send_pos - starts, -1).to(torch.int32)
             own_begin = sum(return_counts[:me])
-            own = packed[own_begin:own_begin + return_counts[me]]
+            own = x[own_begin:own_begin + return_counts[me]].view(torch.uint8)  # a row is a record
 
         def sources(received: torch.Tensor) -> list[torch.Tensor]:
             """Each rank's returned records: in ``received`` (which skips this rank) or, for this

@@ -10,6 +10,7 @@ import torch
 import moe_comm
 from moe_comm._native import native
 from moe_comm.ops import (DispatchLayout, RecordLayout, combine_reduce, combine_reduce_reference, dispatch_layout,
+                          gather_rows, gather_rows_reference,
                           dispatch_layout_reference, pack_rows, pack_rows_reference, unpack_rows, unpack_rows_reference)
 from moe_comm.ops.combine_reduce import REDUCE_DTYPES
 
@@ -453,3 +454,17 @@ def test_combine_reduce_per_source_records():
     for fn in (combine_reduce, combine_reduce_reference):
         got, _ = _run_combine(fn, layout, blocks, rel, biases, False)
         _assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("dtype,cols,strided", [(torch.bfloat16, 7168, False), (torch.int32, 1, False),
+                                                (torch.float32, 5, True), (torch.uint8, 37, False)])
+def test_gather_rows_matches_reference(dtype, cols, strided):
+    gen = _gen("gather", str(dtype), cols, strided)
+    src = torch.randint(0, 100, (700, cols * (2 if strided else 1)), generator=gen).to(dtype)
+    src = src[:, ::2] if strided else src
+    rows = torch.randint(0, 700, (900,), generator=gen)  # repeats allowed; 900 x 14 KB streams
+    got = torch.zeros(900, cols, dtype=dtype)
+    want = torch.zeros(900, cols, dtype=dtype)
+    gather_rows(got, src, rows)
+    gather_rows_reference(want, src, rows)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

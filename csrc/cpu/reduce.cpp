@@ -8,6 +8,7 @@
 
 #include "api.h"
 #include "parallel.h"
+#include "stream.h"
 
 #ifndef MOE_COMM_ISA
 #define MOE_COMM_ISA generic
@@ -69,9 +70,11 @@ void combine_reduce_typed(void* out_raw, float* out_weights,
     auto* out = static_cast<T*>(out_raw);
     const auto* bias0 = static_cast<const T*>(bias0_raw);
     const auto* bias1 = static_cast<const T*>(bias1_raw);
+    const bool stream = num_tokens * hidden * static_cast<int64_t>(sizeof(T)) >= kStreamBytes;
     parallel_for(num_tokens, grain_rows(record_bytes * num_sources), num_threads, [&](int64_t begin, int64_t end) {
         std::vector<float> wacc(static_cast<size_t>(num_topk));
         alignas(64) float acc[kReduceChunk];
+        alignas(64) T rounded[kReduceChunk];
         for (int64_t t = begin; t < end; ++t) {
             for (int64_t h0 = 0; h0 < hidden; h0 += kReduceChunk) {
                 const int64_t n = std::min(kReduceChunk, hidden - h0);
@@ -91,8 +94,11 @@ void combine_reduce_typed(void* out_raw, float* out_weights,
                     for (int64_t h = 0; h < n; ++h) acc[h] += E::load(bias0[t * hidden + h0 + h]);
                 if (bias1 != nullptr)
                     for (int64_t h = 0; h < n; ++h) acc[h] += E::load(bias1[t * hidden + h0 + h]);
-                T* __restrict o = out + t * hidden + h0;
+                T* __restrict o = stream ? rounded : out + t * hidden + h0;
                 for (int64_t h = 0; h < n; ++h) o[h] = E::store(acc[h]);
+                if (stream)
+                    stream_copy(reinterpret_cast<uint8_t*>(out + t * hidden + h0), reinterpret_cast<uint8_t*>(rounded),
+                                static_cast<size_t>(n) * sizeof(T));
             }
             if (out_weights != nullptr) {
                 std::fill(wacc.begin(), wacc.end(), 0.0f);
@@ -105,6 +111,7 @@ void combine_reduce_typed(void* out_raw, float* out_weights,
                 for (int64_t k = 0; k < num_topk; ++k) out_weights[t * num_topk + k] = wacc[k];
             }
         }
+        if (stream) stream_fence();
     });
 }
 

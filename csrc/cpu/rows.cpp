@@ -1,5 +1,9 @@
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "stream.h"
 
 #include "api.h"
 #include "check.h"
@@ -10,9 +14,13 @@ namespace {
 
 // Copies one row of a field between strided storage and a contiguous run of bytes.
 inline void copy_field(uint8_t* dst, int64_t dst_col_stride, const uint8_t* src, int64_t src_col_stride,
-                       int64_t elem_bytes, int64_t num_cols) {
+                       int64_t elem_bytes, int64_t num_cols, bool stream) {
     if (dst_col_stride == elem_bytes && src_col_stride == elem_bytes) {
-        std::memcpy(dst, src, static_cast<size_t>(elem_bytes * num_cols));
+        const auto n = static_cast<size_t>(elem_bytes * num_cols);
+        if (stream && n >= kStreamRun)
+            stream_copy(dst, src, n);
+        else
+            std::memcpy(dst, src, n);
         return;
     }
     for (int64_t c = 0; c < num_cols; ++c)
@@ -25,15 +33,17 @@ void pack_rows(uint8_t* records,
                const Segment* segments, int num_segments, const int64_t* src_rows,
                int64_t num_rows, int64_t record_bytes,
                int num_threads) {
+    const bool stream = num_rows * record_bytes >= kStreamBytes;
     parallel_for(num_rows, grain_rows(record_bytes), num_threads, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
             uint8_t* rec = records + i * record_bytes;
             for (int s = 0; s < num_segments; ++s) {
                 const Segment& seg = segments[s];
                 copy_field(rec + seg.offset, seg.elem_bytes, seg.data + src_rows[i] * seg.row_stride, seg.col_stride,
-                           seg.elem_bytes, seg.num_cols);
+                           seg.elem_bytes, seg.num_cols, stream);
             }
         }
+        if (stream) stream_fence();
     });
 }
 
@@ -41,6 +51,7 @@ void unpack_rows(const Segment* segments, int num_segments,
                  const uint8_t* records, const int64_t* dst_rows,
                  int64_t num_rows, int64_t record_bytes,
                  int num_threads) {
+    const bool stream = num_rows * record_bytes >= kStreamBytes;
     parallel_for(num_rows, grain_rows(record_bytes), num_threads, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
             const uint8_t* rec = records + i * record_bytes;
@@ -48,9 +59,10 @@ void unpack_rows(const Segment* segments, int num_segments,
             for (int s = 0; s < num_segments; ++s) {
                 const Segment& seg = segments[s];
                 copy_field(seg.data + row * seg.row_stride, seg.col_stride, rec + seg.offset, seg.elem_bytes,
-                           seg.elem_bytes, seg.num_cols);
+                           seg.elem_bytes, seg.num_cols, stream);
             }
         }
+        if (stream) stream_fence();
     });
 }
 

@@ -12,7 +12,8 @@ import torch
 
 from .._native import cpu_threads, native
 
-__all__ = ["Field", "RecordLayout", "pack_rows", "pack_rows_reference", "unpack_rows", "unpack_rows_reference"]
+__all__ = ["Field", "RecordLayout", "pack_rows", "pack_rows_reference", "unpack_rows", "unpack_rows_reference",
+           "gather_rows", "gather_rows_reference"]
 
 _ALIGN = 8
 
@@ -153,3 +154,26 @@ def unpack_rows_reference(layout: RecordLayout, records: torch.Tensor, outputs: 
                 out[:num_rows].copy_(values)
             else:
                 out[dst_rows] = values
+
+
+def gather_rows(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
+    """``out[i] = src[rows[i]]``: 2-D tensors of one element size, ``out`` with contiguous rows,
+    ``src`` any strides, ``rows`` `[out.shape[0]]` int64. Local. (On CPU the native row copy, whose
+    large copies bypass the cache; ``torch.index_select`` does not.)
+    Reference: ``gather_rows_reference``."""
+    if (out.dim() != 2 or src.dim() != 2 or out.shape[1] != src.shape[1] or out.element_size() != src.element_size()
+            or rows.shape != (out.shape[0],) or out.stride(1) != 1):
+        raise ValueError(f"gather_rows: out {list(out.shape)} {out.dtype} (strides {out.stride()}), src "
+                         f"{list(src.shape)} {src.dtype} and rows {list(rows.shape)} do not fit")
+    if out.device.type != "cpu":
+        return gather_rows_reference(out, src, rows)
+    item = src.element_size()
+    rows = rows.contiguous()
+    segment = (src.data_ptr(), src.stride(0) * item, src.stride(1) * item, item, src.shape[1], 0)
+    native().pack_rows(out.data_ptr(), [segment], rows.data_ptr(), rows.shape[0], out.stride(0) * item,
+                       cpu_threads())
+
+
+def gather_rows_reference(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
+    """Plain-torch specification of ``gather_rows``; also the path for non-CPU devices."""
+    out.copy_(src.index_select(0, rows).view(out.dtype))
