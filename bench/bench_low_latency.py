@@ -23,8 +23,8 @@ from moe_comm._native import cpu_threads
 from moe_comm.ops import per_token_cast_back
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import (calc_diff, case_rows, format_table, gather_results, launch, launched_ranks, require_all_ranks,
-                    time_cases, write_json)
+from common import (TRANSPORTS, calc_diff, case_rows, floor_columns, format_table, gather_results, launch,
+                    launched_ranks, memcpy_bandwidth, require_all_ranks, time_cases, vs_transport, write_json)
 
 BYTE_RULE = ("DeepEP test_low_latency, per (token, selected expert != -1) on the sending rank: FP8 dispatch "
              "H + H/128*4 + 16 bytes; BF16 combine 2H bytes. BF16 dispatch (DeepEP benchmarks FP8 only) counts "
@@ -44,20 +44,29 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     topk_idx = (torch.randn(T, E).abs() + 1).topk(K, dim=1).indices  # DeepEP's routing
     topk_weights = torch.randn(T, K).abs()
     size = moe_comm.Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
-    buf = moe_comm.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, num_qps_per_rank=E // R)
+    bufs = {name: moe_comm.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, num_qps_per_rank=E // R,
+                                  transport=name) for name in cfg["transports"]}
 
-    # --- correctness, once, before anything is timed
-    recv_bf16, _, handle_bf16, _, _ = buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
-    (q, scales), _, handle_fp8, _, _ = buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
-    deq = per_token_cast_back(q.view(-1, H), scales.contiguous().view(-1, H // 128)).view(q.shape)
+    # --- correctness, once per transport, before anything is timed; transports must agree bitwise
     want = x.float() * topk_weights.sum(1, keepdim=True)
     checks: dict[str, float] = {}
-    combined, _, _ = buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle_bf16)
-    checks["combine_bf16_calc_diff"] = calc_diff(combined, want)
-    combined_fp8, _, _ = buf.low_latency_combine(deq, topk_idx, topk_weights, handle_fp8)
-    checks["combine_fp8_calc_diff"] = calc_diff(combined_fp8, want)
-    ok = checks["combine_bf16_calc_diff"] < 1e-5 and checks["combine_fp8_calc_diff"] < 9e-4
+    ok, outputs = True, {}
+    for name, buf in bufs.items():
+        recv_bf16, _, handle_bf16, _, _ = buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+        (q, scales), _, handle_fp8, _, _ = buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
+        deq = per_token_cast_back(q.view(-1, H), scales.contiguous().view(-1, H // 128)).view(q.shape)
+        combined, _, _ = buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle_bf16)
+        checks[f"{name}_combine_bf16_calc_diff"] = calc_diff(combined, want)
+        combined_fp8, _, _ = buf.low_latency_combine(deq, topk_idx, topk_weights, handle_fp8)
+        checks[f"{name}_combine_fp8_calc_diff"] = calc_diff(combined_fp8, want)
+        ok &= checks[f"{name}_combine_bf16_calc_diff"] < 1e-5 and checks[f"{name}_combine_fp8_calc_diff"] < 9e-4
+        outputs[name] = (recv_bf16, q.view(torch.uint8), combined, combined_fp8, handle_bf16)
+    first = outputs[cfg["transports"][0]]
+    same = all(torch.equal(a, b) for other in outputs.values() for a, b in zip(first[:4], other[:4]))
+    checks["transports_bitwise_equal"] = float(same)
+    ok &= same
     require_all_ranks(ok, "bench_low_latency", rank, checks, group)
+    recv_bf16, handle_bf16 = first[0], first[4]
 
     # raw all-to-all of exactly the FP8 message bytes, preallocated (the transport's ceiling)
     fp8_msg = H + H // 128 * 4 + 16
@@ -75,36 +84,42 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     def send(name: str, fn: Callable[[], tuple]) -> None:
         hooks[name] = fn()[-1]
 
-    cases: dict[str, Callable[[], Any]] = {
-        "dispatch_bf16": lambda: buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False),
-        "dispatch_fp8": lambda: buf.low_latency_dispatch(x, topk_idx, T, E),
-        "a2a_ceiling_fp8": lambda: dist.all_to_all_single(a2a_out, a2a_in, rc, sc, group=group),
-        "dispatch_fp8_hook_send": lambda: send("dispatch", lambda: buf.low_latency_dispatch(
-            x, topk_idx, T, E, return_recv_hook=True)),
-        "dispatch_fp8_hook_recv": lambda: hooks.pop("dispatch")(),
-        "combine_bf16": lambda: buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle_bf16),
-        "combine_bf16_hook_send": lambda: send("combine", lambda: buf.low_latency_combine(
-            recv_bf16, topk_idx, topk_weights, handle_bf16, return_recv_hook=True)),
-        "combine_bf16_hook_recv": lambda: hooks.pop("combine")(),
-        "compute_only": lambda: a @ b,
-        "dispatch_fp8_then_compute": lambda: (buf.low_latency_dispatch(x, topk_idx, T, E), a @ b),
-        "dispatch_fp8_hook_overlap": lambda: _overlapped(buf.low_latency_dispatch(x, topk_idx, T, E,
-                                                                                  return_recv_hook=True), a, b),
-    }
+    cases: dict[str, Callable[[], Any]] = {}
+    for name, buf in bufs.items():
+        dispatch = functools.partial(buf.low_latency_dispatch, x, topk_idx, T, E)
+        combine = functools.partial(buf.low_latency_combine, recv_bf16, topk_idx, topk_weights, handle_bf16)
+        cases.update({
+            f"{name}_dispatch_bf16": functools.partial(dispatch, use_fp8=False),
+            f"{name}_dispatch_fp8": dispatch,
+            f"{name}_dispatch_fp8_hook_send": functools.partial(send, f"{name}_dispatch",
+                                                                functools.partial(dispatch, return_recv_hook=True)),
+            f"{name}_dispatch_fp8_hook_recv": functools.partial(lambda key: hooks.pop(key)(), f"{name}_dispatch"),
+            f"{name}_combine_bf16": combine,
+            f"{name}_combine_bf16_hook_send": functools.partial(send, f"{name}_combine",
+                                                                functools.partial(combine, return_recv_hook=True)),
+            f"{name}_combine_bf16_hook_recv": functools.partial(lambda key: hooks.pop(key)(), f"{name}_combine"),
+            f"{name}_dispatch_fp8_then_compute": functools.partial(lambda d: (d(), a @ b), dispatch),
+            f"{name}_dispatch_fp8_hook_overlap": functools.partial(
+                lambda d: _overlapped(d(return_recv_hook=True), a, b), dispatch),
+        })
+    cases.update({"compute_only": lambda: a @ b,
+                  "a2a_ceiling_fp8": lambda: dist.all_to_all_single(a2a_out, a2a_in, rc, sc, group=group)})
     times = time_cases(cases, group, cfg["warmup"], cfg["iters"])
 
     selections = int((topk_idx >= 0).sum())
     fp8_bytes, bf16_bytes = selections * fp8_msg, selections * 2 * H
-    mine_bytes = {"dispatch_bf16": bf16_bytes, "dispatch_fp8": fp8_bytes, "a2a_ceiling_fp8": fp8_bytes,
-                  "dispatch_fp8_hook_send": fp8_bytes, "dispatch_fp8_hook_recv": fp8_bytes,
-                  "combine_bf16": bf16_bytes, "combine_bf16_hook_send": bf16_bytes,
-                  "combine_bf16_hook_recv": bf16_bytes, "compute_only": 0, "dispatch_fp8_then_compute": fp8_bytes,
-                  "dispatch_fp8_hook_overlap": fp8_bytes}
+    per_op = {"dispatch_bf16": bf16_bytes, "dispatch_fp8": fp8_bytes, "dispatch_fp8_hook_send": fp8_bytes,
+              "dispatch_fp8_hook_recv": fp8_bytes, "combine_bf16": bf16_bytes, "combine_bf16_hook_send": bf16_bytes,
+              "combine_bf16_hook_recv": bf16_bytes, "dispatch_fp8_then_compute": fp8_bytes,
+              "dispatch_fp8_hook_overlap": fp8_bytes}
+    mine_bytes = {f"{name}_{op}": n for name in bufs for op, n in per_op.items()}
+    mine_bytes.update({"compute_only": 0, "a2a_ceiling_fp8": fp8_bytes})
+    bandwidth = memcpy_bandwidth(group, max(bf16_bytes, 1 << 20))
     res = gather_results(times, mine_bytes, checks, group)
     if res is None:
         return None
     return {**res, "selections_rank0": selections, "threads_per_rank": torch.get_num_threads(),
-            "kernel_threads_per_rank": cpu_threads()}
+            "kernel_threads_per_rank": cpu_threads(), "memcpy_GBps": bandwidth}
 
 
 def _overlapped(result: tuple, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -117,9 +132,10 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
     """Prints the table and writes the JSON record (rank 0 only)."""
     rows = case_rows(res)
     by = {r["case"]: r for r in rows}
-    for op in ("dispatch_fp8", "combine_bf16"):  # a hooked op costs its send plus its recv
-        total = by[f"{op}_hook_send"]["median_us"] + by[f"{op}_hook_recv"]["median_us"]
-        by[f"{op}_hook_send"]["send_plus_recv_us"] = total
+    for name in cfg["transports"]:
+        for op in ("dispatch_fp8", "combine_bf16"):  # a hooked op costs its send plus its recv
+            total = by[f"{name}_{op}_hook_send"]["median_us"] + by[f"{name}_{op}_hook_recv"]["median_us"]
+            by[f"{name}_{op}_hook_send"]["send_plus_recv_us"] = total
     for r in rows:
         seconds = r.get("send_plus_recv_us", r["median_us"]) * 1e-6
         r["GBps_per_rank"] = r["bytes_per_rank_mean"] / seconds / 1e9 if r["bytes_per_rank_mean"] and \
@@ -127,17 +143,26 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
     ceiling = by["a2a_ceiling_fp8"]["GBps_per_rank"]
     for r in rows:
         r["vs_ceiling"] = r["GBps_per_rank"] / ceiling if r["GBps_per_rank"] else None
-    serial, overlap = by["dispatch_fp8_then_compute"]["median_us"], by["dispatch_fp8_hook_overlap"]["median_us"]
+    vs_transport(rows)
+    floor_columns(rows, res["memcpy_GBps"], ("dispatch_bf16", "dispatch_fp8", "combine_bf16"))
     columns = [("case", "case"), ("median_us", "median_us"), ("p10_p90", "p10/p90_us"),
-               ("send_plus_recv_us", "send+recv_us"), ("GBps_per_rank", "GB/s/rank"), ("vs_ceiling", "vs_a2a_ceiling")]
+               ("send_plus_recv_us", "send+recv_us"), ("GBps_per_rank", "GB/s/rank"),
+               ("vs_collective", "vs_collective(x)"), ("floor_us", "memcpy_floor_us"), ("of_floor", "floor/median"),
+               ("vs_ceiling", "vs_a2a_ceiling")]
     print(f"ranks {cfg['ranks']}, tokens/rank (M) {cfg['tokens']}, hidden {cfg['hidden']}, topk {cfg['topk']}, "
           f"experts {cfg['experts']}, compute {cfg['compute']}^3 fp32 matmul")
     print(format_table(columns, rows))
     for r in rows:
         r.pop("p10_p90")
+    overlap = [f"{name}: dispatch_fp8_then_compute {by[f'{name}_dispatch_fp8_then_compute']['median_us']:.0f} us vs "
+               f"dispatch_fp8_hook_overlap {by[f'{name}_dispatch_fp8_hook_overlap']['median_us']:.0f} us"
+               for name in cfg["transports"]]
     notes = [
-        f"overlap: dispatch_fp8_then_compute {serial:.0f} us vs dispatch_fp8_hook_overlap {overlap:.0f} us "
-        f"(compute_only {by['compute_only']['median_us']:.0f} us): the hook hides {serial - overlap:.0f} us",
+        f"overlap (compute_only {by['compute_only']['median_us']:.0f} us): " + "; ".join(overlap),
+        "case names are <transport>_<op>; vs_collective = collective median / shm median for the same op",
+        f"memory-copy floor: the bytes of the op / single-thread libc memcpy bandwidth measured in this run with "
+        f"every rank copying at once ({res['memcpy_GBps']['concurrent']:.2f} GB/s per rank; alone: "
+        f"{res['memcpy_GBps']['alone']:.2f} GB/s)",
         "hooked send/recv halves are timed separately, each after a barrier, so the recv half finds the payload "
         "already arrived (as DeepEP's per-kernel send/recv timings)",
         "low-latency outputs are fixed [E_loc, R*M, H]; rows past recv_count are zero pages never written",
@@ -150,7 +175,8 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
     write_json(json_path, {"bench": "bench_low_latency", "command": command, "launcher": launcher, "config": cfg,
                            "byte_rule": BYTE_RULE, "bandwidth_rule": BANDWIDTH_RULE, "notes": notes,
                            "timing": "per iteration: dist.barrier, then perf_counter around the op; max over ranks",
-                           "checks_max_over_ranks": res["checks_max_over_ranks"], "cases": rows})
+                           "memcpy_GBps": res["memcpy_GBps"], "checks_max_over_ranks": res["checks_max_over_ranks"],
+                           "cases": rows})
     print(f"wrote {json_path}")
 
 
@@ -165,6 +191,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS,
+                   help="transports compared side by side (the first one's outputs are the reference)")
     p.add_argument("--threads-per-rank", type=int, default=0, help="0: cpu_count // local ranks, at least 1")
     p.add_argument("--json", default=str(Path(__file__).resolve().parent / "out" / "bench_low_latency.json"))
     return p.parse_args(argv)
@@ -176,7 +204,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.experts % ranks or args.hidden % 128 or not 1 <= args.topk <= args.experts or args.iters < 1:
         raise SystemExit(f"bench_low_latency: need --experts a multiple of the rank count ({ranks}), --hidden a "
                          f"multiple of 128, 1 <= --topk <= --experts and --iters >= 1, got {vars(args)}")
-    cfg = {k: getattr(args, k) for k in ("tokens", "hidden", "topk", "experts", "compute", "warmup", "iters", "seed")}
+    cfg = {k: getattr(args, k) for k in ("tokens", "hidden", "topk", "experts", "compute", "warmup", "iters", "seed",
+                                         "transports")}
     launch(run_rank, functools.partial(report, json_path=args.json), cfg, args.ranks, args.threads_per_rank)
 
 

@@ -23,17 +23,16 @@ from moe_comm._native import cpu_threads
 from moe_comm.ops import per_token_cast_back, per_token_cast_to_fp8
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import (calc_diff, case_rows, format_table, gather_results, launch, launched_ranks, require_all_ranks,
-                    time_cases, write_json)
+from common import (TRANSPORTS, calc_diff, case_rows, floor_columns, format_table, gather_results, launch,
+                    launched_ranks, memcpy_bandwidth, require_all_ranks, time_cases, vs_transport, write_json)
 
 BYTE_RULE = ("DeepEP test_intranode: dispatch BF16 bytes = recv_x.numel()*2 (rows received, own rank "
              "included, x H*2 bytes; top-k ids/weights not counted); FP8 = BF16 bytes*(1+4/128)/2; combine = "
-             "the BF16 dispatch bytes. naive_dispatch = bytes each rank holds after the all-gathers "
+             "the BF16 dispatch bytes; dispatch+combine = twice that. naive_dispatch = bytes each rank holds after the all-gathers "
              "(R*T rows of x bf16 + topk ids int64 + weights fp32); naive_combine = the [R*T, H] bf16 "
              "tensor each rank feeds the reduce-scatter. a2a_ceiling = the BF16 dispatch bytes.")
 BANDWIDTH_RULE = ("GB/s per rank = (mean over ranks of that rank's bytes) / median iteration time / 1e9; "
                   "aggregate bytes = sum over ranks (in JSON)")
-DISPATCH_CASES = ("moe_dispatch_bf16", "moe_dispatch_fp8", "naive_dispatch", "a2a_ceiling")
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names in favour of *_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -54,22 +53,32 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     x_fp8, scales = per_token_cast_to_fp8(x)
     x_e4m3 = (x_fp8, scales.T.contiguous().T)  # column-major scales, as DeepEP's tests pass them
 
-    buf = moe_comm.Buffer(group)
+    bufs = {name: moe_comm.Buffer(group, transport=name) for name in cfg["transports"]}
+    buf = bufs[cfg["transports"][0]]
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
     routing = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                    topk_idx=topk_idx, topk_weights=topk_weights)
     checks: dict[str, float] = {}
 
-    # --- correctness, once, before anything is timed
-    recv_x, _, _, _, handle, _ = buf.dispatch(x, **routing)
-    combined, _, _ = buf.combine(recv_x, handle)
+    # --- correctness, once per transport, before anything is timed; transports must agree bitwise
     copies = in_rank.sum(1, keepdim=True).float()  # ranks each token went to
     expected = x.float() * copies
-    checks["combine_bf16_calc_diff"] = calc_diff(combined, expected)
-    ok = torch.allclose(combined.float(), expected, rtol=2 ** -7, atol=0) and checks["combine_bf16_calc_diff"] < 5e-6
-    (recv_fp8, recv_scales), _, _, _, _, _ = buf.dispatch(x_e4m3, **routing)
-    checks["dispatch_fp8_calc_diff"] = calc_diff(per_token_cast_back(recv_fp8, recv_scales), recv_x)
-    ok &= checks["dispatch_fp8_calc_diff"] < 5e-4
+    ok, outputs = True, {}
+    for name, b in bufs.items():
+        recv_x, _, _, _, handle, _ = b.dispatch(x, **routing)
+        combined, _, _ = b.combine(recv_x, handle)
+        checks[f"{name}_combine_bf16_calc_diff"] = calc_diff(combined, expected)
+        ok &= torch.allclose(combined.float(), expected, rtol=2 ** -7, atol=0)
+        ok &= checks[f"{name}_combine_bf16_calc_diff"] < 5e-6
+        (recv_fp8, recv_scales), _, _, _, _, _ = b.dispatch(x_e4m3, **routing)
+        checks[f"{name}_dispatch_fp8_calc_diff"] = calc_diff(per_token_cast_back(recv_fp8, recv_scales), recv_x)
+        ok &= checks[f"{name}_dispatch_fp8_calc_diff"] < 5e-4
+        outputs[name] = (recv_x, combined, recv_fp8.view(torch.uint8), recv_scales, handle)
+    first = outputs[cfg["transports"][0]]
+    same = all(torch.equal(a, b) for other in outputs.values() for a, b in zip(first[:4], other[:4]))
+    checks["transports_bitwise_equal"] = float(same)
+    ok &= same
+    recv_x, handle = first[0], first[4]
 
     # naive baseline (vLLM allgather_reducescatter): every rank gets every token, computes its own
     # experts' share (here: x itself for tokens routed to it, else 0), and a reduce-scatter sums.
@@ -106,26 +115,32 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
 
     require_all_ranks(ok, "bench_normal", rank, checks, group)
 
-    cases: dict[str, Callable[[], Any]] = {
-        "moe_dispatch_bf16": lambda: buf.dispatch(x, **routing),
-        "moe_dispatch_fp8": lambda: buf.dispatch(x_e4m3, **routing),
-        "naive_dispatch": naive_dispatch,
-        "a2a_ceiling": lambda: dist.all_to_all_single(a2a_out, send_rows, rc, sc, group=group),
-        "moe_combine_bf16": lambda: buf.combine(recv_x, handle),
-        "naive_combine": naive_combine,
-    }
-    times = time_cases(cases, group, cfg["warmup"], cfg["iters"])
-
-    # bytes each rank accounts for, gathered so rank 0 can report mean and aggregate
     bf16 = recv_x.shape[0] * H * 2
-    mine_bytes = {"moe_dispatch_bf16": bf16, "moe_dispatch_fp8": bf16 * (1 + 4 / 128) / 2,
-                  "naive_dispatch": R * T * (2 * H + 8 * K + 4 * K), "a2a_ceiling": bf16,
-                  "moe_combine_bf16": bf16, "naive_combine": R * T * H * 2}
+    bandwidth = memcpy_bandwidth(group, bf16)
+
+    def round_trip(b: moe_comm.Buffer) -> None:
+        received, _, _, _, h, _ = b.dispatch(x, **routing)
+        b.combine(received, h)
+
+    cases: dict[str, Callable[[], Any]] = {}
+    mine_bytes: dict[str, float] = {}  # bytes each rank accounts for, gathered for mean and aggregate
+    for name, b in bufs.items():
+        cases.update({f"{name}_dispatch_bf16": functools.partial(b.dispatch, x, **routing),
+                      f"{name}_dispatch_fp8": functools.partial(b.dispatch, x_e4m3, **routing),
+                      f"{name}_combine_bf16": functools.partial(b.combine, recv_x, handle),
+                      f"{name}_dispatch+combine": functools.partial(round_trip, b)})
+        mine_bytes.update({f"{name}_dispatch_bf16": bf16, f"{name}_dispatch_fp8": bf16 * (1 + 4 / 128) / 2,
+                           f"{name}_combine_bf16": bf16, f"{name}_dispatch+combine": 2 * bf16})
+    cases.update({"naive_dispatch": naive_dispatch, "naive_combine": naive_combine,
+                  "a2a_ceiling": lambda: dist.all_to_all_single(a2a_out, send_rows, rc, sc, group=group)})
+    mine_bytes.update({"naive_dispatch": R * T * (2 * H + 8 * K + 4 * K), "naive_combine": R * T * H * 2,
+                       "a2a_ceiling": bf16})
+    times = time_cases(cases, group, cfg["warmup"], cfg["iters"])
     res = gather_results(times, mine_bytes, checks, group)
     if res is None:
         return None
     return {**res, "recv_rows_rank0": recv_x.shape[0], "threads_per_rank": torch.get_num_threads(),
-            "kernel_threads_per_rank": cpu_threads()}
+            "kernel_threads_per_rank": cpu_threads(), "memcpy_GBps": bandwidth}
 
 
 # ---------------------------------------------------------------------------- reporting
@@ -139,18 +154,28 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
                   "GBps_per_rank": r["bytes_per_rank_mean"] / (r["median_us"] * 1e-6) / 1e9})
     by = {r["case"]: r for r in rows}
     for r in rows:
-        base = by["naive_dispatch" if r["case"] in DISPATCH_CASES else "naive_combine"]
-        r["vs_baseline"] = base["median_us"] / r["median_us"] if r["case"] != "a2a_ceiling" else None
+        op = r["case"].partition("_")[2]
+        base = by.get("naive_dispatch" if op.startswith("dispatch_") else "naive_combine" if op == "combine_bf16"
+                      else "")
+        r["vs_baseline"] = base["median_us"] / r["median_us"] if base and r["case"] != "a2a_ceiling" else None
         r["vs_ceiling"] = r["GBps_per_rank"] / by["a2a_ceiling"]["GBps_per_rank"]
+    vs_transport(rows)
+    floor_columns(rows, res["memcpy_GBps"], ("dispatch_bf16", "dispatch_fp8", "combine_bf16", "dispatch+combine"))
     columns = [("case", "case"), ("ranks", "ranks"), ("tokens", "tokens/rank"), ("hidden", "hidden"),
                ("topk", "topk"), ("experts", "experts"), ("median_us", "median_us"), ("p10_p90", "p10/p90_us"),
-               ("GBps_per_rank", "GB/s/rank"), ("vs_baseline", "speedup_vs_naive(x)"),
-               ("vs_ceiling", "GB/s_vs_a2a_ceiling")]
+               ("GBps_per_rank", "GB/s/rank"), ("vs_baseline", "vs_naive(x)"), ("vs_collective", "vs_collective(x)"),
+               ("floor_us", "memcpy_floor_us"), ("of_floor", "floor/median"), ("vs_ceiling", "GB/s_vs_a2a")]
     print(format_table(columns, rows))
     for r in rows:
         r.pop("p10_p90")  # table only; JSON has the numbers
     notes = [
-        "speedup_vs_naive = naive median time / case median time; dispatch cases vs naive_dispatch, "
+        "case names are <transport>_<op>: the same Buffer API over the collective (gloo all_to_all_single) and "
+        "shm (shared memory) transports; vs_collective = collective median / shm median for the same op",
+        f"memory-copy floor: the bytes each rank must receive / single-thread libc memcpy bandwidth measured in "
+        f"this run with every rank copying at once ({res['memcpy_GBps']['concurrent']:.2f} GB/s per rank; one "
+        f"rank alone: {res['memcpy_GBps']['alone']:.2f} GB/s, see of_floor_alone in JSON); floor/median = 1.0 "
+        f"would be as fast as one memcpy of the received bytes",
+        "vs_naive = naive median time / case median time; dispatch cases vs naive_dispatch, "
         "combine vs naive_combine (FP8 dispatch is compared with the BF16 naive all-gather)",
         "naive_combine uses torch.distributed.reduce_scatter_single on gloo; torch's ProcessGroupGloo implements "
         "it as an all_reduce of the whole [R*T, H] tensor followed by a copy of this rank's slice, so the wire "
@@ -170,7 +195,8 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
                            "kernel_threads_per_rank": res["kernel_threads_per_rank"], "byte_rule": BYTE_RULE,
                            "bandwidth_rule": BANDWIDTH_RULE, "timing": "per iteration: dist.barrier, then "
                            "perf_counter around the op (async_finish=False); max over ranks; stats over iterations",
-                           "notes": notes, "checks_max_over_ranks": res["checks_max_over_ranks"], "cases": rows})
+                           "notes": notes, "memcpy_GBps": res["memcpy_GBps"],
+                           "checks_max_over_ranks": res["checks_max_over_ranks"], "cases": rows})
     print(f"wrote {json_path}")
 
 
@@ -184,6 +210,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS,
+                   help="transports compared side by side (the first one's outputs are the reference)")
     p.add_argument("--threads-per-rank", type=int, default=0, help="0: cpu_count // local ranks, at least 1")
     p.add_argument("--json", default=str(Path(__file__).resolve().parent / "out" / "bench_normal.json"))
     return p.parse_args(argv)
@@ -201,7 +229,8 @@ def _check_shapes(args: argparse.Namespace, ranks: int) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     _check_shapes(args, launched_ranks(args.ranks))
-    cfg = {k: getattr(args, k) for k in ("tokens", "hidden", "topk", "experts", "warmup", "iters", "seed")}
+    cfg = {k: getattr(args, k) for k in ("tokens", "hidden", "topk", "experts", "warmup", "iters", "seed",
+                                         "transports")}
     launch(run_rank, functools.partial(report, json_path=args.json), cfg, args.ranks, args.threads_per_rank)
 
 

@@ -6,6 +6,7 @@ torchrun or under mpirun.
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import os
@@ -109,6 +110,34 @@ def time_cases(cases: dict[str, Callable[[], Any]], group: dist.ProcessGroup, wa
     return {name: times[c].tolist() for c, name in enumerate(cases)}
 
 
+def memcpy_bandwidth(group: dist.ProcessGroup, nbytes: int, reps: int = 9) -> dict[str, float]:
+    """Single-thread memcpy bandwidth (GB/s; per rank the median of ``reps``, then the mean over
+    ranks) between two pre-faulted buffers of ``nbytes``: ``alone`` while the other ranks wait,
+    ``concurrent`` while every rank copies at once (the conditions ranks run in during an
+    exchange). libc memcpy (ctypes.memmove). Collective."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+
+    def one() -> float:
+        t0 = time.perf_counter()
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+        return time.perf_counter() - t0
+
+    alone, together = [], []
+    for _ in range(reps):
+        for turn in range(ranks):
+            dist.barrier(group)
+            if turn == rank:
+                alone.append(one())
+        dist.barrier(group)
+        together.append(one())
+    mine = torch.tensor([nbytes / percentile(alone, 50) / 1e9, nbytes / percentile(together, 50) / 1e9],
+                        dtype=torch.float64)
+    dist.all_reduce(mine, group=group)  # mean over ranks
+    return {"alone": mine[0].item() / ranks, "concurrent": mine[1].item() / ranks}
+
+
 def require_all_ranks(ok: bool, bench: str, rank: int, checks: dict[str, float], group: dist.ProcessGroup) -> None:
     """Raises on every rank unless ``ok`` holds on every rank: broken ops are never timed."""
     flags = torch.tensor([0.0 if ok else 1.0])
@@ -116,6 +145,33 @@ def require_all_ranks(ok: bool, bench: str, rank: int, checks: dict[str, float],
     if flags.item():
         raise RuntimeError(f"{bench}: correctness check failed on {int(flags.item())} rank(s); rank {rank}: "
                            f"{checks}; refusing to time broken ops")
+
+
+#: The CPU transports the benchmarks compare side by side.
+TRANSPORTS = ("collective", "shm")
+
+
+def floor_columns(rows: list[dict[str, Any]], bandwidth: dict[str, float], ops: Sequence[str]) -> None:
+    """Adds the memory-copy floor to the rows of moe-comm cases named ``<transport>_<op>`` for ``op``
+    in ``ops``, whose bytes are what each rank must receive: ``floor_us`` = bytes / the single-thread memcpy bandwidth
+    measured with every rank copying at once, and ``of_floor`` = floor / median (1.0 = as fast as
+    one memcpy of the received bytes); ``of_floor_alone`` uses the bandwidth of one rank alone."""
+    for r in rows:
+        name, _, op = r["case"].partition("_")
+        if name in TRANSPORTS and op in ops:
+            r["floor_us"] = r["bytes_per_rank_mean"] / (bandwidth["concurrent"] * 1e9) * 1e6
+            r["of_floor"] = r["floor_us"] / r["median_us"]
+            r["of_floor_alone"] = r["bytes_per_rank_mean"] / (bandwidth["alone"] * 1e9) * 1e6 / r["median_us"]
+
+
+def vs_transport(rows: list[dict[str, Any]], base: str = "collective") -> None:
+    """``vs_<base>``: the ``<base>_<op>`` row's median / this row's, for rows named ``<transport>_<op>``."""
+    by = {r["case"]: r for r in rows}
+    for r in rows:
+        name, _, op = r["case"].partition("_")
+        other = by.get(f"{base}_{op}")
+        if name in TRANSPORTS and other is not None:
+            r[f"vs_{base}"] = other["median_us"] / r["median_us"]
 
 
 def gather_results(times: dict[str, list[float]], mine_bytes: dict[str, float], checks: dict[str, float],

@@ -1,4 +1,5 @@
 // Release/acquire flags in shared memory, and the deadline-bounded wait the shm transport uses.
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -17,9 +18,11 @@ namespace {
 
 // How often a waiting rank checks the deadline and whether peers still run.
 constexpr auto kCheckEvery = std::chrono::milliseconds(20);
-// Busy polls before the waiter starts sleeping: short, because on a small machine a spinning
-// waiter takes the core from the peer it is waiting for.
+// Busy polls before the waiter yields, then how long it polls with sched_yield before it naps:
+// yielding hands the core to a runnable peer when ranks outnumber cores, and otherwise wakes
+// within microseconds (a nap costs ~60 us of timer slack).
 constexpr int kSpins = 256;
+constexpr auto kYieldFor = std::chrono::microseconds(500);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -75,6 +78,7 @@ int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t*
     const auto deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                       std::chrono::duration<double>(timeout_s));
     auto next_check = start + kCheckEvery;
+    const auto stop_yielding = start + kYieldFor;
     auto sleep = std::chrono::microseconds(1);
     while (!reached(flags, targets, n, &missing)) {
         const auto now = std::chrono::steady_clock::now();
@@ -90,6 +94,10 @@ int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t*
                 *reason = 1;
                 return missing;
             }
+        }
+        if (now < stop_yielding) {
+            sched_yield();
+            continue;
         }
         std::this_thread::sleep_for(sleep);
         sleep = std::min(sleep * 2, std::chrono::microseconds(50));
