@@ -160,7 +160,7 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
     notes = [
         f"overlap (compute_only {by['compute_only']['median_us']:.0f} us): " + "; ".join(overlap),
         "case names are <transport>_<op>; vs_collective = collective median / shm median for the same op",
-        f"memory-copy floor: the bytes of the op / single-thread libc memcpy bandwidth measured in this run with "
+        f"memory-copy floor: the bytes of the op / single-thread memcpy bandwidth (the faster of libc memcpy and torch copy_) measured in this run with "
         f"every rank copying at once ({res['memcpy_GBps']['concurrent']:.2f} GB/s per rank; alone: "
         f"{res['memcpy_GBps']['alone']:.2f} GB/s)",
         "hooked send/recv halves are timed separately, each after a barrier, so the recv half finds the payload "

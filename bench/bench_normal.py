@@ -171,7 +171,7 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
     notes = [
         "case names are <transport>_<op>: the same Buffer API over the collective (gloo all_to_all_single) and "
         "shm (shared memory) transports; vs_collective = collective median / shm median for the same op",
-        f"memory-copy floor: the bytes each rank must receive / single-thread libc memcpy bandwidth measured in "
+        f"memory-copy floor: the bytes each rank must receive / single-thread memcpy bandwidth (the faster of libc memcpy and torch copy_) measured in "
         f"this run with every rank copying at once ({res['memcpy_GBps']['concurrent']:.2f} GB/s per rank; one "
         f"rank alone: {res['memcpy_GBps']['alone']:.2f} GB/s, see of_floor_alone in JSON); floor/median = 1.0 "
         f"would be as fast as one memcpy of the received bytes",
@@ -188,6 +188,7 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
         f"{R} ranks share {os.cpu_count()} CPU cores ({res['threads_per_rank']} torch / "
         f"{res['kernel_threads_per_rank']} moe_comm._C thread(s) per rank); shared, noisy VM",
     ]
+    print("\n".join(notes[:2]))
     print(f"\nbytes: per rank (mean over ranks); {BANDWIDTH_RULE}\nchecks (max over ranks): "
           f"{ {k: f'{v:.2e}' for k, v in res['checks_max_over_ranks'].items()} }")
     write_json(json_path, {"bench": "bench_normal", "command": command, "launcher": launcher, "config": cfg,
