@@ -265,11 +265,10 @@ def _run_combine(fn, layout, records, send_pos, biases, with_weights):
 
 
 def _assert_bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.dtype == b.dtype and torch.equal(a, b)
-    if a.dtype in (torch.bfloat16, torch.float16):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-    elif a.dtype == torch.float32:
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    """Same dtype, shape and bits (NaNs included)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}.get(a.dtype)
+    assert torch.equal(a.view(bits), b.view(bits)) if bits else torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", list(REDUCE_DTYPES))
@@ -423,6 +422,11 @@ def test_combine_reduce_builds_agree_bitwise(dtype):
     """The AVX2 build of the reduction (where the CPU has it) and the generic build give the same bits."""
     gen = _gen(str(dtype), "isa")
     layout, records, send_pos, biases = _combine_case(gen, dtype, 3, 300, 1100, 4, True, 2)
+    x = layout.view(records, "x").view(dtype)
+    x[::7, ::5] = float("nan")  # NaN, infinities and values that round up across the exponent
+    x[1::7, 1::5] = float("inf")
+    x[2::7, 2::5] = -float("inf")
+    x[3::7, 3::5] = torch.finfo(dtype).max
     results = []
     try:
         for generic in (False, True):
@@ -433,8 +437,14 @@ def test_combine_reduce_builds_agree_bitwise(dtype):
         native().set_combine_reduce_generic(False)
     (isa_a, (out_a, w_a)), (isa_b, (out_b, w_b)) = results
     assert isa_b == "generic"
+    assert bool(out_a.isnan().any()) and bool(out_a.isinf().any())
     _assert_bitwise(out_a, out_b)
     _assert_bitwise(w_a, w_b)
+    # torch keeps a NaN's sign and payload when rounding to 16 bits, the kernels write the canonical
+    # quiet NaN: compare NaN positions, and bits elsewhere
+    want, _ = _run_combine(combine_reduce_reference, layout, records, send_pos, biases, True)
+    assert torch.equal(out_a.isnan(), want.isnan())
+    _assert_bitwise(out_a.masked_fill(out_a.isnan(), 0), want.masked_fill(want.isnan(), 0))
 
 
 def test_combine_reduce_per_source_records():
