@@ -7,18 +7,16 @@
 
 namespace moe_comm::cpu {
 
-#define MC_REDUCE_DECL(isa)                                                                                \
-    namespace isa {                                                                                        \
-    void combine_reduce(void* out, float* out_weights, const uint8_t* const* sources, const int32_t* send_pos, \
-                        const float* scale, const void* bias0, const void* bias1, int64_t num_tokens,       \
-                        int64_t num_sources, int64_t hidden, DType dtype, int64_t record_bytes,             \
-                        int64_t x_offset, int64_t weights_offset, int64_t num_topk, int num_threads);       \
-    }
-MC_REDUCE_DECL(generic)
+// The per-ISA builds of reduce.cpp, declared with api.h's signature.
+using CombineReduce = decltype(combine_reduce);
+namespace generic {
+CombineReduce combine_reduce;
+}
 #ifdef MOE_COMM_HAVE_AVX2
-MC_REDUCE_DECL(avx2)
+namespace avx2 {
+CombineReduce combine_reduce;
+}
 #endif
-#undef MC_REDUCE_DECL
 
 void combine_reduce(void* out, float* out_weights,
                     const uint8_t* const* sources, const int32_t* send_pos, const float* scale,
