@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import moe_comm
 from moe_comm.ops import per_token_cast_to_fp8
-from moe_comm.transport.shm_segment import PREFIX
+from moe_comm.transport.shm_segment import DATA, PREFIX
 
 
 def _digest(*tensors: Any) -> str:
@@ -109,6 +109,31 @@ def many_in_flight(group: dist.ProcessGroup, count: int) -> bool:
     got = [_digest(p[0], p[1], p[2]) for p in pending]
     want = [_digest(*buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=12)[:3]) for x, i, w in inputs]
     return got == want
+
+
+def grow_with_many_in_flight(group: dist.ProcessGroup, delay_rank: int) -> bool:
+    """Async dispatches in flight across a growth of the slots. ``delay_rank`` is slowed down right
+    before it settles its own oldest exchange (fault injection around the real method), so its peer
+    reaches the reused slot first: the grown slots must make the peer wait for the release."""
+    buf = moe_comm.Buffer(group, timeout_s=30)
+    if buf.rank == delay_rank:
+        settle = buf.runtime._next
+
+        def slow_next(channel: int) -> tuple[int, int]:
+            if channel == DATA:
+                time.sleep(0.1)
+            return settle(channel)
+
+        buf.runtime._next = slow_next
+    # Rows of 8 KB: the first dispatches fit the 1 MiB slots, the fourth grows them, and the ones
+    # after it reuse the grown slots while older exchanges are still unread.
+    inputs = [_inputs(buf.rank, min(40 * (1 + s), 160), 4096, 12, 3, seed=s) for s in range(8)]
+    pending = [buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=12, async_finish=True) for x, i, w in inputs]
+    for p in pending:
+        p[-1].current_stream_wait()
+    got = [_digest(p[0], p[1], p[2]) for p in pending]
+    want = [_digest(*buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=12)[:3]) for x, i, w in inputs]
+    return got == want and buf.runtime.capacity > 1 << 20
 
 
 def own_segments() -> list[str]:

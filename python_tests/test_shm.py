@@ -9,7 +9,7 @@ import tempfile
 import pytest
 
 from moe_comm.launch import LocalWorld
-from shm_cases import (both_transports, growth, killed_mid_run, many_in_flight, masked_rank_survives, node_split,
+from shm_cases import (both_transports, grow_with_many_in_flight, growth, killed_mid_run, many_in_flight, masked_rank_survives, node_split,
                        plant_stale_segment, segments_after_setup)
 
 
@@ -28,6 +28,13 @@ def test_buffer_grows_and_is_sized_from_num_nvl_bytes(worlds):
 
 def test_more_exchanges_in_flight_than_slots(worlds):
     assert all(worlds(3).run(many_in_flight, 5))
+
+
+@pytest.mark.parametrize("delay_rank", [0, 1])
+def test_growth_with_exchanges_in_flight(worlds, transport, delay_rank):
+    if transport != "shm":
+        pytest.skip("slot growth is the shm transport's")
+    assert all(worlds(2).run(grow_with_many_in_flight, delay_rank))
 
 
 def test_segments_are_unlinked_once_mapped(worlds):

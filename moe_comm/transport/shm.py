@@ -179,19 +179,23 @@ class ShmTransport(Transport):
         self._seq = [0, 0]
         self._held: dict[tuple[int, int], object] = {}
         self._segments: list[Segment] = []
-        self._map(max(_MIN_CAPACITY, -(-capacity // _MIN_CAPACITY) * _MIN_CAPACITY))
+        self._map(max(_MIN_CAPACITY, -(-capacity // _MIN_CAPACITY) * _MIN_CAPACITY), [1, 1])
 
     # ------------------------------------------------------------------ segments
-    def _map(self, capacity: int) -> None:
+    def _map(self, capacity: int, next_seq: list[int]) -> None:
         """Creates this rank's segment, maps the host peers' and unlinks the name once all have
-        mapped it. Collective. Slots start free: consumed flags hold the current sequence numbers."""
+        mapped it. Collective. ``next_seq[channel]`` is the first exchange to use the new segments.
+
+        Slots start free for their first use and no further: a sender of exchange q waits for
+        consumed >= q - NUM_SLOTS, so consumed starts at next_seq - 1 (>= first use - NUM_SLOTS,
+        and below every first use, so the second use of a slot waits for the receiver's release)."""
         layout = SegmentLayout(len(self.local), capacity)
         sweep_stale()
         mine = Segment.create(segment_name(), layout)
         try:
             for channel in (META, DATA):
                 for slot in range(NUM_SLOTS):
-                    native().flag_store(mine.flag(layout.consumed(channel, slot)), self._seq[channel])
+                    native().flag_store(mine.flag(layout.consumed(channel, slot)), next_seq[channel] - 1)
             names = self._gather_names(mine.name)
             segments = [mine if r == self.rank else Segment.open(names[r], layout) for r in self.local]
             self._barrier("shm transport: mapping segments")
@@ -291,7 +295,7 @@ class ShmTransport(Transport):
         rows_to = [[0 if skip_self and i == j else int(n) for j, n in enumerate(row)] for i, row in enumerate(sent)]
         need = max(sum(row[j] for row in rows_to) for j in range(self.num_ranks)) * record_bytes
         if need > self.capacity:  # every rank sees the same matrix, so all grow here together
-            self._map(max(need, 2 * self.capacity))
+            self._map(max(need, 2 * self.capacity), [self._seq[META] + 1, seq])
         remote = None
         if self.remote:
             # A fresh buffer: the collective transport reads it in the background.
