@@ -213,6 +213,27 @@ def masked_rank_survives(group: dist.ProcessGroup, victim: int, how: str) -> dic
     return results
 
 
+def rejoin_after_mask(group: dist.ProcessGroup) -> tuple[str, str]:
+    """Rank 2 is masked while alive and sits out two low-latency calls, then everyone unmasks it and
+    calls again: the ranks are out of step, which must be an error on every rank, never stale rows."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    M, H, E = 8, 128, 4 * R
+    hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(M, H, R, E)
+    buf = moe_comm.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, enable_shrink=True, timeout_s=3,
+                          transport="shm")
+    x, idx, _ = _inputs(rank, M, H, E, 2)
+    if rank != 2:
+        buf.low_latency_update_mask_buffer(2, True)
+        for _ in range(2):
+            buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        buf.low_latency_update_mask_buffer(2, False)
+    try:
+        buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    except Exception as exc:  # the test checks which
+        return type(exc).__name__, str(exc)
+    return "no exception", ""
+
+
 def node_split(group: dist.ProcessGroup) -> dict[str, Any]:
     """With LOCAL_WORLD_SIZE=2 one host acts as two: shm inside each pair, collective between them;
     outputs equal the collective transport's."""

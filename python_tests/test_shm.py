@@ -9,8 +9,9 @@ import tempfile
 import pytest
 
 from moe_comm.launch import LocalWorld
-from shm_cases import (both_transports, grow_with_many_in_flight, growth, killed_mid_run, many_in_flight, masked_rank_survives, node_split,
-                       plant_stale_segment, segments_after_setup)
+from shm_cases import (both_transports, grow_with_many_in_flight, growth, killed_mid_run, many_in_flight,
+                        masked_rank_survives, node_split, plant_stale_segment, rejoin_after_mask,
+                        segments_after_setup)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -75,8 +76,39 @@ def test_masked_rank_is_skipped_by_low_latency_calls(transport, how):
         assert r["mask"] == [0, 0, 1] and r["after_clean"] == [0, 0, 0], r
 
 
+def test_rank_out_of_step_is_an_error_not_stale_rows():
+    with LocalWorld(3, timeout_s=60, threads_per_rank=1) as world:
+        results = world.run(rejoin_after_mask)
+    kind, message = results[2]  # rank 2 waits for exchanges the others made without it
+    assert kind == "CommTimeoutError" and "ranks not heard from: [0, 1]" in message, message
+    for kind, message in results[:2]:  # they wait for an exchange rank 2 numbers differently
+        assert kind == "CommTimeoutError" and "ranks not heard from: [2]" in message, message
+
+
 def test_local_world_size_splits_one_host_into_nodes(worlds):
     results = worlds(4).run(node_split)
     assert [r["local"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["remote"] for r in results] == [[2, 3], [2, 3], [0, 1], [0, 1]]
     assert all(r["same"] for r in results)
+
+
+def test_flags_wait_outcomes():
+    """The native wait: reached, past an exact target, deadline, and a dead setter."""
+    import time
+
+    import torch
+
+    from moe_comm._native import native
+    flags = torch.zeros(2, dtype=torch.int64)
+    a, b = flags.data_ptr(), flags.data_ptr() + 8
+    native().flag_store(a, 5)
+    assert native().flag_load(a) == 5
+    assert native().flags_wait([a], [5], [0], 1.0, True) == (-1, 0)
+    assert native().flags_wait([a], [3], [0], 1.0, False) == (-1, 0)
+    assert native().flags_wait([a, b], [5, 3], [0, 0], 1.0, True)[1] == 1  # b never set: deadline
+    assert native().flags_wait([a], [3], [0], 1.0, True) == (0, 3)  # already past: out of step
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    start = time.monotonic()
+    assert native().flags_wait([a, b], [5, 1], [0, dead.pid], 30.0, True) == (1, 2)
+    assert time.monotonic() - start < 1.0  # noticed at the first 20 ms check, not at the deadline

@@ -113,12 +113,13 @@ int64_t flag_load(const int64_t* flag);
 // Whether process `pid` runs on this host (an exited, unreaped process counts as dead).
 bool process_alive(int64_t pid);
 
-// Waits until *flags[i] >= targets[i] for every i, polling, then sleeping in short naps. Every 20 ms
-// it checks the deadline and whether pids[i] (the process that sets flag i; <= 0: not checked) still
-// runs. Returns -1 when every flag is reached; otherwise the index of a flag not reached, with
-// *reason = 1 when timeout_s passed or 2 when that flag's process has exited.
+// Waits until *flags[i] >= targets[i] (== with `exact`) for every i, polling, then yielding, then
+// sleeping in short naps. Every 20 ms it checks the deadline and whether pids[i] (the process that
+// sets flag i; <= 0: not checked) still runs. Returns -1 when every flag is reached; otherwise the
+// index of a flag not reached, with *reason = 1 when timeout_s passed, 2 when that flag's process
+// has exited, or 3 when (exact) the flag is already past its target.
 int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t* pids, int64_t n,
-                   double timeout_s, int* reason);
+                   double timeout_s, bool exact, int* reason);
 
 // Number of hardware threads, the default for num_threads.
 int hardware_threads();

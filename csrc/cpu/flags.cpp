@@ -32,14 +32,17 @@ inline void cpu_relax() {
 #endif
 }
 
-bool reached(int64_t* const* flags, const int64_t* targets, int64_t n, int64_t* first_missing) {
+// 1: every flag reached; 0: flag *first_missing is below its target; -1: flag *first_missing is
+// past its target although an exact value was asked for (the setter is out of step).
+int reached(int64_t* const* flags, const int64_t* targets, int64_t n, bool exact, int64_t* first_missing) {
     for (int64_t i = 0; i < n; ++i) {
-        if (flag_load(flags[i]) < targets[i]) {
+        const int64_t value = flag_load(flags[i]);
+        if (value < targets[i] || (exact && value > targets[i])) {
             *first_missing = i;
-            return false;
+            return value < targets[i] ? 0 : -1;
         }
     }
-    return true;
+    return 1;
 }
 
 }  // namespace
@@ -66,13 +69,19 @@ bool process_alive(int64_t pid) {
 }
 
 int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t* pids, int64_t n,
-                   double timeout_s, int* reason) {
+                   double timeout_s, bool exact, int* reason) {
     MC_CHECK(n >= 0 && timeout_s >= 0, "flags_wait: n=" << n << " timeout_s=" << timeout_s);
     *reason = 0;
     int64_t missing = 0;
+    int state = 0;
     for (int spin = 0; spin < kSpins; ++spin) {
-        if (reached(flags, targets, n, &missing)) return -1;
+        if ((state = reached(flags, targets, n, exact, &missing)) != 0) break;
         cpu_relax();
+    }
+    if (state == 1) return -1;
+    if (state == -1) {
+        *reason = 3;
+        return missing;
     }
     const auto start = std::chrono::steady_clock::now();
     const auto deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
@@ -80,7 +89,11 @@ int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t*
     auto next_check = start + kCheckEvery;
     const auto stop_yielding = start + kYieldFor;
     auto sleep = std::chrono::microseconds(1);
-    while (!reached(flags, targets, n, &missing)) {
+    while ((state = reached(flags, targets, n, exact, &missing)) != 1) {
+        if (state == -1) {
+            *reason = 3;
+            return missing;
+        }
         const auto now = std::chrono::steady_clock::now();
         if (now >= next_check) {
             next_check = now + kCheckEvery;

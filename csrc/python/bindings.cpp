@@ -163,7 +163,7 @@ PYBIND11_MODULE(_C, m) {
     m.def(
         "flags_wait",
         [](const std::vector<std::uintptr_t>& flags, const std::vector<int64_t>& targets,
-           const std::vector<int64_t>& pids, double timeout_s) {
+           const std::vector<int64_t>& pids, double timeout_s, bool exact) {
             const auto n = static_cast<int64_t>(flags.size());
             if (targets.size() != flags.size() || pids.size() != flags.size())
                 throw std::invalid_argument("flags_wait: flags, targets and pids must have the same length");
@@ -173,12 +173,13 @@ PYBIND11_MODULE(_C, m) {
             int64_t index;
             {
                 py::gil_scoped_release release;
-                index = cpu::flags_wait(addresses.data(), targets.data(), pids.data(), n, timeout_s, &reason);
+                index = cpu::flags_wait(addresses.data(), targets.data(), pids.data(), n, timeout_s, exact, &reason);
             }
             return std::make_tuple(index, reason);
         },
-        py::arg("flags"), py::arg("targets"), py::arg("pids"), py::arg("timeout_s"),
-        "Waits for flags[i] >= targets[i]; returns (-1, 0) or (index not reached, 1 deadline | 2 process exited).");
+        py::arg("flags"), py::arg("targets"), py::arg("pids"), py::arg("timeout_s"), py::arg("exact"),
+        "Waits for flags[i] >= targets[i] (== when exact); returns (-1, 0) or (index not reached, 1 deadline | "
+        "2 process exited | 3 flag past its target).");
 
     m.def("combine_reduce_isa", &cpu::combine_reduce_isa);
     m.def("set_combine_reduce_generic", &cpu::set_combine_reduce_generic, py::arg("generic"));

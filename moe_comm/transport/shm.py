@@ -55,17 +55,24 @@ class _Waiter:
     def __init__(self, transport: "ShmTransport") -> None:
         self._t = transport
 
-    def until(self, flags: list[int], targets: list[int], ranks: list[int], op: str) -> None:
-        """Waits until each flag (an address) reaches its target; ranks[i] sets flags[i]."""
+    def until(self, flags: list[int], targets: list[int], ranks: list[int], op: str, exact: bool = False) -> None:
+        """Waits until each flag (an address) reaches its target (exactly, with ``exact``: an
+        ``arrived`` flag past the exchange waited for means the sender is out of step, and the rows
+        in the slot are not this exchange's); ranks[i] sets flags[i]."""
         if not flags:
             return
         t = self._t
         pids = [t.pids[r] for r in ranks]
-        index, reason = native().flags_wait(flags, targets, pids, t.timeout_s)
+        index, reason = native().flags_wait(flags, targets, pids, t.timeout_s, exact)
         if index < 0:
             return
         if reason == 2:
             raise PeerExitedError(op, t.rank, ranks[index], pids[index])
+        if reason == 3:
+            raise RuntimeError(f"{op}: rank {t.rank}: rank {ranks[index]} is out of step (it published exchange "
+                               f"{native().flag_load(flags[index])} where this rank waits for {targets[index]}); "
+                               f"ranks must make the same calls in the same order, and a rank that was masked "
+                               f"while alive cannot rejoin this Buffer: build a new one")
         late = sorted({r for f, goal, r in zip(flags, targets, ranks) if native().flag_load(f) < goal})
         dead = [f"rank {r} (pid {t.pids[r]}) has exited" for r in late if not native().process_alive(t.pids[r])]
         raise CommTimeoutError(op, t.rank, t.timeout_s, late, ", ".join(dead))
@@ -87,7 +94,7 @@ class _MetaPending:
         t, me = self._t, self._segments[self._t.local_index]
         layout = me.layout
         t.waiter.until([me.flag(layout.arrived(META, self._slot, t.local.index(r))) for r in self._sources],
-                       [self._seq] * len(self._sources), self._sources, self._op)
+                       [self._seq] * len(self._sources), self._sources, self._op, exact=True)
         out = self._output.view(torch.uint8).view(self._output.shape[0], -1) if self._output.numel() else None
         starts = _starts(self._splits)
         for src in self._sources:
@@ -117,7 +124,8 @@ class _ShmExchange:
         if not self._arrived:
             t, layout = self._t, self._segment.layout
             t.waiter.until([self._segment.flag(layout.arrived(DATA, self._slot, t.local.index(r)))
-                            for r in self._sources], [self._seq] * len(self._sources), self._sources, self._op)
+                            for r in self._sources], [self._seq] * len(self._sources), self._sources, self._op,
+                           exact=True)
             if self._remote is not None:
                 pending, received, sources = self._remote
                 pending.wait()
