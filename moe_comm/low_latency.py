@@ -175,12 +175,9 @@ class LowLatencyMode:
         src_index = torch.arange(x.shape[0], dtype=torch.int32, device=device).unsqueeze(1)
         fields = [data] + ([] if scales is None else [scales]) + [src_index, None]
         tokens, local_expert = msg // max(topk_idx.shape[1], 1), (experts % local).to(torch.int32).unsqueeze(1)
-        starts = [0]
-        for count in send_counts:
-            starts.append(starts[-1] + count)
 
-        def pack(dest: int, out: torch.Tensor) -> None:
-            part = slice(starts[dest], starts[dest + 1])
+        def pack(dest: int, first: int, out: torch.Tensor) -> None:
+            part = slice(first, first + out.shape[0])
             pack_rows(records, fields, tokens[part], out=out)
             records.view(out, "expert").copy_(local_expert[part])
 
@@ -249,12 +246,9 @@ class LowLatencyMode:
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
         source = [source.reshape(local * rows, hidden)]
         records = RecordLayout.build([("x", torch.bfloat16, hidden)])
-        starts = [0]
-        for count in return_counts:
-            starts.append(starts[-1] + count)
 
-        def pack(dest: int, out: torch.Tensor) -> None:
-            pack_rows(records, source, send_rows[starts[dest]:starts[dest + 1]], out=out)
+        def pack(dest: int, first: int, out: torch.Tensor) -> None:
+            pack_rows(records, source, send_rows[first:first + out.shape[0]], out=out)
 
         exchange = self.transport.exchange(shake.matrix, records.record_bytes, pack, op=op, device=device, skip=skip)
 

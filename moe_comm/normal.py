@@ -106,12 +106,8 @@ class NormalMode:
         records are rows ``src_rows`` of ``fields`` (destination-major); with ``skip_self`` the rows
         for this rank stay out (the caller copies them once, directly). Returns ``complete(consume)``:
         waits, calls ``consume(received records)``, then releases them."""
-        starts = [0]
-        for count in sent[self.rank]:
-            starts.append(starts[-1] + int(count))
-
-        def rows(dest: int, out: torch.Tensor) -> None:
-            pack_rows(records_layout, fields, src_rows[starts[dest]:starts[dest + 1]], out=out)
+        def rows(dest: int, first: int, out: torch.Tensor) -> None:
+            pack_rows(records_layout, fields, src_rows[first:first + out.shape[0]], out=out)
 
         exchange = self.transport.exchange(sent, records_layout.record_bytes, rows, op=op, device=device,
                                            skip_self=skip_self)
@@ -123,6 +119,21 @@ class NormalMode:
                 exchange.release()
 
         return complete
+
+    def _deliver(self, complete: Callable[[Callable[[torch.Tensor], None]], None], records_layout: RecordLayout,
+                 fields: list[torch.Tensor], plan: SendPlan, recv_counts: list[int],
+                 outputs: list[torch.Tensor]) -> Callable[[], None]:
+        """The step that fills ``outputs`` (rows by source rank): this rank's own rows copied from
+        ``fields`` directly, then the received rows unpacked around them."""
+        me = self.rank
+        own_rows = plan.send_rows[sum(plan.send_counts[:me]):sum(plan.send_counts[:me + 1])]
+        before, own = sum(recv_counts[:me]), recv_counts[me]
+
+        def deliver() -> None:
+            _own_rows(fields, own_rows, outputs, before)
+            complete(lambda received: _unpack_around(records_layout, received, outputs, before, own))
+
+        return deliver
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
@@ -187,12 +198,10 @@ class NormalMode:
         outputs = [t for t in (recv_x, recv_scales, recv_topk_idx, recv_topk_weights) if t is not None]
         outputs.append(recv_src_idx.unsqueeze(1))
 
-        own_rows = plan.send_rows[sum(plan.send_counts[:me]):sum(plan.send_counts[:me + 1])]
-        before, own = sum(recv_counts[:me]), recv_counts[me]
+        deliver = self._deliver(complete, records_layout, fields_in, plan, recv_counts, outputs)
 
         def finish() -> None:
-            _own_rows(fields_in, own_rows, outputs, before)
-            complete(lambda received: _unpack_around(records_layout, received, outputs, before, own))
+            deliver()
             if recv_topk_idx is not None:
                 idx, weights = recv_topk_idx[:num_recv], recv_topk_weights[:num_recv]
                 idx.sub_(me * experts_per_rank)
@@ -230,18 +239,16 @@ class NormalMode:
         num_recv = sum(expected)
         specs = [("x", x.dtype, x.shape[1])] + ([] if scales is None else [("scales", scales.dtype, scales.shape[1])])
         records_layout = RecordLayout.build(specs)
-        complete = self._exchange("dispatch", records_layout, [x] if scales is None else [x, scales],
-                                  plan.send_rows, shake.matrix, device)
+        fields_in = [x] if scales is None else [x, scales]
+        complete = self._exchange("dispatch", records_layout, fields_in, plan.send_rows, shake.matrix, device)
         rows = handle.recv_src_idx.shape[0]
         recv_x = empty((rows, x.shape[1]), x.dtype, device)
         recv_scales = None if scales is None else empty((rows, scales.shape[1]), scales.dtype, device)
         outputs = [recv_x] if recv_scales is None else [recv_x, recv_scales]
-        own_rows = plan.send_rows[sum(plan.send_counts[:me]):sum(plan.send_counts[:me + 1])]
-        before, own = sum(expected[:me]), expected[me]
+        deliver = self._deliver(complete, records_layout, fields_in, plan, expected, outputs)
 
         def finish() -> None:
-            _own_rows([x] if scales is None else [x, scales], own_rows, outputs, before)
-            complete(lambda received: _unpack_around(records_layout, received, outputs, before, own))
+            deliver()
             _fill_padding([recv_x, recv_scales], [0, 0], num_recv)
 
         return DispatchResult(recv_x, recv_scales, None, None, None, None, finish)

@@ -12,11 +12,12 @@ import torch
 
 from ..workspace import Workspace
 
-__all__ = ["Exchange", "Pending", "Rows", "Transport", "own_counts"]
+__all__ = ["Exchange", "Pending", "Rows", "Transport", "own_counts", "send_starts"]
 
-#: What a rank sends in an exchange: ``pack(dest, out)`` writes the rows for rank ``dest`` into
-#: ``out`` (`[rows, record_bytes]` uint8, possibly another rank's memory).
-Rows = Callable[[int, torch.Tensor], None]
+#: What a rank sends in an exchange: ``pack(dest, first, out)`` writes the rows for rank ``dest`` into
+#: ``out`` (`[rows, record_bytes]` uint8, possibly another rank's memory); they are rows
+#: ``[first, first + rows)`` of the rank's send order (by destination rank, ``sent[rank]`` each).
+Rows = Callable[[int, int, torch.Tensor], None]
 
 
 class Pending(Protocol):
@@ -80,11 +81,12 @@ class Transport(abc.ABC):
         This implementation packs into a local buffer and runs ``all_to_all``."""
         me = self.rank
         send_counts, recv_counts = own_counts(sent, me, skip_self)
+        firsts = send_starts(sent, me)
         send_store, packed = self.workspace.take("send", sum(send_counts), record_bytes, device)
         begin = 0
         for dest, count in enumerate(send_counts):
             if count:
-                rows(dest, packed[begin:begin + count])
+                rows(dest, firsts[dest], packed[begin:begin + count])
             begin += count
         recv_store, received = self.workspace.take("recv", sum(recv_counts), record_bytes, device)
         pending = self.all_to_all(received, packed, recv_counts, send_counts, op=op, skip=skip)
@@ -93,6 +95,14 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Releases transport resources. Idempotent."""
+
+
+def send_starts(sent: Sequence[Sequence[int]], me: int) -> list[int]:
+    """Where each destination's rows start in rank ``me``'s send order (``sent[me]`` rows each)."""
+    starts = [0]
+    for count in sent[me]:
+        starts.append(starts[-1] + int(count))
+    return starts
 
 
 def own_counts(sent: Sequence[Sequence[int]], me: int, skip_self: bool) -> tuple[list[int], list[int]]:

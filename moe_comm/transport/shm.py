@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .._native import native
 from ..errors import CommTimeoutError, PeerExitedError
-from .base import Exchange, Pending, Rows, Transport, own_counts
+from .base import Exchange, Pending, Rows, Transport, own_counts, send_starts
 from .collective import CollectiveTransport
 from .shm_segment import DATA, META, META_CELL, NUM_SLOTS, Segment, SegmentLayout, segment_name, sweep_stale
 
@@ -299,6 +299,7 @@ class ShmTransport(Transport):
         local = [r for r in self.local if r not in skip]
         me = self.rank
         send_counts, recv_counts = own_counts(sent, me, skip_self)
+        firsts = send_starts(sent, me)
         # rows_to[i][j]: what actually travels from i to j
         rows_to = [[0 if skip_self and i == j else int(n) for j, n in enumerate(row)] for i, row in enumerate(sent)]
         need = max(sum(row[j] for row in rows_to) for j in range(self.num_ranks)) * record_bytes
@@ -311,7 +312,7 @@ class ShmTransport(Transport):
             begin = 0
             for dest in self.remote:
                 if send_counts[dest]:
-                    rows(dest, packed[begin:begin + send_counts[dest]])
+                    rows(dest, firsts[dest], packed[begin:begin + send_counts[dest]])
                 begin += send_counts[dest]
             remote = self._remote_exchange(packed, send_counts, recv_counts, op, skip)
         for dest in local:
@@ -322,8 +323,7 @@ class ShmTransport(Transport):
                 if not count:
                     return
                 out = segment.view(segment.layout.data_slot(slot) + offset, count * record_bytes)
-                out = out.view(count, record_bytes)
-                rows(dest, out)
+                rows(dest, firsts[dest], out.view(count, record_bytes))
 
             self._send(DATA, slot, seq, dest, write, op)
         segment = self._segments[self.local_index]
