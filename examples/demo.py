@@ -138,7 +138,7 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     per_rank = E // R
     buf = moe_comm.Buffer(group, num_rdma_bytes=moe_comm.Buffer.get_low_latency_rdma_size_hint(M, H, R, E),
                           low_latency_mode=True)
-    res: dict[str, Any] = {"ranks": R}
+    res: dict[str, Any] = {"ranks": R, "transport": buf.transport_name}
 
     # prefill: normal mode
     tokens_per_rank, _, tokens_per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
@@ -185,6 +185,7 @@ def report(res: dict[str, Any], cfg: dict[str, Any], launcher: str) -> None:
         return fn(n), fn(d)
 
     rows = [("ranks", (res["ranks"], res["ranks"]), ""),
+            ("transport", (res["transport"],) * 2, ""),
             ("tokens (total)", (res["ranks"] * cfg["tokens"], res["ranks"] * cfg["decode_tokens"]), "tokens"),
             ("hidden / ffn", (f"{cfg['hidden']}/{cfg['ffn']}",) * 2, ""),
             ("experts / top-k", (f"{cfg['experts']}/{cfg['topk']}",) * 2, ""),

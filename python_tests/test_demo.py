@@ -12,4 +12,5 @@ def test_demo_passes_both_modes():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "prefill (normal)" in run.stdout and "decode (low-latency)" in run.stdout
+    assert "transport" in run.stdout and "shm" in run.stdout  # the default for CPU ranks
     assert "\nPASS: calc_diff" in run.stdout, run.stdout
