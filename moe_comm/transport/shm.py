@@ -149,6 +149,12 @@ class _ShmExchange:
         native().flag_store(self._segment.flag(self._segment.layout.consumed(DATA, self._slot)), self._seq)
 
 
+def _require_cpu(op: str, device: torch.device) -> None:
+    if device.type != "cpu":
+        raise ValueError(f"{op}: the shm transport moves CPU tensors, got tensors on {device}; create the Buffer "
+                         f"with transport='collective' (or on a process group of the device's backend)")
+
+
 def _starts(counts: Sequence[int]) -> list[int]:
     starts = [0]
     for c in counts:
@@ -266,6 +272,7 @@ class ShmTransport(Transport):
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
                    output_splits: Sequence[int], input_splits: Sequence[int], *, op: str,
                    skip: frozenset[int] = frozenset()) -> Pending:
+        _require_cpu(op, input.device)
         seq, slot = self._next(META)
         local = [r for r in self.local if r not in skip]
         output_splits, input_splits = [int(n) for n in output_splits], [int(n) for n in input_splits]
@@ -295,6 +302,7 @@ class ShmTransport(Transport):
 
     def exchange(self, sent: Sequence[Sequence[int]], record_bytes: int, rows: Rows, *, op: str,
                  device: torch.device, skip_self: bool = False, skip: frozenset[int] = frozenset()) -> Exchange:
+        _require_cpu(op, device)
         seq, slot = self._next(DATA)
         local = [r for r in self.local if r not in skip]
         me = self.rank
