@@ -168,13 +168,20 @@ def killed_mid_run(group: dist.ProcessGroup, victim: int, stamp_dir: str) -> tup
     return "no exception", "", 0.0
 
 
-def plant_stale_segment(group: dist.ProcessGroup, dead_pid: int) -> bool:
-    """A segment named for a dead process disappears when a shm buffer is made."""
-    path = f"/dev/shm/{PREFIX}{dead_pid}_stale{dist.get_rank(group)}"
-    with open(path, "wb") as f:
-        f.write(b"\0" * 4096)
+def plant_stale_segment(group: dist.ProcessGroup, dead_pid: int) -> tuple[bool, bool]:
+    """Segments named for a dead process: an old one disappears when a shm buffer is made, a fresh
+    one (it could belong to another pid namespace's setup in progress) stays. Returns (old exists,
+    fresh exists) afterwards."""
+    old, fresh = (f"/dev/shm/{PREFIX}{dead_pid}_{kind}{dist.get_rank(group)}" for kind in ("old", "fresh"))
+    for path in (old, fresh):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    an_hour_ago = time.time() - 3600
+    os.utime(old, (an_hour_ago, an_hour_ago))
     moe_comm.Buffer(group, transport="shm", timeout_s=30)
-    return os.path.exists(path)
+    result = os.path.exists(old), os.path.exists(fresh)
+    os.unlink(fresh)
+    return result
 
 
 def masked_rank_survives(group: dist.ProcessGroup, victim: int, how: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import time
 from dataclasses import dataclass
 
 import torch
@@ -127,21 +128,31 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
+# A live segment keeps its name only while its ranks map it (seconds); an older one whose creator is
+# not a running process here was left by a crash. The age guards against a creator that runs in
+# another pid namespace sharing /dev/shm, whose pid looks dead from here.
+STALE_AFTER_S = 60.0
+
+
 def sweep_stale() -> list[str]:
-    """Unlinks moe-comm segments in /dev/shm whose creating process has exited; returns their names."""
+    """Unlinks moe-comm segments in /dev/shm older than STALE_AFTER_S whose creating process is not
+    running; returns their names."""
     removed = []
     try:
         names = os.listdir(_DIR)
     except OSError:
         return removed
+    now = time.time()
     for name in names:
         if not name.startswith(PREFIX):
             continue
         pid = name[len(PREFIX):].split("_", 1)[0]
-        if pid.isdigit() and not native().process_alive(int(pid)):
-            try:
-                os.unlink(os.path.join(_DIR, name))
-                removed.append(name)
-            except OSError:
-                pass
+        path = os.path.join(_DIR, name)
+        try:
+            if not pid.isdigit() or native().process_alive(int(pid)) or now - os.stat(path).st_mtime < STALE_AFTER_S:
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError:  # gone meanwhile, or not ours to remove
+            pass
     return removed
