@@ -1,8 +1,8 @@
 """``Buffer``: DeepEP v1's ``deep_ep.Buffer`` API on any ``torch.distributed`` group and device.
 
 The facade checks arguments and shapes results into DeepEP's tuples; normal-mode work happens in
-``normal.py``, low-latency work in ``low_latency.py``, and bytes move through a transport
-(``moe_comm.transport``).
+``normal.py``, low-latency work in ``low_latency.py`` (its methods are in ``buffer_low_latency.py``),
+and bytes move through a transport (``moe_comm.transport``).
 """
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import torch
 import torch.distributed as dist
 
 from . import env, transport as transports
-from .checks import check_bools, check_int, check_tensor, describe
+from .checks import check_bools, check_int, describe
 from .config import Config
 from .configs import combine_config, dispatch_config
 from .errors import bad_argument
 from .event import EventHandle, EventOverlap
-from .handle import LowLatencyHandle, NormalHandle
-from .ll_args import (check_ll_combine, check_ll_counts, check_ll_dispatch, check_ll_sizes, check_rdma_bytes,
-                      low_latency_buffer_bytes)
+from .handle import NormalHandle
+from .ll_args import low_latency_buffer_bytes
+from .buffer_low_latency import LowLatencyAPI, XType
 from .low_latency import LowLatencyMode
 from .normal import NormalMode
 from .normal_args import (TOPK_IDX_T, check_combine_args, check_dispatch_routing, check_num_experts, check_topk_idx,
@@ -28,14 +28,12 @@ from .ops import dispatch_layout
 
 __all__ = ["Buffer"]
 
-XType = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
-
 # NOTES: DeepEP's size hints cover every expert's worst case (GBs at DeepSeek shapes); the shm
 # transport's compact layout needs far less, so it preallocates at most this and grows on demand.
 _PREALLOCATE_MAX = 512 << 20
 
 
-class Buffer:
+class Buffer(LowLatencyAPI):
     """The expert-parallel communication buffer of one group (DeepEP v1 ``Buffer``).
 
     Construction is collective: every rank of ``group`` must build its ``Buffer`` (buffers on one
@@ -294,168 +292,6 @@ class Buffer:
         out, out_weights, finish = self._normal.combine(x, parsed, topk_weights, bias0, bias1)
         event = self._end(finish, async_finish, (x, topk_weights, bias0, bias1, out, out_weights))
         return out, out_weights, event
-
-    # ------------------------------------------------------------------ low-latency mode
-    def _low_latency_ready(self, op: str) -> None:
-        self._alive(op)
-        if not self.low_latency_mode:
-            raise RuntimeError(f"{op}: needs a Buffer created with low_latency_mode=True (as DeepEP requires)")
-
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """DeepEP's reset of both low-latency buffers. Collective: a barrier with the deadline.
-        Finishes async results still pending; raises if a recv hook has not been called yet."""
-        op = "clean_low_latency_buffer"
-        self._low_latency_ready(op)
-        check_ll_sizes(op, num_max_dispatch_tokens_per_rank, hidden, num_experts, self.group_size, self.num_rdma_bytes)
-        self._low_latency.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, self.runtime.device)
-
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
-                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False
-                             ) -> tuple[XType, torch.Tensor, tuple, EventOverlap, Optional[Callable[[], None]]]:
-        """Sends one message per (token, selected expert) into fixed-shape per-expert blocks. Collective.
-
-        Args:
-            x: `[T, H]` bf16, T <= M = ``num_max_dispatch_tokens_per_rank`` (the same M on every rank),
-                H any multiple of 128 (of 512 with ``use_ue8m0``).
-            topk_idx: `[T, K]` int64 expert ids or -1, K <= ``num_experts``, no expert twice in a row.
-            cumulative_local_expert_recv_stats: optional `[E_loc]` int32, increased by ``recv_count``.
-            dispatch_wait_recv_cost_stats: optional `[R]` int64, increased per source rank by the
-                nanoseconds this rank waited to receive (DeepEP counts GPU cycles; the collective
-                transport hears from all sources at once, so every entry grows by the same wait).
-            use_fp8: cast to FP8 E4M3 with one scale per 128 channels (``moe_comm.ops.per_token_cast_to_fp8``);
-                ``round_scale``: power-of-two scales; ``use_ue8m0``: packed UE8M0 scales (needs round_scale).
-            async_finish: the receive runs in ``event.current_stream_wait()``.
-            return_recv_hook: the call only sends; ``hook()`` receives and fills the outputs (once).
-        Returns:
-            ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` `[E_loc, R * M, H]` bf16, or
-            ``(float8_e4m3fn [E_loc, R * M, H], scales)`` with scales float32 `[E_loc, R * M, H / 128]` or
-            int32 `[E_loc, R * M, H / 512]`, viewed column-major (token stride 1) as DeepEP returns them;
-            ``recv_count`` `[E_loc]` int32 valid rows per local expert; ``handle`` DeepEP's
-            ``(src_info [E_loc, R * M] int32, layout_range [E_loc, R] int64 (begin << 32 | count), M, H,
-            num_experts)``. Rows of expert e come in blocks by source rank ascending, then source
-            token ascending; rows past ``recv_count[e]`` are 0 (``src_info`` -1).
-        """
-        op = "low_latency_dispatch"
-        self._low_latency_ready(op)
-        check_bools(op, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
-                    return_recv_hook=return_recv_hook)
-        self._no_async_with_hook(op, async_finish, return_recv_hook)
-        check_ll_counts(op, num_max_dispatch_tokens_per_rank, num_experts, self.group_size)
-        args = check_ll_dispatch(op, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, self.group_size,
-                                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                 round_scale, use_ue8m0)
-        check_rdma_bytes(op, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, self.group_size,
-                         self.num_rdma_bytes)
-        result = self._low_latency.dispatch(args.x, args.topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                            args.fp8_format, cumulative_local_expert_recv_stats,
-                                            dispatch_wait_recv_cost_stats, return_recv_hook)
-        recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
-        outputs = (result.recv_x, result.recv_scales, result.recv_count) + result.handle.as_tuple()[:2]
-        event, hook = self._ll_end(result.receive, async_finish, return_recv_hook, (args.x, args.topk_idx) + outputs)
-        return recv_x, result.recv_count, result.handle.as_tuple(), event, hook
-
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
-                            async_finish: bool = False, return_recv_hook: bool = False,
-                            out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None
-                            ) -> tuple[torch.Tensor, EventOverlap, Optional[Callable[[], None]]]:
-        """Returns expert outputs to their source ranks and reduces them, weighted. Collective.
-
-        Args:
-            x: `[E_loc, R * M, H]` bf16 expert outputs in the dispatch layout (rows past
-                ``recv_count`` are ignored). With ``zero_copy=True`` the rows are read from the buffer
-                ``get_next_low_latency_combine_buffer(handle)`` returned just before instead.
-            topk_idx, topk_weights: this rank's `[T, K]` routing from the dispatch, int64 / float32.
-            handle: from ``low_latency_dispatch``.
-            use_logfmt: not supported (raises NotImplementedError).
-            out: optional `[T, H]` bf16 contiguous output.
-            combine_wait_recv_cost_stats: like ``dispatch_wait_recv_cost_stats``.
-        Returns:
-            ``(combined_x, event, hook)``: ``combined_x[t] = bf16(sum over k ascending with topk_idx[t, k]
-            >= 0 of topk_weights[t, k] * y(t, k))``, fp32 multiply and add: bitwise reproducible.
-        """
-        op = "low_latency_combine"
-        self._low_latency_ready(op)
-        check_bools(op, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
-                    return_recv_hook=return_recv_hook)
-        if use_logfmt:
-            raise NotImplementedError(f"{op}: use_logfmt=True (DeepEP's 10-bit LogFMT combine) is not implemented; "
-                                      f"pass use_logfmt=False (BF16 combine)")
-        self._no_async_with_hook(op, async_finish, return_recv_hook)
-        x, topk_idx, topk_weights, parsed = check_ll_combine(op, x, topk_idx, topk_weights, handle, self.group_size,
-                                                             out, combine_wait_recv_cost_stats)
-        check_rdma_bytes(op, parsed.num_max_dispatch_tokens_per_rank, parsed.hidden, parsed.num_experts,
-                         self.group_size, self.num_rdma_bytes)
-        combined, receive = self._low_latency.combine(x, topk_idx, topk_weights, parsed, zero_copy, out,
-                                                      combine_wait_recv_cost_stats, return_recv_hook)
-        event, hook = self._ll_end(receive, async_finish, return_recv_hook, (x, topk_idx, topk_weights, combined))
-        return combined, event, hook
-
-    def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
-        """The bf16 `[E_loc, R * M, H]` buffer that a following ``low_latency_combine(...,
-        zero_copy=True)`` reads: write the expert outputs into it, then combine, with no other
-        low-latency call in between."""
-        op = "get_next_low_latency_combine_buffer"
-        self._low_latency_ready(op)
-        src_info = handle[0] if isinstance(handle, (tuple, list)) and handle else None
-        device = src_info.device if isinstance(src_info, torch.Tensor) else torch.device("cpu")
-        parsed = LowLatencyHandle.from_tuple(op, handle, self.group_size, device)
-        return self._low_latency.next_combine_buffer(parsed, device)
-
-    # ------------------------------------------------------------------ fault tolerance (enable_shrink)
-    def _shrink_ready(self, op: str) -> None:
-        self._low_latency_ready(op)
-        if not self.enable_shrink:
-            raise RuntimeError(f"{op}: needs a Buffer created with enable_shrink=True (as DeepEP requires)")
-
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Masks (``mask=True``) or unmasks a rank for this rank's low-latency calls: a masked rank is
-        neither sent to nor waited for, and its experts' top-k entries count as -1 (so they add
-        nothing to a combine). Local; every surviving rank should apply the same mask. Ranks whose
-        process has exited are masked automatically at the start of each low-latency call."""
-        op = "low_latency_update_mask_buffer"
-        self._shrink_ready(op)
-        check_int(op, "rank_to_mask", rank_to_mask, minimum=0)
-        if rank_to_mask >= self.group_size:
-            bad_argument(op, "rank_to_mask", f"a rank in [0, {self.group_size})", rank_to_mask)
-        check_bools(op, mask=mask)
-        if rank_to_mask == self.rank and mask:
-            bad_argument(op, "rank_to_mask", f"another rank than this one ({self.rank})", rank_to_mask)
-        (self._low_latency.masked.add if mask else self._low_latency.masked.discard)(rank_to_mask)
-
-    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Writes 1 for masked ranks and 0 for the others into ``mask_status`` (`[num_ranks]` int32)."""
-        op = "low_latency_query_mask_buffer"
-        self._shrink_ready(op)
-        check_tensor(op, "mask_status", mask_status, shape=(self.group_size,), dtype=torch.int32)
-        status = torch.zeros(self.group_size, dtype=torch.int32)
-        status[sorted(self._low_latency.masked)] = 1
-        mask_status.copy_(status)
-
-    def low_latency_clean_mask_buffer(self) -> None:
-        """Unmasks every rank."""
-        self._shrink_ready("low_latency_clean_mask_buffer")
-        self._low_latency.masked.clear()
-
-    @staticmethod
-    def _no_async_with_hook(op: str, async_finish: bool, return_recv_hook: bool) -> None:
-        if async_finish and return_recv_hook:
-            bad_argument(op, "async_finish and return_recv_hook", "not both True (as DeepEP asserts)",
-                         "both True")
-
-    @staticmethod
-    def _ll_end(receive: Any, async_finish: bool, return_recv_hook: bool,
-                extra: tuple) -> tuple[EventOverlap, Optional[Callable[[], None]]]:
-        if return_recv_hook:
-            return EventOverlap(), receive
-        if async_finish:
-            return EventOverlap(EventHandle(receive.complete), extra), None
-        receive()
-        return EventOverlap(), None
 
     def _config(self, op: str, config: Any, default: Callable[[int], Config]) -> Config:
         if config is None:
