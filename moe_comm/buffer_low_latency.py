@@ -61,8 +61,8 @@ class LowLatencyAPI:
             topk_idx: `[T, K]` int64 expert ids or -1, K <= ``num_experts``, no expert twice in a row.
             cumulative_local_expert_recv_stats: optional `[E_loc]` int32, increased by ``recv_count``.
             dispatch_wait_recv_cost_stats: optional `[R]` int64, increased per source rank by the
-                nanoseconds this rank waited to receive (DeepEP counts GPU cycles; the collective
-                transport hears from all sources at once, so every entry grows by the same wait).
+                nanoseconds this rank waited to receive (DeepEP counts GPU cycles; moe-comm's transports
+                wait for all sources at once, so every entry grows by the same wait).
             use_fp8: cast to FP8 E4M3 with one scale per 128 channels (``moe_comm.ops.per_token_cast_to_fp8``);
                 ``round_scale``: power-of-two scales; ``use_ue8m0``: packed UE8M0 scales (needs round_scale).
             async_finish: the receive runs in ``event.current_stream_wait()``.

@@ -1,6 +1,6 @@
 """``Config``: DeepEP's performance-tuning knobs, with the same constructor, invariants and size hints.
 
-On the collective transport the chunk sizes do not change results or speed; they are kept so that
+On moe-comm's transports the chunk sizes do not change results or speed; they are kept so that
 code written for DeepEP runs unchanged, and ``num_sms // 2`` still sets the channel count recorded
 in dispatch handles.
 """
@@ -70,7 +70,8 @@ class Config:
         """Bytes DeepEP's intranode buffer needs for ``hidden_bytes`` per token (``hidden * max(elem, 2)``).
 
         Same formula as DeepEP; rank counts above 8 that are not multiples of 8 round the node count up
-        instead of failing. moe-comm's collective transport allocates per call and ignores this size.
+        instead of failing. moe-comm does not use this size itself (a Buffer's ``num_nvl_bytes`` sizes
+        the shm transport's slots).
         """
         num_rdma_ranks = max(-(-num_ranks // NUM_MAX_NVL_PEERS) if num_ranks > NUM_MAX_NVL_PEERS else 1, 1)
         num_nvl_ranks = min(num_ranks, NUM_MAX_NVL_PEERS)
