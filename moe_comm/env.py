@@ -1,20 +1,23 @@
 """Every environment variable moe-comm reads, in one place. The library never writes any; only
-``moe_comm.launch.LocalWorld`` sets MOE_COMM_NUM_THREADS in the worker processes it starts.
+``moe_comm.launch.LocalWorld`` sets MOE_COMM_NUM_THREADS (and what its ``env`` argument names) in
+the worker processes it starts.
 
-MOE_COMM_TRANSPORT   transport for ``Buffer(transport="auto")``: ``collective`` (default) or a
-                     name listed by ``moe_comm.transport.available()``.
+MOE_COMM_TRANSPORT   transport for ``Buffer(transport="auto")``: a name listed by
+                     ``moe_comm.transport.available()`` (unset: ``shm`` on gloo, else ``collective``).
 MOE_COMM_TIMEOUT_S   deadline in seconds for every wait (default 300); ``Buffer(timeout_s=...)``
                      overrides it.
 MOE_COMM_NUM_THREADS threads the CPU kernels of ``moe_comm._C`` may use (default: all cores).
 MOE_COMM_POOL_BYTES  idle bytes the CPU output pool (``moe_comm.alloc.empty``) may keep (default 2 GiB;
                      0 disables recycling).
+LOCAL_WORLD_SIZE     (set by torchrun) ranks per node: the ``shm`` transport groups global ranks
+                     ``r // LOCAL_WORLD_SIZE`` as one node.
 """
 from __future__ import annotations
 
 import os
 from typing import Optional
 
-__all__ = ["transport", "timeout_s", "num_threads", "pool_bytes"]
+__all__ = ["transport", "timeout_s", "num_threads", "pool_bytes", "local_world_size"]
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_POOL_BYTES = 2 << 30
@@ -56,3 +59,9 @@ def pool_bytes() -> int:
     if not value.strip().isdigit():
         raise ValueError(f"environment variable MOE_COMM_POOL_BYTES must be a non-negative int, got {value!r}")
     return int(value)
+
+
+def local_world_size() -> Optional[int]:
+    """Ranks per node from ``LOCAL_WORLD_SIZE`` (torchrun's), or None when unset or not a positive int."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None

@@ -369,3 +369,40 @@ def test_env_transport(monkeypatch):
     assert env.transport() is None
     monkeypatch.setenv("MOE_COMM_TRANSPORT", " collective ")
     assert env.transport() == "collective"
+
+
+def test_env_pool_bytes_and_local_world_size(monkeypatch):
+    monkeypatch.delenv("MOE_COMM_POOL_BYTES", raising=False)
+    assert env.pool_bytes() == 2 << 30
+    monkeypatch.setenv("MOE_COMM_POOL_BYTES", "0")
+    assert env.pool_bytes() == 0
+    monkeypatch.setenv("MOE_COMM_POOL_BYTES", "-1")
+    with pytest.raises(ValueError, match=re.escape("MOE_COMM_POOL_BYTES must be a non-negative int, got '-1'")):
+        env.pool_bytes()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert env.local_world_size() is None
+    for value, want in (("4", 4), ("0", None), ("x", None), (" 2 ", 2)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+        assert env.local_world_size() == want
+
+
+def test_output_pool_recycles_blocks_once_tensors_die():
+    import gc
+
+    import torch
+
+    from moe_comm.alloc import empty, pool_stats
+    first = empty((1024, 1024), torch.float32, torch.device("cpu"))  # 4 MiB: pooled
+    address = first.data_ptr()
+    view = first[10:20]
+    del first
+    gc.collect()
+    second = empty((1024, 1024), torch.float32, torch.device("cpu"))
+    assert second.data_ptr() != address  # the view still holds the block
+    del view, second
+    gc.collect()
+    before = pool_stats()["hits"]
+    third = empty((1000, 1024), torch.float32, torch.device("cpu"))  # same 2 MiB size class
+    assert pool_stats()["hits"] == before + 1 and third.shape == (1000, 1024)
+    small = empty((10,), torch.float32, torch.device("cpu"))  # below 1 MiB: a plain torch tensor
+    assert small.numel() == 10

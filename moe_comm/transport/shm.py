@@ -17,12 +17,12 @@ sees one block per source rank either way.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .. import env
 from .._native import native
 from ..errors import CommTimeoutError, PeerExitedError
 from .base import Exchange, Pending, Rows, Transport, own_counts, send_starts
@@ -39,10 +39,10 @@ def node_ranks(group: dist.ProcessGroup, hosts: Sequence[int]) -> list[list[int]
     """The group's ranks split into nodes: same host and, when ``LOCAL_WORLD_SIZE`` is set on the
     default group, the same ``rank // LOCAL_WORLD_SIZE`` (torchrun's node blocks; setting it below
     the world size makes one host act as several)."""
-    local_size = os.environ.get("LOCAL_WORLD_SIZE", "")
+    local_size = env.local_world_size()
     blocks = [0] * len(hosts)
-    if local_size.isdigit() and int(local_size) > 0 and dist.get_world_size(group) == dist.get_world_size():
-        blocks = [dist.get_global_rank(group, r) // int(local_size) for r in range(len(hosts))]
+    if local_size and dist.get_world_size(group) == dist.get_world_size():
+        blocks = [dist.get_global_rank(group, r) // local_size for r in range(len(hosts))]
     nodes: dict[tuple[int, int], list[int]] = {}
     for r, key in enumerate(zip(hosts, blocks)):
         nodes.setdefault(key, []).append(r)
