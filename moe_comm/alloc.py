@@ -75,7 +75,8 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     block = _POOL.take(nbytes)
     view = block[:nbytes]
     # The tensor's storage holds `view`; when the storage dies, so does `view`, and the block returns.
-    weakref.finalize(view, _POOL.give_back, block)
+    # Not at interpreter exit: nothing will take it then.
+    weakref.finalize(view, _POOL.give_back, block).atexit = False
     return torch.from_numpy(view).view(dtype).view(shape)
 
 
