@@ -112,3 +112,14 @@ def test_flags_wait_outcomes():
     start = time.monotonic()
     assert native().flags_wait([a, b], [5, 1], [0, dead.pid], 30.0, True) == (1, 2)
     assert time.monotonic() - start < 1.0  # noticed at the first 20 ms check, not at the deadline
+
+
+def test_segment_that_does_not_fit_is_a_clear_error_and_leaves_nothing():
+    from moe_comm.transport.shm_segment import Segment, SegmentLayout, segment_name
+    free = os.statvfs("/dev/shm")
+    too_big = free.f_bavail * free.f_frsize + (1 << 30)
+    name = segment_name()
+    with pytest.raises(RuntimeError, match=r"shm transport: cannot reserve \d+ bytes in /dev/shm .*"
+                                           r"transport='collective'"):
+        Segment.create(name, SegmentLayout(2, too_big))
+    assert not os.path.exists(f"/dev/shm/{name}")
