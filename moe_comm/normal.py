@@ -20,6 +20,7 @@ from .handle import NormalHandle
 from .handshake import dtype_code, handshake
 from .ops import DispatchLayout, RecordLayout, combine_reduce, gather_rows, pack_rows, unpack_rows
 from .transport import Transport
+from .transport.base import prefix_sums
 
 __all__ = ["NormalMode", "DispatchResult", "SendPlan", "plan_sends"]
 
@@ -280,8 +281,7 @@ class NormalMode:
         complete = self._exchange("combine", records_layout, payload, rows, shake.matrix, device, skip_self=direct)
         send_pos = handle.send_head
         if direct:
-            send_starts = [sum(expected[:r]) for r in range(self.num_ranks)]
-            starts = torch.tensor(send_starts, dtype=torch.int32, device=device)
+            starts = torch.tensor(prefix_sums(expected)[:-1], dtype=torch.int32, device=device)
             send_pos = torch.where(send_pos >= 0, send_pos - starts, -1).to(torch.int32)
             own_begin = sum(return_counts[:me])
             own = x[own_begin:own_begin + return_counts[me]].view(torch.uint8)  # a row is a record

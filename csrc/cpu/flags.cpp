@@ -74,15 +74,7 @@ int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t*
     *reason = 0;
     int64_t missing = 0;
     int state = 0;
-    for (int spin = 0; spin < kSpins; ++spin) {
-        if ((state = reached(flags, targets, n, exact, &missing)) != 0) break;
-        cpu_relax();
-    }
-    if (state == 1) return -1;
-    if (state == -1) {
-        *reason = 3;
-        return missing;
-    }
+    int spins = 0;
     const auto start = std::chrono::steady_clock::now();
     const auto deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                       std::chrono::duration<double>(timeout_s));
@@ -93,6 +85,11 @@ int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t*
         if (state == -1) {
             *reason = 3;
             return missing;
+        }
+        if (spins < kSpins) {
+            ++spins;
+            cpu_relax();
+            continue;
         }
         const auto now = std::chrono::steady_clock::now();
         if (now >= next_check) {

@@ -47,6 +47,4 @@ def create(name: str, group: dist.ProcessGroup, timeout_s: float, buffer_bytes: 
     """Builds transport ``name`` (as returned by ``resolve``) for ``group``. Collective.
     ``buffer_bytes``: the size of this rank's communication buffer (both slots), for transports that
     preallocate one."""
-    if name == ShmTransport.name:
-        return ShmTransport(group, timeout_s, buffer_bytes // 2)
-    return _TRANSPORTS[name](group, timeout_s)
+    return _TRANSPORTS[name](group, timeout_s, buffer_bytes)

@@ -12,7 +12,7 @@ import torch
 
 from ..workspace import Workspace
 
-__all__ = ["Exchange", "Pending", "Rows", "Transport", "own_counts", "send_starts"]
+__all__ = ["Exchange", "Pending", "Rows", "Transport", "own_counts", "prefix_sums"]
 
 #: What a rank sends in an exchange: ``pack(dest, first, out)`` writes the rows for rank ``dest`` into
 #: ``out`` (`[rows, record_bytes]` uint8, possibly another rank's memory); they are rows
@@ -81,7 +81,7 @@ class Transport(abc.ABC):
         This implementation packs into a local buffer and runs ``all_to_all``."""
         me = self.rank
         send_counts, recv_counts = own_counts(sent, me, skip_self)
-        firsts = send_starts(sent, me)
+        firsts = prefix_sums(sent[me])
         send_store, packed = self.workspace.take("send", sum(send_counts), record_bytes, device)
         begin = 0
         for dest, count in enumerate(send_counts):
@@ -97,10 +97,11 @@ class Transport(abc.ABC):
         """Releases transport resources. Idempotent."""
 
 
-def send_starts(sent: Sequence[Sequence[int]], me: int) -> list[int]:
-    """Where each destination's rows start in rank ``me``'s send order (``sent[me]`` rows each)."""
+def prefix_sums(counts: Sequence[int]) -> list[int]:
+    """``[0, c0, c0 + c1, ...]``: where each block of rows starts when blocks of ``counts`` rows
+    follow one another (one more entry than ``counts``: the total)."""
     starts = [0]
-    for count in sent[me]:
+    for count in counts:
         starts.append(starts[-1] + int(count))
     return starts
 

@@ -15,6 +15,7 @@ import collections
 import datetime
 import os
 import socket
+import time
 import zlib
 from typing import Optional, Sequence
 
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommTimeoutError, CrossRankMismatchError
-from .base import Pending, Transport
+from .base import Pending, Transport, prefix_sums
 
 __all__ = ["CollectiveTransport"]
 
@@ -73,9 +74,10 @@ class _CollectivePending:
     def wait(self) -> None:
         works, self._works = self._works, []
         transport = self._transport
+        deadline = time.monotonic() + transport.timeout_s  # one deadline for all of the exchange's works
         for work in works:
             try:
-                work.wait(timeout=datetime.timedelta(seconds=transport.timeout_s))
+                work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             except RuntimeError as exc:
                 transport.raise_failure(self._op, exc)
 
@@ -85,9 +87,10 @@ class CollectiveTransport(Transport):
 
     name = "collective"
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, buffer_bytes: int = 0) -> None:
         """Collective over ``group``: every rank of the group must construct it, in the same order
-        as any other transport on the group (the n-th construction on each rank pairs up)."""
+        as any other transport on the group (the n-th construction on each rank pairs up).
+        ``buffer_bytes`` is unused: buffers are allocated per exchange."""
         super().__init__()
         self.group = group
         self.rank = dist.get_rank(group)
@@ -154,10 +157,7 @@ class CollectiveTransport(Transport):
                         input_splits: Sequence[int], skip: frozenset[int]) -> list[dist.Work]:
         """The all-to-all as sends and receives between the ranks not in ``skip`` (a collective
         would wait for them). Blocks of skipped ranks stay as they are."""
-        out_at, in_at = [0], [0]
-        for o, i in zip(output_splits, input_splits):
-            out_at.append(out_at[-1] + int(o))
-            in_at.append(in_at[-1] + int(i))
+        out_at, in_at = prefix_sums(output_splits), prefix_sums(input_splits)
         works = []
         for peer in range(self.num_ranks):
             if peer in skip:

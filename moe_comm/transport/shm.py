@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .. import env
 from .._native import native
 from ..errors import CommTimeoutError, PeerExitedError
-from .base import Exchange, Pending, Rows, Transport, own_counts, send_starts
+from .base import Exchange, Pending, Rows, Transport, own_counts, prefix_sums
 from .collective import CollectiveTransport
 from .shm_segment import DATA, META, META_CELL, NUM_SLOTS, Segment, SegmentLayout, segment_name, sweep_stale
 
@@ -96,7 +96,7 @@ class _MetaPending:
         t.waiter.until([me.flag(layout.arrived(META, self._slot, t.local.index(r))) for r in self._sources],
                        [self._seq] * len(self._sources), self._sources, self._op, exact=True)
         out = self._output.view(torch.uint8).view(self._output.shape[0], -1) if self._output.numel() else None
-        starts = _starts(self._splits)
+        starts = prefix_sums(self._splits)
         for src in self._sources:
             i = t.local.index(src)
             rows = self._splits[src]
@@ -107,7 +107,7 @@ class _MetaPending:
         if self._remote is not None:
             pending, received, sources = self._remote
             pending.wait()
-            _scatter_blocks(received, out, sources, self._splits, starts)
+            _scatter_blocks(received, out, sources, self._splits)
 
 
 class _ShmExchange:
@@ -129,7 +129,7 @@ class _ShmExchange:
             if self._remote is not None:
                 pending, received, sources = self._remote
                 pending.wait()
-                _scatter_blocks(received, self._received, sources, self._recv_counts, _starts(self._recv_counts))
+                _scatter_blocks(received, self._received, sources, self._recv_counts)
             self._arrived = True
         return self._received
 
@@ -155,17 +155,10 @@ def _require_cpu(op: str, device: torch.device) -> None:
                          f"with transport='collective' (or on a process group of the device's backend)")
 
 
-def _starts(counts: Sequence[int]) -> list[int]:
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + int(c))
-    return starts
-
-
-def _scatter_blocks(received: torch.Tensor, out: torch.Tensor, sources: list[int], counts: Sequence[int],
-                    starts: list[int]) -> None:
-    """Copies the collective transport's blocks (sources in rank order, packed) to their rows of out."""
-    begin = 0
+def _scatter_blocks(received: torch.Tensor, out: torch.Tensor, sources: list[int], counts: Sequence[int]) -> None:
+    """Copies the collective transport's blocks (sources in rank order, packed) to their rows of out
+    (``counts[r]`` rows from each rank r, in rank order)."""
+    starts, begin = prefix_sums(counts), 0
     for src in sources:
         rows = int(counts[src])
         if rows:
@@ -178,9 +171,9 @@ class ShmTransport(Transport):
 
     name = "shm"
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float, capacity: int = 0) -> None:
-        """Maps one segment per host rank with data slots of ``capacity`` bytes (grown on demand).
-        Collective over ``group``; CPU tensors only."""
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, buffer_bytes: int = 0) -> None:
+        """Maps one segment per host rank whose two data slots share ``buffer_bytes`` (at least
+        1 MiB each; grown on demand). Collective over ``group``; CPU tensors only."""
         super().__init__()
         self._coll = CollectiveTransport(group, timeout_s)
         self.rank, self.num_ranks, self.timeout_s = self._coll.rank, self._coll.num_ranks, timeout_s
@@ -193,7 +186,8 @@ class ShmTransport(Transport):
         self._seq = [0, 0]
         self._held: dict[tuple[int, int], object] = {}
         self._segments: list[Segment] = []
-        self._map(max(_MIN_CAPACITY, -(-capacity // _MIN_CAPACITY) * _MIN_CAPACITY), [1, 1])
+        slot_bytes = buffer_bytes // NUM_SLOTS
+        self._map(max(_MIN_CAPACITY, -(-slot_bytes // _MIN_CAPACITY) * _MIN_CAPACITY), [1, 1])
 
     # ------------------------------------------------------------------ segments
     def _map(self, capacity: int, next_seq: list[int]) -> None:
@@ -278,7 +272,7 @@ class ShmTransport(Transport):
         output_splits, input_splits = [int(n) for n in output_splits], [int(n) for n in input_splits]
         row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
         data = input.contiguous().view(torch.uint8).view(input.shape[0], -1) if input.numel() else input
-        starts = _starts(input_splits)
+        starts = prefix_sums(input_splits)
         remote = None
         if self.remote:
             keep = torch.cat([data[starts[r]:starts[r + 1]] if r not in skip else data[:0] for r in self.remote]) \
@@ -307,7 +301,7 @@ class ShmTransport(Transport):
         local = [r for r in self.local if r not in skip]
         me = self.rank
         send_counts, recv_counts = own_counts(sent, me, skip_self)
-        firsts = send_starts(sent, me)
+        firsts = prefix_sums(sent[me])
         # rows_to[i][j]: what actually travels from i to j
         rows_to = [[0 if skip_self and i == j else int(n) for j, n in enumerate(row)] for i, row in enumerate(sent)]
         need = max(sum(row[j] for row in rows_to) for j in range(self.num_ranks)) * record_bytes
