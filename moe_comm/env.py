@@ -9,6 +9,10 @@ MOE_COMM_TIMEOUT_S   deadline in seconds for every wait (default 300); ``Buffer(
 MOE_COMM_NUM_THREADS threads the CPU kernels of ``moe_comm._C`` may use (default: all cores).
 MOE_COMM_POOL_BYTES  idle bytes the CPU output pool (``moe_comm.alloc.empty``) may keep (default 2 GiB;
                      0 disables recycling).
+MOE_COMM_OPS_BACKEND backend of the ops in ``moe_comm.ops`` when a call passes none: ``native`` or
+                     ``triton`` (unset: ``native`` on CPU tensors, ``triton`` elsewhere when it imports).
+TRITON_INTERPRET     (Triton's own) ``1`` runs Triton kernels in its CPU interpreter; read by Triton when
+                     a kernel module is imported, and by ``moe_comm.ops.backend`` to allow CPU tensors.
 LOCAL_WORLD_SIZE     (set by torchrun) ranks per node: the ``shm`` transport groups global ranks
                      ``r // LOCAL_WORLD_SIZE`` as one node.
 """
@@ -17,7 +21,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-__all__ = ["transport", "timeout_s", "num_threads", "pool_bytes", "local_world_size"]
+__all__ = ["transport", "timeout_s", "num_threads", "pool_bytes", "local_world_size", "ops_backend",
+           "triton_interpret"]
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_POOL_BYTES = 2 << 30
@@ -65,3 +70,14 @@ def local_world_size() -> Optional[int]:
     """Ranks per node from ``LOCAL_WORLD_SIZE`` (torchrun's), or None when unset or not a positive int."""
     value = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def ops_backend() -> Optional[str]:
+    """The ops backend named by ``MOE_COMM_OPS_BACKEND``, or None when unset or empty."""
+    value = os.environ.get("MOE_COMM_OPS_BACKEND", "").strip()
+    return value or None
+
+
+def triton_interpret() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks Triton for its CPU interpreter (Triton's own truthy spellings)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")

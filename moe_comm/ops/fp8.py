@@ -19,17 +19,21 @@ __all__ = ["GROUP", "FP8_DTYPE", "per_token_cast_to_fp8", "per_token_cast_back",
 
 GROUP = 128
 FP8_DTYPE = torch.float8_e4m3fn
-_FP8_MAX = torch.tensor(448.0, dtype=torch.float32)
-# NOTES: the kernel's constant is the fp32 quotient 1 / 448.0f; computing it in fp32 here keeps it
-# bit-identical (a Python float would be the double quotient, rounded once more).
-_FP8_MAX_INV = torch.tensor(1.0, dtype=torch.float32) / _FP8_MAX
 _AMAX_FLOOR = torch.tensor(1e-4, dtype=torch.float32)
 _MANTISSA = (1 << 23) - 1
 
 
-def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0: bool = False
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Casts ``x`` `[T, H]` (bf16, fp16 or fp32; H a multiple of 128) to FP8 E4M3.
+def _fp8_max(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, 1 / max) in fp32. The kernel's constant is the fp32 quotient 1 / 448.0f; computing it in
+    fp32 keeps it bit-identical (a Python float would be the double quotient, rounded once more)."""
+    q_max = torch.tensor(torch.finfo(dtype).max, dtype=torch.float32)
+    return q_max, torch.tensor(1.0, dtype=torch.float32) / q_max
+
+
+def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0: bool = False,
+                          dtype: torch.dtype = FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Casts ``x`` `[T, H]` (bf16, fp16 or fp32; H a multiple of 128) to FP8 ``dtype`` (E4M3 by default,
+    max 448; E5M2 has max 57344 in place of 448).
 
     Returns:
         ``(x_fp8 [T, H] float8_e4m3fn, scales)``: scales are float32 `[T, H / 128]` (``x ~ x_fp8 * scale``
@@ -44,16 +48,17 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0:
     num_tokens, hidden = x.shape
     groups = x.to(torch.float32).reshape(num_tokens, hidden // GROUP, GROUP)
     device = x.device
+    q_max, q_max_inv = _fp8_max(dtype)
     amax = torch.maximum(groups.abs().amax(dim=2), _AMAX_FLOOR.to(device))
     if round_scale:
-        bits = (amax * _FP8_MAX_INV.to(device)).view(torch.int32)
+        bits = (amax * q_max_inv.to(device)).view(torch.int32)
         exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & _MANTISSA) != 0).to(torch.int32)
         scale = ((127 - exponent) << 23).view(torch.float32)
         scale_inv = ((127 + exponent) << 23).view(torch.float32)
     else:
-        scale = _FP8_MAX.to(device) / amax
-        scale_inv = amax * _FP8_MAX_INV.to(device)
-    x_fp8 = (groups * scale.unsqueeze(2)).to(FP8_DTYPE).view(num_tokens, hidden)
+        scale = q_max.to(device) / amax
+        scale_inv = amax * q_max_inv.to(device)
+    x_fp8 = (groups * scale.unsqueeze(2)).to(dtype).view(num_tokens, hidden)
     if use_ue8m0:
         exponent_bytes = (scale_inv.view(torch.int32) >> 23).to(torch.uint8)
         return x_fp8, exponent_bytes.view(torch.int32)

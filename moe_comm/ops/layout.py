@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from .._native import cpu_threads, native
+from .backend import kernels, next_pow2, resolve
 
 __all__ = ["DispatchLayout", "dispatch_layout", "dispatch_layout_reference"]
+
+_BLOCK_T = 128
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,8 @@ class DispatchLayout:
         assert self.is_token_in_rank.dtype == torch.bool
 
 
-def dispatch_layout(topk_idx: torch.Tensor, num_ranks: int, num_experts: int) -> DispatchLayout:
+def dispatch_layout(topk_idx: torch.Tensor, num_ranks: int, num_experts: int, *, backend: Optional[str] = None
+                    ) -> DispatchLayout:
     """Histograms of ``topk_idx``. Local; no communication.
 
     Args:
@@ -35,16 +40,33 @@ def dispatch_layout(topk_idx: torch.Tensor, num_ranks: int, num_experts: int) ->
         num_ranks: ranks of the group; ``num_experts % num_ranks == 0``.
     Returns:
         DispatchLayout on ``topk_idx``'s device; counts are exact (a token counts once per rank).
-    Reference: ``dispatch_layout_reference`` (tests compare exactly).
+    Reference: ``dispatch_layout_reference`` (tests compare exactly). Backends: ``_C`` on CPU, torch ops
+    on other devices, or the Triton kernel.
     """
+    num_tokens, num_topk = topk_idx.shape
+    if resolve("dispatch_layout", topk_idx.device, backend) == "triton":
+        return _layout_triton(topk_idx, num_ranks, num_experts)
     if topk_idx.device.type != "cpu":
         return dispatch_layout_reference(topk_idx, num_ranks, num_experts)
-    num_tokens, num_topk = topk_idx.shape
     per_rank = torch.empty(num_ranks, dtype=torch.int32)
     per_expert = torch.empty(num_experts, dtype=torch.int32)
     in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool)
     native().dispatch_layout(per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(), topk_idx.data_ptr(),
                              num_tokens, num_topk, num_ranks, num_experts, cpu_threads())
+    return DispatchLayout(per_rank, per_expert, in_rank)
+
+
+def _layout_triton(topk_idx: torch.Tensor, num_ranks: int, num_experts: int) -> DispatchLayout:
+    num_tokens, num_topk = topk_idx.shape
+    device = topk_idx.device
+    per_rank = torch.zeros(num_ranks, dtype=torch.int32, device=device)
+    per_expert = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    in_rank = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device=device)
+    if num_tokens and num_topk:
+        block = min(_BLOCK_T, next_pow2(num_tokens))
+        kernels("layout").dispatch_layout_kernel[(-(-num_tokens // block),)](
+            topk_idx.contiguous(), per_rank, per_expert, in_rank.view(torch.uint8), num_tokens, NUM_TOPK=num_topk,
+            NUM_RANKS=num_ranks, EXPERTS_PER_RANK=num_experts // num_ranks, BLOCK_T=block)
     return DispatchLayout(per_rank, per_expert, in_rank)
 
 

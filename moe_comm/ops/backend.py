@@ -1,0 +1,68 @@
+"""Which implementation of an op runs: ``native`` (the device's fast path: ``moe_comm._C`` or torch
+ops) or ``triton`` (the one Triton source every vendor's Triton compiles). The plain-torch
+``*_reference`` of each op is its specification, not a backend."""
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from .. import env
+
+__all__ = ["BACKENDS", "resolve", "triton_usable", "kernels", "next_pow2"]
+
+BACKENDS = ("native", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_import_error() -> Optional[str]:
+    try:
+        importlib.import_module("triton")
+    except ImportError as exc:
+        return f"triton does not import ({exc}); install it with `pip install moe-comm[triton]`"
+    return None
+
+
+def triton_usable(device: torch.device) -> tuple[bool, str]:
+    """Whether Triton kernels can run on ``device``, and why not. CPU tensors need Triton's interpreter
+    (``TRITON_INTERPRET=1`` before the kernels are first imported); a device needs a Triton backend."""
+    error = _triton_import_error()
+    if error is not None:
+        return False, error
+    if device.type == "cpu" and not env.triton_interpret():
+        return False, "Triton runs on CPU tensors only in its interpreter: set TRITON_INTERPRET=1 before starting"
+    if device.type != "cpu" and env.triton_interpret():
+        return False, f"TRITON_INTERPRET=1 is set, so Triton would interpret, not compile, for {device.type} tensors"
+    return True, ""
+
+
+def resolve(op: str, device: torch.device, backend: Optional[str]) -> str:
+    """The backend ``op`` runs with on ``device``: ``backend`` if given, else ``MOE_COMM_OPS_BACKEND``,
+    else ``native`` on CPU and ``triton`` elsewhere when usable. Raises ValueError for an unknown name or
+    a Triton request that cannot run, naming why."""
+    chosen = backend if backend is not None else env.ops_backend()
+    if chosen is None:
+        return "triton" if device.type != "cpu" and triton_usable(device)[0] else "native"
+    if chosen not in BACKENDS:
+        source = "backend" if backend is not None else "MOE_COMM_OPS_BACKEND"
+        raise ValueError(f"{op}: {source} must be one of {list(BACKENDS)}, got {chosen!r}")
+    if chosen == "triton":
+        usable, why = triton_usable(device)
+        if not usable:
+            raise ValueError(f"{op}: backend 'triton' cannot run on {device.type} tensors: {why}")
+    return chosen
+
+
+@functools.lru_cache(maxsize=None)
+def kernels(name: str) -> ModuleType:
+    """The torch-free Triton kernel module ``moe_comm.ops.triton.<name>``, imported on first use so that
+    importing moe_comm never needs Triton."""
+    return importlib.import_module(f"{__package__}.triton.{name}")
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (Triton block sizes must be powers of two)."""
+    return 1 << max(0, (n - 1).bit_length())

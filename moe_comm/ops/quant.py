@@ -1,0 +1,151 @@
+"""Per-token quantization for the wire and the FP8 GEMMs, on any device.
+
+Formats (``fmt``):
+    ``e4m3`` / ``e5m2``  one fp32 scale per token and 128 channels, DeepEP's formulas (``fp8.py``), or
+                         packed UE8M0 exponents with ``use_ue8m0``.
+    ``int8``             one fp32 scale per token, Ascend's dynamic quant: ``s = 127 / max(amax, 1e-4)``,
+                         ``q = round_half_even(x * s)``, scale ``1 / s`` (fp32 divisions, IEEE).
+Every backend gives the same codes and scales bit for bit as ``quantize_reference``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .backend import kernels, next_pow2, resolve
+from .fp8 import GROUP, per_token_cast_back, per_token_cast_to_fp8
+
+__all__ = ["FORMATS", "quantize", "quantize_reference", "dequantize", "dequantize_reference", "launch_rows",
+           "check_quant_args"]
+
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "int8": torch.int8}
+_INT8_MAX = torch.tensor(127.0, dtype=torch.float32)
+_AMAX_FLOOR = 1e-4
+_ROW_BLOCK = 1024
+
+
+def check_quant_args(op: str, hidden: int, fmt: Optional[str], round_scale: bool, use_ue8m0: bool) -> None:
+    """Raises ValueError naming the argument when ``fmt``/``round_scale``/``use_ue8m0`` do not fit ``hidden``."""
+    if fmt is None:
+        return
+    if fmt not in FORMATS:
+        raise ValueError(f"{op}: fmt must be one of {sorted(FORMATS)} (or None), got {fmt!r}")
+    if fmt == "int8":
+        if round_scale or use_ue8m0:
+            raise ValueError(f"{op}: round_scale and use_ue8m0 apply to FP8 only, got fmt='int8' with "
+                             f"round_scale={round_scale}, use_ue8m0={use_ue8m0}")
+        return
+    if hidden % GROUP:
+        raise ValueError(f"{op}: FP8 needs the hidden size to be a multiple of {GROUP}, got {hidden}")
+    if use_ue8m0 and (not round_scale or hidden % (4 * GROUP)):
+        raise ValueError(f"{op}: use_ue8m0 needs round_scale=True and a hidden size that is a multiple of "
+                         f"{4 * GROUP}, got round_scale={round_scale}, hidden={hidden}")
+
+
+def _check_x(op: str, x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{op}: x must be a 2-D tensor [T, H], got "
+                         f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{op}: x must be bfloat16, float16 or float32, got {x.dtype}")
+
+
+def _scales_shape(rows: int, hidden: int, fmt: str, use_ue8m0: bool) -> tuple[tuple[int, ...], torch.dtype]:
+    if fmt == "int8":
+        return (rows,), torch.float32
+    if use_ue8m0:
+        return (rows, hidden // (4 * GROUP)), torch.int32
+    return (rows, hidden // GROUP), torch.float32
+
+
+def launch_rows(x: torch.Tensor, num_rows: int, fmt: Optional[str], round_scale: bool, use_ue8m0: bool,
+                source: Optional[torch.Tensor] = None, source_div: int = 1
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Runs the Triton rows kernel: output row r is ``x[source[r] // source_div]`` (``x[r]`` without a
+    source; zeros for a negative source), quantized to ``fmt`` when given. Returns (rows, scales or None)."""
+    k = kernels("quant")
+    hidden = x.shape[1]
+    x = x.contiguous()
+    out = torch.empty(num_rows, hidden, dtype=FORMATS[fmt] if fmt else x.dtype, device=x.device)
+    scales = None
+    mode, q_max = k.NONE, 1.0
+    if fmt is not None:
+        shape, dtype = _scales_shape(num_rows, hidden, fmt, use_ue8m0)
+        scales = torch.empty(shape, dtype=dtype, device=x.device)
+        mode = k.INT8 if fmt == "int8" else k.FP8
+        q_max = 127.0 if fmt == "int8" else torch.finfo(FORMATS[fmt]).max
+    if num_rows == 0 or hidden == 0:
+        return out, scales
+    q_max_inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(q_max, dtype=torch.float32))
+    scales_arg = scales.view(torch.uint8) if use_ue8m0 else scales
+    block = k.GROUP if mode == k.FP8 else min(_ROW_BLOCK, next_pow2(hidden))
+    k.rows_kernel[(num_rows,)](x, out, scales_arg, source, hidden, source_div, _AMAX_FLOOR, q_max, q_max_inv,
+                               HAS_SOURCE=source is not None, QUANT=mode, ROUND_SCALE=round_scale,
+                               UE8M0=use_ue8m0, BLOCK_H=block, enable_fp_fusion=False)
+    return out, scales
+
+
+def quantize(x: torch.Tensor, fmt: str = "e4m3", *, round_scale: bool = False, use_ue8m0: bool = False,
+             backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes ``x`` `[T, H]` (bf16, fp16 or fp32) per token.
+
+    Returns:
+        FP8: ``(q [T, H] float8_e4m3fn / float8_e5m2, scales)`` with fp32 scales `[T, H / 128]` (``x ~ q * scale``
+        per group) or, with ``use_ue8m0`` (needs ``round_scale``), int32 `[T, H / 512]` of 4 exponent bytes.
+        INT8: ``(q [T, H] int8, scales [T] fp32)``.
+    Same bits on every backend; reference ``quantize_reference``.
+    """
+    _check_x("quantize", x)
+    check_quant_args("quantize", x.shape[1], fmt, round_scale, use_ue8m0)
+    if resolve("quantize", x.device, backend) == "triton":
+        return launch_rows(x, x.shape[0], fmt, round_scale, use_ue8m0)
+    return quantize_reference(x, fmt, round_scale=round_scale, use_ue8m0=use_ue8m0)
+
+
+def quantize_reference(x: torch.Tensor, fmt: str = "e4m3", *, round_scale: bool = False, use_ue8m0: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch specification of ``quantize``; also the native path (vectorized torch on any device)."""
+    if fmt != "int8":
+        return per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0, dtype=FORMATS[fmt])
+    x32 = x.to(torch.float32)
+    amax = torch.clamp_min(x32.abs().amax(dim=1) if x.shape[1] else torch.zeros(x.shape[0], device=x.device),
+                           _AMAX_FLOOR)
+    scale = _INT8_MAX.to(x.device) / amax
+    q = torch.round(x32 * scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    return q, torch.ones_like(scale) / scale
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *,
+               backend: Optional[str] = None) -> torch.Tensor:
+    """``q * scale`` in fp32, rounded to ``dtype``: `[T, H]`. ``q`` FP8 with fp32 `[T, H / 128]` or UE8M0
+    int32 `[T, H / 512]` scales, or int8 with fp32 `[T]` scales. Reference ``dequantize_reference``."""
+    if q.dim() != 2 or q.dtype not in FORMATS.values():
+        raise ValueError(f"dequantize: q must be [T, H] float8_e4m3fn, float8_e5m2 or int8, got "
+                         f"{q.dtype} {list(q.shape)}")
+    fmt = "int8" if q.dtype == torch.int8 else "fp8"
+    use_ue8m0 = scales.dtype == torch.int32
+    expected, _ = _scales_shape(q.shape[0], q.shape[1], fmt, use_ue8m0)
+    if tuple(scales.shape) != expected or scales.dtype not in (torch.float32, torch.int32) or \
+            (fmt == "int8" and use_ue8m0):
+        raise ValueError(f"dequantize: scales for {q.dtype} {list(q.shape)} must be float32 {list(expected)}"
+                         f"{' (or UE8M0 int32)' if fmt == 'fp8' else ''}, got {scales.dtype} {list(scales.shape)}")
+    if resolve("dequantize", q.device, backend) != "triton":
+        return dequantize_reference(q, scales, dtype)
+    k = kernels("quant")
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    if q.numel():
+        scales = scales.contiguous()
+        k.dequant_kernel[(q.shape[0],)](q.contiguous(), scales.view(torch.uint8) if use_ue8m0 else scales, out,
+                                        q.shape[1], QUANT=k.INT8 if fmt == "int8" else k.FP8, UE8M0=use_ue8m0,
+                                        BLOCK_H=k.GROUP if fmt == "fp8" else min(_ROW_BLOCK,
+                                                                                 next_pow2(q.shape[1])))
+    return out
+
+
+def dequantize_reference(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Plain-torch specification of ``dequantize``; also the native path."""
+    if q.dtype == torch.int8:
+        return (q.to(torch.float32) * scales.unsqueeze(1)).to(dtype)
+    return per_token_cast_back(q, scales, dtype)
+

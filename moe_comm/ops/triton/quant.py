@@ -1,0 +1,108 @@
+"""Per-token quantization: FP8 (E4M3 / E5M2) with one scale per 128 channels, and INT8 with one
+scale per token (Ascend's dynamic quant). The ``_rows`` kernel also gathers rows, which is how
+``permute`` fuses its copy with the cast. Formulas: ``moe_comm/ops/fp8.py`` and ``moe_comm/ops/quant.py``."""
+import triton
+import triton.language as tl
+
+from .rounding import cast
+
+# Quantization modes (the wrappers pass these numbers).
+NONE = 0
+FP8 = 1
+INT8 = 2
+GROUP = 128
+_MANTISSA = (1 << 23) - 1
+
+
+@triton.jit
+def fp8_group(x, amax_floor, q_max, q_max_inv, ROUND_SCALE: tl.constexpr):
+    """One 128-channel group ``x`` (fp32) -> (``x * scale`` in fp32, ``scale_inv``): DeepEP's formulas,
+    bit-identical to ``per_token_cast_to_fp8`` (IEEE division, exponent arithmetic on the bits)."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), amax_floor)
+    if ROUND_SCALE:
+        bits = (amax * q_max_inv).to(tl.int32, bitcast=True)
+        exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & _MANTISSA) != 0).to(tl.int32)
+        scale = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+        scale_inv = ((127 + exponent) << 23).to(tl.float32, bitcast=True)
+    else:
+        scale = tl.math.div_rn(q_max, amax)
+        scale_inv = amax * q_max_inv
+    return x * scale, scale_inv
+
+
+@triton.jit
+def round_int8(y):
+    """Round half to even for |y| <= 127 without vendor intrinsics: adding 1.5 * 2^23 leaves no fraction
+    bits, so the fp32 add rounds as IEEE does (launch with fp fusion off, or the add becomes an FMA)."""
+    return ((y + 12582912.0) - 12582912.0).to(tl.int8)
+
+
+@triton.jit
+def rows_kernel(x_ptr, out_ptr, scales_ptr, source_ptr, hidden, source_div, amax_floor, q_max, q_max_inv,
+                HAS_SOURCE: tl.constexpr, QUANT: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr,
+                BLOCK_H: tl.constexpr):
+    """Output row ``r`` = input row ``source[r] // source_div`` (or ``r`` without a source; a negative
+    source gives a zero row), optionally quantized. One program per output row.
+
+    QUANT == FP8: ``out`` float8 [rows, H], ``scales`` fp32 [rows, H / 128] or, with UE8M0, the exponent
+    bytes (uint8 view of int32 [rows, H / 512]); BLOCK_H must be 128.
+    QUANT == INT8: ``out`` int8, ``scales`` fp32 [rows]: ``s = 127 / amax``, ``q = rne(x * s)``, scale ``1 / s``.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    src = row
+    if HAS_SOURCE:
+        src = tl.load(source_ptr + row)
+    live = src >= 0
+    in_row = x_ptr + (tl.maximum(src, 0) // source_div) * hidden
+    out_row = out_ptr + row * hidden
+    cols = tl.arange(0, BLOCK_H)
+    if QUANT == FP8:
+        groups = hidden // BLOCK_H
+        for g in range(groups):
+            x = tl.load(in_row + g * BLOCK_H + cols, mask=live, other=0.0).to(tl.float32)
+            scaled, scale_inv = fp8_group(x, amax_floor, q_max, q_max_inv, ROUND_SCALE)
+            tl.store(out_row + g * BLOCK_H + cols, cast(scaled, out_ptr.dtype.element_ty))
+            if UE8M0:
+                tl.store(scales_ptr + row * groups + g, ((scale_inv.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8))
+            else:
+                tl.store(scales_ptr + row * groups + g, scale_inv)
+    elif QUANT == INT8:
+        amax = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for h in range(0, hidden, BLOCK_H):
+            x = tl.load(in_row + h + cols, mask=live & (h + cols < hidden), other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.math.div_rn(q_max, tl.maximum(tl.max(amax, axis=0), amax_floor))
+        for h in range(0, hidden, BLOCK_H):
+            mask = h + cols < hidden
+            x = tl.load(in_row + h + cols, mask=live & mask, other=0.0).to(tl.float32)
+            tl.store(out_row + h + cols, round_int8(x * scale), mask=mask)
+        tl.store(scales_ptr + row, tl.math.div_rn(1.0, scale))
+    else:
+        for h in range(0, hidden, BLOCK_H):
+            mask = h + cols < hidden
+            x = tl.load(in_row + h + cols, mask=live & mask, other=0.0)
+            tl.store(out_row + h + cols, x, mask=mask)
+
+
+@triton.jit
+def dequant_kernel(q_ptr, scales_ptr, out_ptr, hidden, QUANT: tl.constexpr, UE8M0: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    """``out[r] = q[r] * scale`` in fp32, rounded to out's dtype. FP8: one scale per 128 channels (fp32, or
+    UE8M0 exponent bytes); INT8: one fp32 scale per row. One program per row; FP8 needs BLOCK_H == 128."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    if QUANT == FP8:
+        groups = hidden // BLOCK_H
+        for g in range(groups):
+            if UE8M0:
+                scale = (tl.load(scales_ptr + row * groups + g).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            else:
+                scale = tl.load(scales_ptr + row * groups + g)
+            q = tl.load(q_ptr + row * hidden + g * BLOCK_H + cols).to(tl.float32)
+            tl.store(out_ptr + row * hidden + g * BLOCK_H + cols, cast(q * scale, out_ptr.dtype.element_ty))
+    else:
+        scale = tl.load(scales_ptr + row)
+        for h in range(0, hidden, BLOCK_H):
+            mask = h + cols < hidden
+            q = tl.load(q_ptr + row * hidden + h + cols, mask=mask, other=0).to(tl.float32)
+            tl.store(out_ptr + row * hidden + h + cols, cast(q * scale, out_ptr.dtype.element_ty), mask=mask)
