@@ -5,15 +5,17 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moe-comm-installed
 # The CPU build of torch (a plain `torch` requirement would pull a multi-GB CUDA build).
 TORCH_SPEC ?= torch==2.13.0
+# Triton runs the kernels' tests in its CPU interpreter; 3.8 is the first whose interpreter works with numpy 2.4.
+TRITON_SPEC ?= triton==3.8.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean ascend-check
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy pybind11 "scikit-build-core>=0.10" cmake ninja
+	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)" numpy pybind11 "scikit-build-core>=0.10" cmake ninja
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,mpi]"
 	touch $(STAMP)
 
@@ -22,11 +24,30 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q python_tests
+	$(PY) -m moe_comm.accuracy
 
 bench: setup
 	$(PY) bench/bench_normal.py --ranks 4
 	$(PY) bench/bench_low_latency.py --ranks 4
 	$(PY) bench/bench_kernels.py
+	$(PY) bench/bench_ops.py
+
+# Do the Triton kernels get through triton-ascend's front end (TTIR -> Linalg, for Ascend A2/A3)?
+# Necessary, not sufficient: see tools/triton_ascend_check.py. Its own venv, because the
+# triton-ascend wheel replaces the `triton` package; wheels exist for CPython 3.9-3.11 only.
+# Not part of `make test`.
+ASCEND_PYTHON ?= $(PYTHON)
+ASCEND_VENV ?= .venv-ascend
+ASCEND_STAMP := $(ASCEND_VENV)/.triton-ascend-installed
+
+$(ASCEND_STAMP):
+	$(ASCEND_PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] not in ((3, 9), (3, 10), (3, 11)) and "triton-ascend 3.2.0 has wheels for CPython 3.9-3.11 only: make ascend-check ASCEND_PYTHON=python3.11")'
+	test -x $(ASCEND_VENV)/bin/python || $(ASCEND_PYTHON) -m venv $(ASCEND_VENV)
+	$(ASCEND_VENV)/bin/python -m pip install -q triton-ascend==3.2.0 numpy pybind11
+	touch $@
+
+ascend-check: $(ASCEND_STAMP)
+	$(ASCEND_VENV)/bin/python tools/triton_ascend_check.py
 
 clean:
-	rm -rf $(VENV) build
+	rm -rf $(VENV) $(ASCEND_VENV) build

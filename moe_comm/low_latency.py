@@ -30,7 +30,7 @@ from .alloc import empty, zeros
 from .errors import PeerExitedError
 from .handle import LowLatencyHandle
 from .handshake import handshake
-from .ops import (RecordLayout, combine_reduce, combine_rows, low_latency_unpack, pack_rows, per_token_cast_to_fp8,
+from .ops import (RecordLayout, combine_reduce, combine_rows, low_latency_unpack, pack_rows, quantize,
                   send_order)
 from .ops.fp8 import FP8_DTYPE
 from .transport import Transport
@@ -167,7 +167,7 @@ class LowLatencyMode:
         scales = None
         data = x
         if fp8_format:
-            data, scales = per_token_cast_to_fp8(x, round_scale=fp8_format >= 2, use_ue8m0=fp8_format == 3)
+            data, scales = quantize(x, "e4m3", round_scale=fp8_format >= 2, use_ue8m0=fp8_format == 3)
             data = data.view(torch.uint8)
         specs = [("x", data.dtype, hidden)]
         specs += [] if scales is None else [("scales", scales.dtype, scales.shape[1])]

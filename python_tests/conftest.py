@@ -12,6 +12,18 @@ from moe_comm.launch import LocalWorld
 os.environ.setdefault("MOE_COMM_NUM_THREADS", "1")
 
 
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter, which Triton reads when a kernel
+# module is imported (so before any test runs). With a GPU they compile, and the CPU-interpreter
+# cases skip with that reason.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 #: Every multi-rank test runs on each CPU transport; outputs must be identical (tests compare to
 #: the same references, and test_shm compares the transports directly).
 TRANSPORTS = ("shm", "collective")

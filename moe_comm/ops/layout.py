@@ -48,6 +48,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_ranks: int, num_experts: int, *,
         return _layout_triton(topk_idx, num_ranks, num_experts)
     if topk_idx.device.type != "cpu":
         return dispatch_layout_reference(topk_idx, num_ranks, num_experts)
+    topk_idx = topk_idx.contiguous()
     per_rank = torch.empty(num_ranks, dtype=torch.int32)
     per_expert = torch.empty(num_experts, dtype=torch.int32)
     in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool)

@@ -1,0 +1,146 @@
+"""The accuracy standard every op of ``moe_comm.ops`` is held to, on every device and backend.
+
+Two classes of output:
+
+* **exact** -- pure data movement, indices and counts, and quantized codes and scales (every backend
+  rounds the same way): same shape, dtype and bytes as the reference, bit for bit.
+* **numeric** -- compared with an fp64 reference of the same math on the same inputs, by the output's
+  precision (``STANDARD``). Named metrics, all in fp64:
+
+  ``calc_diff``  DeepGEMM's ``1 - 2*sum(x*y) / sum(x*x + y*y)`` (about half the squared relative RMS error)
+  ``max_abs``    max |out - ref|
+  ``mare``       max relative error, ``|out - ref| / max(|ref|, floor)``, floor = ``small * rms(ref)``
+  ``mere``       mean relative error, same denominator
+
+  A check passes when calc_diff, mare and mere are all within the limits and no element is NaN or Inf
+  (where the reference is finite). The floor plays the part of msprobe's small-value region: values
+  near zero after cancellation in long sums are judged against a fraction of the tensor's RMS, not
+  against themselves.
+
+Limits (``../shared/research/hetero.md`` section 6): ``mere`` is the CANN op standard's T per dtype
+(2^-13 fp32, 2^-10 fp16, 2^-7 bf16, 2^-3 e4m3, 2^-2 e5m2) and ``mare`` its 10*T; for FP8 and INT8,
+where 10*T would exceed 1 and accept anything, ``mare`` is twice one rounding step's relative error.
+``calc_diff`` follows DeepGEMM's FP8 GEMM limit (1e-3) for e4m3, DeepEP's low-latency combine limit
+(1e-5) for bf16, and scales by the square of the mantissa step for the others.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Union
+
+import torch
+
+__all__ = ["Tolerance", "STANDARD", "EXACT", "Report", "AccuracyError", "calc_diff", "metrics", "check"]
+
+EXACT = "exact"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Limits for one output precision; ``small`` sets the relative-error floor (``small * rms(ref)``)."""
+
+    calc_diff: float
+    mere: float
+    mare: float
+    small: float
+
+
+STANDARD: dict[torch.dtype, Tolerance] = {
+    torch.float32: Tolerance(calc_diff=1e-10, mere=2.0 ** -13, mare=10 * 2.0 ** -13, small=2.0 ** -10),
+    torch.float16: Tolerance(calc_diff=1e-6, mere=2.0 ** -10, mare=10 * 2.0 ** -10, small=2.0 ** -5),
+    torch.bfloat16: Tolerance(calc_diff=1e-5, mere=2.0 ** -7, mare=10 * 2.0 ** -7, small=2.0 ** -5),
+    torch.float8_e4m3fn: Tolerance(calc_diff=1e-3, mere=2.0 ** -3, mare=2.0 ** -3, small=2.0 ** -2),
+    torch.float8_e5m2: Tolerance(calc_diff=4e-3, mere=2.0 ** -2, mare=2.0 ** -2, small=2.0 ** -2),
+    # Per-token int8: half a code step is amax / 254, about 1/60 of the row's RMS for normal data.
+    torch.int8: Tolerance(calc_diff=1e-4, mere=2.0 ** -5, mare=2.0 ** -2, small=2.0 ** -2),
+}
+
+
+class AccuracyError(AssertionError):
+    """An output failed the standard; the message names the op, the metric, its value and the limit."""
+
+
+@dataclass
+class Report:
+    """One check: what was compared, the measured metrics and the verdict."""
+
+    op: str
+    standard: str                    # "exact" or the dtype name whose limits applied
+    passed: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+
+    def raise_if_failed(self) -> "Report":
+        if not self.passed:
+            raise AccuracyError(f"{self.op}: {self.reason}")
+        return self
+
+
+def calc_diff(out: torch.Tensor, ref: torch.Tensor, shift: float = 0.0) -> float:
+    """DeepGEMM's dissimilarity in fp64: 0 for identical tensors (and for two all-zero tensors). DeepEP's
+    tests use ``shift=1`` (add 1 to both first, which tames data near zero)."""
+    x, y = out.double() + shift, ref.double() + shift
+    denominator = float((x * x + y * y).sum())
+    return 0.0 if denominator == 0.0 else float(1 - 2 * (x * y).sum() / denominator)
+
+
+def metrics(out: torch.Tensor, ref: torch.Tensor, small: float) -> dict[str, float]:
+    """calc_diff, max_abs, mare, mere (see the module docstring) and ``nonfinite``: elements of ``out`` that
+    are NaN or Inf where ``ref`` is finite."""
+    out64, ref64 = out.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
+    finite = torch.isfinite(ref64)
+    nonfinite = int((~torch.isfinite(out64) & finite).sum())
+    out64, ref64 = out64[finite], ref64[finite]
+    if ref64.numel() == 0:
+        return {"calc_diff": 0.0, "max_abs": 0.0, "mare": 0.0, "mere": 0.0, "nonfinite": float(nonfinite)}
+    error = (out64 - ref64).abs()
+    rms = math.sqrt(float((ref64 * ref64).mean()))
+    floor = max(small * rms, torch.finfo(torch.float64).tiny)
+    relative = error / ref64.abs().clamp_min(floor)
+    return {"calc_diff": calc_diff(out64, ref64), "max_abs": float(error.max()), "mare": float(relative.max()),
+            "mere": float(relative.mean()), "nonfinite": float(nonfinite)}
+
+
+def _exact(op: str, out: torch.Tensor, ref: torch.Tensor) -> Report:
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return Report(op, EXACT, False, reason=f"expected {ref.dtype} {list(ref.shape)}, got {out.dtype} "
+                                                   f"{list(out.shape)}")
+    a, b = out.detach().cpu().contiguous(), ref.detach().cpu().contiguous()
+    if a.dtype == torch.bool:
+        a, b = a.to(torch.uint8), b.to(torch.uint8)
+    bytes_a, bytes_b = a.view(torch.uint8).reshape(-1), b.view(torch.uint8).reshape(-1)
+    mismatched = int((bytes_a != bytes_b).sum())
+    if mismatched:
+        return Report(op, EXACT, False, {"mismatched_bytes": float(mismatched)},
+                      reason=f"{mismatched} of {bytes_a.numel()} bytes differ from the reference")
+    return Report(op, EXACT, True, {"mismatched_bytes": 0.0})
+
+
+def check(op: str, out: torch.Tensor, ref: torch.Tensor, dtype: Union[torch.dtype, str] = EXACT,
+          raise_on_fail: bool = True) -> Report:
+    """Checks ``out`` against ``ref`` by the standard: ``dtype=EXACT`` compares bytes; a torch dtype (the
+    precision the op's result was rounded to) applies ``STANDARD[dtype]`` against an fp64 ``ref``.
+    Raises AccuracyError on failure unless ``raise_on_fail`` is False; returns the Report."""
+    if dtype == EXACT:
+        report = _exact(op, out, ref)
+    else:
+        if dtype not in STANDARD:
+            raise ValueError(f"check: dtype must be {EXACT!r} or one of {[str(d) for d in STANDARD]}, got {dtype!r}")
+        if out.shape != ref.shape:
+            report = Report(op, str(dtype), False, reason=f"shape {list(out.shape)} != reference {list(ref.shape)}")
+        else:
+            limits = STANDARD[dtype]
+            found = metrics(out, ref, limits.small)
+            failed = [f"{name} {found[name]:.3g} > {limit:.3g}" for name, limit in
+                      (("calc_diff", limits.calc_diff), ("mere", limits.mere), ("mare", limits.mare))
+                      if not found[name] <= limit]
+            if found["nonfinite"]:
+                failed.insert(0, f"{int(found['nonfinite'])} NaN/Inf elements where the reference is finite")
+            report = Report(op, str(dtype).replace("torch.", ""), not failed, found, "; ".join(failed))
+    return report.raise_if_failed() if raise_on_fail else report
+
+
+if __name__ == "__main__":
+    from .accuracy_suite import main
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""The fused MoE ops on every device and backend present, held to ``moe_comm.accuracy``'s standard.
+
+Triton runs in its CPU interpreter here (conftest sets TRITON_INTERPRET=1 without a GPU); CUDA
+cases skip without a GPU. Shapes are small: the interpreter runs programs one after another.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_comm import accuracy, ops
+from moe_comm.accuracy_suite import CASES, _routing
+
+TARGETS = [("cpu", "native"), ("cpu", "triton"), ("cuda", "native"), ("cuda", "triton")]
+
+
+def _skip_unless(device: str, backend: str) -> torch.device:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    usable, why = ops.triton_usable(torch.device(device))
+    if backend == "triton" and not usable:
+        pytest.skip(why)
+    return torch.device(device)
+
+
+@pytest.fixture(params=TARGETS, ids=[f"{d}-{b}" for d, b in TARGETS])
+def target(request) -> tuple[torch.device, str]:
+    device, backend = request.param
+    return _skip_unless(device, backend), backend
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_standard(op, target):
+    """Every check of the accuracy suite for ``op`` passes (exact where data only moves)."""
+    device, backend = target
+    failed = [accuracy.check(what, out, ref, dtype, raise_on_fail=False) for what, out, ref, dtype in
+              CASES[op](device, backend)]
+    failed = [f"{r.op}: {r.reason}" for r in failed if not r.passed]
+    assert not failed, failed
+
+
+def _same(a, b) -> None:
+    for name in ("x", "expert_offsets", "num_tokens_per_expert", "row_of", "source", "expert_of_row"):
+        accuracy.check(name, getattr(a, name), getattr(b, name).to(getattr(a, name).device))
+
+
+@pytest.mark.parametrize("tokens,topk,experts,alignment", [(0, 4, 8, 16), (7, 1, 3, 1), (5, 3, 64, 128), (64, 8, 4, 2)])
+def test_permute_shapes(target, tokens, topk, experts, alignment):
+    """Empty input, one slot, more experts than tokens (most empty), big alignment, repeated experts."""
+    device, backend = target
+    x = torch.randn(tokens, 128).bfloat16()
+    idx = torch.randint(-1, experts, (tokens, topk), generator=torch.Generator().manual_seed(tokens))
+    out = ops.permute(x.to(device), idx.to(device), experts, alignment=alignment, backend=backend)
+    ref = ops.permute_reference(x, idx, experts, alignment=alignment)
+    _same(out, ref)
+    assert int(out.expert_offsets[-1]) % alignment == 0
+
+
+def test_permute_fixed_rows_and_all_unrouted(target):
+    device, backend = target
+    x, idx = torch.randn(6, 128).bfloat16(), torch.full((6, 2), -1, dtype=torch.int64)
+    idx[2, 1] = 3
+    rows = ops.max_permuted_rows(6, 2, 4, alignment=8)
+    out = ops.permute(x.to(device), idx.to(device), 4, alignment=8, num_rows=rows, quant="e4m3", backend=backend)
+    ref = ops.permute_reference(x, idx, 4, alignment=8, num_rows=rows, quant="e4m3")
+    _same(out, ref)
+    assert out.x.shape == (rows, 128) and int((out.source >= 0).sum()) == 1
+    with pytest.raises(ValueError, match="num_rows must be an int >= 8"):
+        ops.permute(x.to(device), idx.to(device), 4, alignment=8, num_rows=7, backend=backend)
+
+
+def test_gemm_ragged_shapes(target):
+    """K and N that are not multiples of any block, an empty expert, masked rows with counts 0 and M."""
+    device, backend = target
+    a, b = torch.randn(37, 100).bfloat16(), (torch.randn(3, 70, 100) / 10).bfloat16()
+    offsets = torch.tensor([0, 20, 20, 33])
+    out = ops.grouped_gemm(a.to(device), b.to(device), expert_offsets=offsets.to(device), backend=backend)
+    ref = ops.grouped_gemm_reference(a, b, expert_offsets=offsets)
+    accuracy.check("gemm", out, ref, torch.bfloat16)
+    assert not out[33:].any(), "rows past the last expert must be zero"
+    a3, masked = torch.randn(3, 9, 100).bfloat16(), torch.tensor([0, 9, 4], dtype=torch.int32)
+    out = ops.grouped_gemm(a3.to(device), b.to(device), masked_m=masked.to(device), backend=backend)
+    accuracy.check("masked", out, ops.grouped_gemm_reference(a3, b, masked_m=masked), torch.bfloat16)
+    assert not out[0].any() and not out[2, 4:].any()
+
+
+def test_deterministic(target):
+    """Same inputs, same bits, run after run (fixed reduction orders, no float atomics)."""
+    device, backend = target
+    idx = _routing(30, 8, 4, seed=3).to(device)
+    x = torch.randn(30, 256).bfloat16().to(device)
+    perm = ops.permute(x, idx, 8, alignment=4, backend=backend)
+    w = (torch.randn(8, 128, 256) / 16).bfloat16().to(device)
+    weights = torch.rand(30, 4).to(device)
+    runs = []
+    for _ in range(2):
+        y = ops.grouped_gemm(perm.x, w, expert_offsets=perm.expert_offsets, backend=backend)
+        runs.append((y, ops.unpermute_reduce(y, perm.row_of, weights, backend=backend)))
+    for first, second in zip(*runs):
+        accuracy.check("rerun", second, first)
+
+
+def test_unpermute_nan_propagates(target):
+    """A NaN expert output reaches its token (nothing is silently dropped), and only that token."""
+    device, backend = target
+    y = torch.ones(4, 128)
+    y[2, 5] = float("nan")
+    row_of = torch.tensor([[0, 2], [1, -1]])
+    out = ops.unpermute_reduce(y.to(device), row_of.to(device), torch.ones(2, 2).to(device), backend=backend)
+    assert torch.isnan(out[0, 5]) and torch.isfinite(out[1]).all()
+
+
+def test_low_latency_uses_the_quantizer():
+    """The low-latency dispatch casts with ``ops.quantize``: the same codes as DeepEP's formulas."""
+    x = torch.randn(4, 512).bfloat16()
+    q, s = ops.quantize(x, "e4m3", round_scale=True, use_ue8m0=True)
+    q_ref, s_ref = ops.per_token_cast_to_fp8(x, round_scale=True, use_ue8m0=True)
+    accuracy.check("codes", q, q_ref)
+    accuracy.check("scales", s, s_ref)
+
+
+_X, _IDX = torch.zeros(4, 256).bfloat16(), torch.zeros(4, 2, dtype=torch.int64)
+_B = torch.zeros(2, 64, 256).bfloat16()
+_OFFS = torch.tensor([0, 2, 4])
+BAD_INPUT = [
+    (lambda: ops.permute(_X, _IDX.int(), 2), TypeError, "topk_idx must be int64, got torch.int32"),
+    (lambda: ops.permute(_X, _IDX[:3], 2), ValueError, r"topk_idx must be \[T, K\] with T = 4"),
+    (lambda: ops.permute(_X, _IDX + 2, 2), ValueError, r"entries must be -1 or in \[0, 2\), got values in \[2, 2\]"),
+    (lambda: ops.permute(_X, _IDX, 2, alignment=0), ValueError, "alignment must be a positive int, got 0"),
+    (lambda: ops.permute(_X, _IDX, 2, quant="fp4"), ValueError, "fmt must be one of"),
+    (lambda: ops.permute(_X[:, :100], _IDX, 2, quant="e4m3"), ValueError, "multiple of 128, got 100"),
+    (lambda: ops.quantize(_X, "int8", round_scale=True), ValueError, "apply to FP8 only"),
+    (lambda: ops.quantize(_X, "e4m3", use_ue8m0=True), ValueError, "use_ue8m0 needs round_scale=True"),
+    (lambda: ops.quantize(_X.int(), "e4m3"), TypeError, "x must be bfloat16, float16 or float32, got torch.int32"),
+    (lambda: ops.dequantize(_X, torch.ones(4)), ValueError, "q must be"),
+    (lambda: ops.dequantize(_X.to(torch.int8), torch.ones(3)), ValueError, r"must be float32 \[4\]"),
+    (lambda: ops.grouped_gemm(_X, _B), ValueError, "exactly one of expert_offsets"),
+    (lambda: ops.grouped_gemm(_X, _B, expert_offsets=_OFFS, masked_m=_OFFS[:2]), ValueError, "exactly one"),
+    (lambda: ops.grouped_gemm(_X[:, :100], _B, expert_offsets=_OFFS), ValueError, r"a must be \[M, 256\]"),
+    (lambda: ops.grouped_gemm(_X, _B, expert_offsets=_OFFS[:2]), ValueError, r"expert_offsets must be int32/int64 \[3\]"),
+    (lambda: ops.grouped_gemm(_X, _B, expert_offsets=torch.tensor([0, 3, 2])), ValueError, "non-decreasing"),
+    (lambda: ops.grouped_gemm(_X, _B.half(), expert_offsets=_OFFS), TypeError, "must both be"),
+    (lambda: ops.grouped_gemm(_X.to(torch.float8_e4m3fn), _B.to(torch.float8_e4m3fn), expert_offsets=_OFFS),
+     ValueError, "a_scales and b_scales are required exactly when"),
+    (lambda: ops.grouped_gemm(_X.to(torch.float8_e4m3fn), _B.to(torch.float8_e4m3fn), expert_offsets=_OFFS,
+                              a_scales=torch.ones(4, 2), b_scales=torch.ones(2, 1, 1)), ValueError,
+     r"b_scales must be float32 \[2, 1, 2\]"),
+    (lambda: ops.expert_ffn(_X, torch.zeros(2, 64, 256).bfloat16(), torch.zeros(2, 256, 16).bfloat16(),
+                            expert_offsets=_OFFS), ValueError, r"w2 must be \[2, 256, 32\]"),
+    (lambda: ops.unpermute_reduce(_X, _IDX, torch.ones(4, 3)), ValueError, r"topk_weights must be float32 \[4, 2\]"),
+    (lambda: ops.unpermute_reduce(_X, _IDX + 4, torch.ones(4, 2)), ValueError, r"must be -1 or in \[0, 4\)"),
+    (lambda: ops.dispatch_layout(_IDX, 2, 4, backend="cuda"), ValueError, r"backend must be one of \['native', 'triton'\]"),
+]
+
+
+@pytest.mark.parametrize("call,error,message", BAD_INPUT, ids=[m[:40] for _, _, m in BAD_INPUT])
+def test_bad_input(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend 'triton' cannot run on cpu tensors: .*TRITON_INTERPRET=1"):
+        ops.quantize(_X, backend="triton")
+    monkeypatch.setenv("MOE_COMM_OPS_BACKEND", "fast")
+    with pytest.raises(ValueError, match="MOE_COMM_OPS_BACKEND must be one of"):
+        ops.quantize(_X)
+
+
+def test_standard_fails_what_it_should():
+    """The standard is not vacuous: a one-ulp change breaks exact, noise beyond bf16 and any NaN fail."""
+    ref = torch.randn(64, 64, dtype=torch.float64)
+    out = ref.to(torch.bfloat16)
+    accuracy.check("bf16 rounding", out, ref, torch.bfloat16)
+    with pytest.raises(accuracy.AccuracyError, match="calc_diff|mere|mare"):
+        accuracy.check("noise", (ref * (1 + 0.05 * torch.randn_like(ref))).float(), ref, torch.bfloat16)
+    nan = out.clone()
+    nan[3, 3] = float("nan")
+    with pytest.raises(accuracy.AccuracyError, match="1 NaN/Inf elements"):
+        accuracy.check("nan", nan, ref, torch.bfloat16)
+    bumped = out.clone()
+    bumped.view(torch.int16)[0, 0] += 1
+    with pytest.raises(accuracy.AccuracyError, match="1 of 8192 bytes differ"):
+        accuracy.check("one ulp", bumped, out)
+    with pytest.raises(accuracy.AccuracyError, match=r"expected torch.bfloat16 \[64, 64\]"):
+        accuracy.check("dtype", out.float(), out)
+    assert set(accuracy.STANDARD) == {torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+                                      torch.float8_e5m2, torch.int8}
+    assert accuracy.calc_diff(ref, ref) == 0.0 and accuracy.calc_diff(ref, -ref) == 2.0
