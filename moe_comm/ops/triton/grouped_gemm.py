@@ -7,7 +7,7 @@ import triton.language as tl
 
 from .rounding import cast
 
-SCALE_BLOCK = 128
+SCALE_BLOCK = tl.constexpr(128)
 
 
 @triton.jit

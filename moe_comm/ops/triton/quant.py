@@ -6,12 +6,14 @@ import triton.language as tl
 
 from .rounding import cast
 
-# Quantization modes (the wrappers pass these numbers).
+# Quantization modes (the wrappers pass these numbers); kernels may read globals only as constexprs.
 NONE = 0
 FP8 = 1
 INT8 = 2
 GROUP = 128
-_MANTISSA = (1 << 23) - 1
+_FP8 = tl.constexpr(FP8)
+_INT8 = tl.constexpr(INT8)
+_MANTISSA = tl.constexpr((1 << 23) - 1)
 
 
 @triton.jit
@@ -25,7 +27,9 @@ def fp8_group(x, amax_floor, q_max, q_max_inv, ROUND_SCALE: tl.constexpr):
         scale = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
         scale_inv = ((127 + exponent) << 23).to(tl.float32, bitcast=True)
     else:
-        scale = tl.math.div_rn(q_max, amax)
+        # min of per-element quotients == quotient by the max (rounded division is monotonic); dividing
+        # the vector, not the scalar, is what triton-ascend's front end accepts.
+        scale = tl.min(tl.math.div_rn(q_max, tl.maximum(tl.abs(x), amax_floor)), axis=0)
         scale_inv = amax * q_max_inv
     return x * scale, scale_inv
 
@@ -56,7 +60,7 @@ def rows_kernel(x_ptr, out_ptr, scales_ptr, source_ptr, hidden, source_div, amax
     in_row = x_ptr + (tl.maximum(src, 0) // source_div) * hidden
     out_row = out_ptr + row * hidden
     cols = tl.arange(0, BLOCK_H)
-    if QUANT == FP8:
+    if QUANT == _FP8:
         groups = hidden // BLOCK_H
         for g in range(groups):
             x = tl.load(in_row + g * BLOCK_H + cols, mask=live, other=0.0).to(tl.float32)
@@ -66,17 +70,18 @@ def rows_kernel(x_ptr, out_ptr, scales_ptr, source_ptr, hidden, source_div, amax
                 tl.store(scales_ptr + row * groups + g, ((scale_inv.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8))
             else:
                 tl.store(scales_ptr + row * groups + g, scale_inv)
-    elif QUANT == INT8:
+    elif QUANT == _INT8:
         amax = tl.zeros([BLOCK_H], dtype=tl.float32)
         for h in range(0, hidden, BLOCK_H):
             x = tl.load(in_row + h + cols, mask=live & (h + cols < hidden), other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.math.div_rn(q_max, tl.maximum(tl.max(amax, axis=0), amax_floor))
+        scales = tl.math.div_rn(q_max, tl.maximum(amax, amax_floor))  # vector division, as in fp8_group
+        scale = tl.min(scales, axis=0)
         for h in range(0, hidden, BLOCK_H):
             mask = h + cols < hidden
             x = tl.load(in_row + h + cols, mask=live & mask, other=0.0).to(tl.float32)
             tl.store(out_row + h + cols, round_int8(x * scale), mask=mask)
-        tl.store(scales_ptr + row, tl.math.div_rn(1.0, scale))
+        tl.store(scales_ptr + row, tl.max(tl.math.div_rn(1.0, scales), axis=0))
     else:
         for h in range(0, hidden, BLOCK_H):
             mask = h + cols < hidden
@@ -91,7 +96,7 @@ def dequant_kernel(q_ptr, scales_ptr, out_ptr, hidden, QUANT: tl.constexpr, UE8M
     UE8M0 exponent bytes); INT8: one fp32 scale per row. One program per row; FP8 needs BLOCK_H == 128."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
-    if QUANT == FP8:
+    if QUANT == _FP8:
         groups = hidden // BLOCK_H
         for g in range(groups):
             if UE8M0:
