@@ -18,8 +18,10 @@ Two classes of output:
   against themselves.
 
 Limits (``../shared/research/hetero.md`` section 6): ``mere`` is the CANN op standard's T per dtype
-(2^-13 fp32, 2^-10 fp16, 2^-7 bf16, 2^-3 e4m3, 2^-2 e5m2) and ``mare`` its 10*T; for FP8 and INT8,
-where 10*T would exceed 1 and accept anything, ``mare`` is twice one rounding step's relative error.
+(2^-13 fp32, 2^-10 fp16, 2^-7 bf16, 2^-3 e4m3, 2^-2 e5m2) and ``mare`` its 10*T. For FP8 and INT8,
+where 10*T would exceed 1 and accept a zeroed or sign-flipped element, ``mare`` is 2^-1: that still
+catches those, and admits what a correct kernel does, e.g. an FP8 intermediate code that rounds the
+other way and moves a near-zero sum by a few steps (0.22 measured for the FP8 SwiGLU FFN on an H200).
 ``calc_diff`` follows DeepGEMM's FP8 GEMM limit (1e-3) for e4m3, DeepEP's low-latency combine limit
 (1e-5) for bf16, and scales by the square of the mantissa step for the others.
 """
@@ -50,8 +52,8 @@ STANDARD: dict[torch.dtype, Tolerance] = {
     torch.float32: Tolerance(calc_diff=1e-10, mere=2.0 ** -13, mare=10 * 2.0 ** -13, small=2.0 ** -10),
     torch.float16: Tolerance(calc_diff=1e-6, mere=2.0 ** -10, mare=10 * 2.0 ** -10, small=2.0 ** -5),
     torch.bfloat16: Tolerance(calc_diff=1e-5, mere=2.0 ** -7, mare=10 * 2.0 ** -7, small=2.0 ** -5),
-    torch.float8_e4m3fn: Tolerance(calc_diff=1e-3, mere=2.0 ** -3, mare=2.0 ** -3, small=2.0 ** -2),
-    torch.float8_e5m2: Tolerance(calc_diff=4e-3, mere=2.0 ** -2, mare=2.0 ** -2, small=2.0 ** -2),
+    torch.float8_e4m3fn: Tolerance(calc_diff=1e-3, mere=2.0 ** -3, mare=2.0 ** -1, small=2.0 ** -2),
+    torch.float8_e5m2: Tolerance(calc_diff=4e-3, mere=2.0 ** -2, mare=2.0 ** -1, small=2.0 ** -2),
     # Per-token int8: half a code step is amax / 254, about 1/60 of the row's RMS for normal data.
     torch.int8: Tolerance(calc_diff=1e-4, mere=2.0 ** -5, mare=2.0 ** -2, small=2.0 ** -2),
 }

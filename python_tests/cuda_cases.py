@@ -58,7 +58,7 @@ def cuda_low_latency_matches_cpu(group: dist.ProcessGroup) -> int:
                                                                     use_ue8m0=ue8m0, return_recv_hook=True)
             hook()
             parts = list(recv) if use_fp8 else [recv]
-            got += [p.contiguous().view(torch.uint8).cpu() for p in parts] + [count.cpu(), handle[0].cpu(),
+            got += [p.contiguous().reshape(-1).view(torch.uint8).cpu() for p in parts] + [count.cpu(), handle[0].cpu(),
                                                                                 handle[1].cpu()]
         recv, _, handle, _, _ = buf.low_latency_dispatch(x.to(dev), idx.to(dev), tokens, experts, use_fp8=False)
         y, _, _ = buf.low_latency_combine(recv, idx.to(dev), w.to(dev), handle)

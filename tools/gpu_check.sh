@@ -11,11 +11,11 @@ step machine
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)"
 step build
-CMAKE_ARGS="-DMOE_COMM_CUDA=OFF" python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
+CMAKE_ARGS="-DMOE_COMM_CUDA=OFF" timeout 240 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
 step accuracy
-python3 -m moe_comm.accuracy --no-interpreter --json "$OUT/accuracy_gpu.json" 2>&1 | tee "$OUT/accuracy_gpu.txt" | grep -v " pass *$"
+timeout 150 python3 -m moe_comm.accuracy --no-interpreter --json "$OUT/accuracy_gpu.json" 2>&1 | tee "$OUT/accuracy_gpu.txt" | grep -v " pass *$"
 step tests
-python3 -m pytest -q -p no:cacheprovider python_tests/test_fused_ops.py python_tests/test_cuda.py 2>&1 | tail -25 | tee "$OUT/pytest_gpu.txt"
+timeout 150 python3 -m pytest -q -p no:cacheprovider python_tests/test_fused_ops.py python_tests/test_cuda.py 2>&1 | tail -25 | tee "$OUT/pytest_gpu.txt"
 step bench
-python3 bench/bench_ops.py --device cuda --json "$OUT/bench_ops_gpu.json" 2>&1 | tee "$OUT/bench_ops_gpu.txt"
+timeout 200 python3 bench/bench_ops.py --device cuda --json "$OUT/bench_ops_gpu.json" 2>&1 | tee "$OUT/bench_ops_gpu.txt"
 step done

@@ -159,10 +159,11 @@ def native_gemm(args: GemmArgs, out: torch.Tensor, swiglu: bool) -> None:
         if end <= start:
             continue
         a = args.a[start:end].to(torch.float32)
-        weights = args.b[e].to(torch.float32)
         if fp8:
             a = a * args.a_scales[start:end].repeat_interleave(GROUP, dim=1)
             weights = dequantize_weights(args.b[e:e + 1], args.b_scales[e:e + 1])[0]
+        else:
+            weights = args.b[e].to(torch.float32)
         acc = a @ weights.t()
         if swiglu:
             gate, up = acc[:, :args.n_out], acc[:, args.n_out:]
