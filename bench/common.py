@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
+from moe_comm import accuracy
 from moe_comm.launch import LocalWorld, init_from_env, launcher_rank
 
 
@@ -85,9 +86,8 @@ def write_json(path: str, record: dict[str, Any]) -> None:
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """DeepEP's dissimilarity: 0 for identical tensors."""
-    x, y = x.double() + 1, y.double() + 1
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+    """DeepEP's dissimilarity (``moe_comm.accuracy.calc_diff`` shifted by 1): 0 for identical tensors."""
+    return accuracy.calc_diff(x, y, shift=1.0)
 
 
 
