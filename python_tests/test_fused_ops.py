@@ -188,3 +188,16 @@ def test_standard_fails_what_it_should():
     assert set(accuracy.STANDARD) == {torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
                                       torch.float8_e5m2, torch.int8}
     assert accuracy.calc_diff(ref, ref) == 0.0 and accuracy.calc_diff(ref, -ref) == 2.0
+
+
+@pytest.mark.parametrize("hidden", [1152, 1536])
+def test_quantize_partial_steps(target, hidden):
+    """FP8 kernels take 8 groups of 128 channels per step: 9 and 12 groups leave a partial last step."""
+    device, backend = target
+    x = torch.randn(5, hidden).bfloat16() * 3
+    for fmt, round_scale, ue8m0 in (("e4m3", False, False), ("e5m2", True, hidden % 512 == 0), ("int8", False, False)):
+        q, s = ops.quantize(x.to(device), fmt, round_scale=round_scale, use_ue8m0=ue8m0, backend=backend)
+        q_ref, s_ref = ops.quantize_reference(x, fmt, round_scale=round_scale, use_ue8m0=ue8m0)
+        accuracy.check("codes", q, q_ref)
+        accuracy.check("scales", s, s_ref)
+        accuracy.check("dequantize", ops.dequantize(q, s, backend=backend), ops.dequantize_reference(q_ref, s_ref))

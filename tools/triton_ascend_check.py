@@ -82,7 +82,7 @@ _SYNTH = "not a shipped launch: the FP8 path with bf16/uint8 data, so its scale 
 # Types and constexprs as the wrappers in moe_comm/ops/*.py launch them (Python int -> i32, float -> fp32,
 # None -> a constant). Shapes: DeepSeek-V3-like, 256 experts on 8 ranks, top-8, hidden 7168.
 _ROWS = _sig("x_ptr:*bf16 source_ptr:*i64 hidden:i32 source_div:i32 amax_floor:fp32 q_max:fp32 q_max_inv:fp32")
-_ROWS_C = {"HAS_SOURCE": True, "ROUND_SCALE": False, "UE8M0": False, "BLOCK_H": 1024}
+_ROWS_C = {"HAS_SOURCE": True, "ROUND_SCALE": False, "UE8M0": False, "BLOCK_H": 1024, "GROUPS": 8}
 _GEMM = _sig("tile_expert_ptr:*i64 tile_start_ptr:*i64 tile_end_ptr:*i64 N:i32 K:i32 b_rows:i32")
 _GEMM_C = {"SWIGLU": False, "DOT_FP32": False, "BLOCK_M": 64, "BLOCK_N": 128}
 _BF16_AB = {**_GEMM, **_sig("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16")}
@@ -96,11 +96,11 @@ REGISTRY: dict[str, tuple[Variant, ...]] = {
                 {"NUM_TOPK": 8, "NUM_RANKS": 8, "EXPERTS_PER_RANK": 32, "BLOCK_T": 128}),
     ),
     "permute.block_histogram_kernel": (
-        Variant("E256", _sig("topk_ptr:*i64 counts_ptr:*i32 num_items:i32"), {"NUM_EXPERTS": 256, "BLOCK": 256}),
+        Variant("E256", _sig("topk_ptr:*i64 counts_ptr:*i32 num_items:i32"), {"NUM_EXPERTS": 256, "BLOCK": 128}),
     ),
     "permute.permute_index_kernel": (
         Variant("E256", _sig("topk_ptr:*i64 block_base_ptr:*i64 row_of_ptr:*i64 source_ptr:*i64 "
-                             "expert_of_row_ptr:*i32 num_items:i32"), {"NUM_EXPERTS": 256, "BLOCK": 256}),
+                             "expert_of_row_ptr:*i32 num_items:i32"), {"NUM_EXPERTS": 256, "BLOCK": 128}),
     ),
     "quant.rows_kernel": (
         Variant("copy bf16", {**_ROWS, **_sig("out_ptr:*bf16")}, {**_ROWS_C, "QUANT": 0, "scales_ptr": None}),
@@ -118,13 +118,13 @@ REGISTRY: dict[str, tuple[Variant, ...]] = {
     ),
     "quant.dequant_kernel": (
         Variant("int8 -> bf16", _sig("q_ptr:*i8 scales_ptr:*fp32 out_ptr:*bf16 hidden:i32"),
-                {"QUANT": 2, "UE8M0": False, "BLOCK_H": 1024}),
+                {"QUANT": 2, "UE8M0": False, "BLOCK_H": 1024, "GROUPS": 8}),
         Variant("e4m3 -> bf16", _sig("q_ptr:*fp8e4nv scales_ptr:*fp32 out_ptr:*bf16 hidden:i32"),
-                {"QUANT": 1, "UE8M0": False, "BLOCK_H": 128}, FP8, _NO_FP8),
+                {"QUANT": 1, "UE8M0": False, "BLOCK_H": 128, "GROUPS": 8}, FP8, _NO_FP8),
         Variant("e5m2 ue8m0 -> bf16", _sig("q_ptr:*fp8e5 scales_ptr:*u8 out_ptr:*bf16 hidden:i32"),
-                {"QUANT": 1, "UE8M0": True, "BLOCK_H": 128}, FP8, _NO_FP8),
+                {"QUANT": 1, "UE8M0": True, "BLOCK_H": 128, "GROUPS": 8}, FP8, _NO_FP8),
         Variant("fp8 math ue8m0, u8 in*", _sig("q_ptr:*u8 scales_ptr:*u8 out_ptr:*bf16 hidden:i32"),
-                {"QUANT": 1, "UE8M0": True, "BLOCK_H": 128}, reason=_SYNTH),
+                {"QUANT": 1, "UE8M0": True, "BLOCK_H": 128, "GROUPS": 8}, reason=_SYNTH),
     ),
     "unpermute.unpermute_reduce_kernel": (
         Variant("bf16", _sig("y_ptr:*bf16 row_of_ptr:*i64 weights_ptr:*fp32 out_ptr:*bf16 hidden:i32"),

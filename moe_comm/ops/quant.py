@@ -22,7 +22,13 @@ __all__ = ["FORMATS", "quantize", "quantize_reference", "dequantize", "dequantiz
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "int8": torch.int8}
 _INT8_MAX = torch.tensor(127.0, dtype=torch.float32)
 _AMAX_FLOOR = 1e-4
-_ROW_BLOCK = 1024
+_ROW_BLOCK = 1024   # channels per step of the rows kernels (unquantized and INT8)
+_FP8_GROUPS = 8     # 128-channel groups per step of the FP8 rows kernels
+
+
+def _blocks(hidden: int) -> dict[str, int]:
+    """Block constexprs of the rows kernels for ``hidden`` channels."""
+    return {"BLOCK_H": min(_ROW_BLOCK, next_pow2(hidden)), "GROUPS": min(_FP8_GROUPS, next_pow2(max(hidden // GROUP, 1)))}
 
 
 def check_quant_args(op: str, hidden: int, fmt: Optional[str], round_scale: bool, use_ue8m0: bool) -> None:
@@ -79,10 +85,9 @@ def launch_rows(x: torch.Tensor, num_rows: int, fmt: Optional[str], round_scale:
         return out, scales
     q_max_inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(q_max, dtype=torch.float32))
     scales_arg = scales.view(torch.uint8) if use_ue8m0 else scales
-    block = k.GROUP if mode == k.FP8 else min(_ROW_BLOCK, next_pow2(hidden))
     k.rows_kernel[(num_rows,)](x, out, scales_arg, source, hidden, source_div, _AMAX_FLOOR, q_max, q_max_inv,
                                HAS_SOURCE=source is not None, QUANT=mode, ROUND_SCALE=round_scale,
-                               UE8M0=use_ue8m0, BLOCK_H=block, enable_fp_fusion=False)
+                               UE8M0=use_ue8m0, enable_fp_fusion=False, **_blocks(hidden))
     return out, scales
 
 
@@ -138,8 +143,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch
         scales = scales.contiguous()
         k.dequant_kernel[(q.shape[0],)](q.contiguous(), scales.view(torch.uint8) if use_ue8m0 else scales, out,
                                         q.shape[1], QUANT=k.INT8 if fmt == "int8" else k.FP8, UE8M0=use_ue8m0,
-                                        BLOCK_H=k.GROUP if fmt == "fp8" else min(_ROW_BLOCK,
-                                                                                 next_pow2(q.shape[1])))
+                                        **_blocks(q.shape[1]))
     return out
 
 

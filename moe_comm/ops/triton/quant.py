@@ -11,27 +11,27 @@ NONE = 0
 FP8 = 1
 INT8 = 2
 GROUP = 128
+_GROUP = tl.constexpr(GROUP)
 _FP8 = tl.constexpr(FP8)
 _INT8 = tl.constexpr(INT8)
 _MANTISSA = tl.constexpr((1 << 23) - 1)
 
 
 @triton.jit
-def fp8_group(x, amax_floor, q_max, q_max_inv, ROUND_SCALE: tl.constexpr):
-    """One 128-channel group ``x`` (fp32) -> (``x * scale`` in fp32, ``scale_inv``): DeepEP's formulas,
-    bit-identical to ``per_token_cast_to_fp8`` (IEEE division, exponent arithmetic on the bits)."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), amax_floor)
+def fp8_groups(x, amax_floor, q_max, q_max_inv, ROUND_SCALE: tl.constexpr):
+    """128-channel groups ``x`` [G, 128] (fp32) -> (``x * scale`` [G, 128] fp32, ``scale_inv`` [G]): DeepEP's
+    formulas, bit-identical to ``per_token_cast_to_fp8`` (IEEE division, exponent arithmetic on the bits).
+    The division is on the [G] vector: triton-ascend's front end rejects a scalar ``div_rn``."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), amax_floor)
     if ROUND_SCALE:
         bits = (amax * q_max_inv).to(tl.int32, bitcast=True)
         exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & _MANTISSA) != 0).to(tl.int32)
         scale = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
         scale_inv = ((127 + exponent) << 23).to(tl.float32, bitcast=True)
     else:
-        # min of per-element quotients == quotient by the max (rounded division is monotonic); dividing
-        # the vector, not the scalar, is what triton-ascend's front end accepts.
-        scale = tl.min(tl.math.div_rn(q_max, tl.maximum(tl.abs(x), amax_floor)), axis=0)
+        scale = tl.math.div_rn(q_max + tl.zeros_like(amax), amax)
         scale_inv = amax * q_max_inv
-    return x * scale, scale_inv
+    return x * scale[:, None], scale_inv
 
 
 @triton.jit
@@ -44,12 +44,12 @@ def round_int8(y):
 @triton.jit
 def rows_kernel(x_ptr, out_ptr, scales_ptr, source_ptr, hidden, source_div, amax_floor, q_max, q_max_inv,
                 HAS_SOURCE: tl.constexpr, QUANT: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr,
-                BLOCK_H: tl.constexpr):
+                BLOCK_H: tl.constexpr, GROUPS: tl.constexpr):
     """Output row ``r`` = input row ``source[r] // source_div`` (or ``r`` without a source; a negative
     source gives a zero row), optionally quantized. One program per output row.
 
     QUANT == FP8: ``out`` float8 [rows, H], ``scales`` fp32 [rows, H / 128] or, with UE8M0, the exponent
-    bytes (uint8 view of int32 [rows, H / 512]); BLOCK_H must be 128.
+    bytes (uint8 view of int32 [rows, H / 512]); GROUPS groups of 128 channels per step.
     QUANT == INT8: ``out`` int8, ``scales`` fp32 [rows]: ``s = 127 / amax``, ``q = rne(x * s)``, scale ``1 / s``.
     """
     row = tl.program_id(0).to(tl.int64)
@@ -61,15 +61,21 @@ def rows_kernel(x_ptr, out_ptr, scales_ptr, source_ptr, hidden, source_div, amax
     out_row = out_ptr + row * hidden
     cols = tl.arange(0, BLOCK_H)
     if QUANT == _FP8:
-        groups = hidden // BLOCK_H
-        for g in range(groups):
-            x = tl.load(in_row + g * BLOCK_H + cols, mask=live, other=0.0).to(tl.float32)
-            scaled, scale_inv = fp8_group(x, amax_floor, q_max, q_max_inv, ROUND_SCALE)
-            tl.store(out_row + g * BLOCK_H + cols, cast(scaled, out_ptr.dtype.element_ty))
+        # GROUPS groups of 128 channels per step: independent reductions keep the memory system busy.
+        groups = hidden // _GROUP
+        group_ids = tl.arange(0, GROUPS)
+        channels = tl.arange(0, _GROUP)
+        for g0 in range(0, groups, GROUPS):
+            g_ok = g0 + group_ids < groups
+            offs = (g0 + group_ids)[:, None] * _GROUP + channels[None, :]
+            x = tl.load(in_row + offs, mask=live & g_ok[:, None], other=0.0).to(tl.float32)
+            scaled, scale_inv = fp8_groups(x, amax_floor, q_max, q_max_inv, ROUND_SCALE)
+            tl.store(out_row + offs, cast(scaled, out_ptr.dtype.element_ty), mask=g_ok[:, None])
             if UE8M0:
-                tl.store(scales_ptr + row * groups + g, ((scale_inv.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8))
+                tl.store(scales_ptr + row * groups + g0 + group_ids,
+                         ((scale_inv.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8), mask=g_ok)
             else:
-                tl.store(scales_ptr + row * groups + g, scale_inv)
+                tl.store(scales_ptr + row * groups + g0 + group_ids, scale_inv, mask=g_ok)
     elif QUANT == _INT8:
         amax = tl.zeros([BLOCK_H], dtype=tl.float32)
         for h in range(0, hidden, BLOCK_H):
@@ -91,20 +97,27 @@ def rows_kernel(x_ptr, out_ptr, scales_ptr, source_ptr, hidden, source_div, amax
 
 @triton.jit
 def dequant_kernel(q_ptr, scales_ptr, out_ptr, hidden, QUANT: tl.constexpr, UE8M0: tl.constexpr,
-                   BLOCK_H: tl.constexpr):
+                   BLOCK_H: tl.constexpr, GROUPS: tl.constexpr):
     """``out[r] = q[r] * scale`` in fp32, rounded to out's dtype. FP8: one scale per 128 channels (fp32, or
-    UE8M0 exponent bytes); INT8: one fp32 scale per row. One program per row; FP8 needs BLOCK_H == 128."""
+    UE8M0 exponent bytes), GROUPS groups per step; INT8: one fp32 scale per row, BLOCK_H channels per step.
+    One program per row."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     if QUANT == _FP8:
-        groups = hidden // BLOCK_H
-        for g in range(groups):
+        groups = hidden // _GROUP
+        group_ids = tl.arange(0, GROUPS)
+        channels = tl.arange(0, _GROUP)
+        for g0 in range(0, groups, GROUPS):
+            g_ok = g0 + group_ids < groups
             if UE8M0:
-                scale = (tl.load(scales_ptr + row * groups + g).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+                exponent = tl.load(scales_ptr + row * groups + g0 + group_ids, mask=g_ok, other=0).to(tl.int32)
+                scale = (exponent << 23).to(tl.float32, bitcast=True)
             else:
-                scale = tl.load(scales_ptr + row * groups + g)
-            q = tl.load(q_ptr + row * hidden + g * BLOCK_H + cols).to(tl.float32)
-            tl.store(out_ptr + row * hidden + g * BLOCK_H + cols, cast(q * scale, out_ptr.dtype.element_ty))
+                scale = tl.load(scales_ptr + row * groups + g0 + group_ids, mask=g_ok, other=0.0)
+            offs = (g0 + group_ids)[:, None] * _GROUP + channels[None, :]
+            q = tl.load(q_ptr + row * hidden + offs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+            tl.store(out_ptr + row * hidden + offs, cast(q * scale[:, None], out_ptr.dtype.element_ty),
+                     mask=g_ok[:, None])
     else:
         scale = tl.load(scales_ptr + row)
         for h in range(0, hidden, BLOCK_H):
