@@ -84,6 +84,21 @@ def test_gemm_ragged_shapes(target):
     assert not out[0].any() and not out[2, 4:].any()
 
 
+def test_gemm_many_tiles(target):
+    """More row tiles than one L2 group (8 tiles) with a partial last group, in both layouts."""
+    device, backend = target
+    experts = 12
+    counts = torch.tensor([70, 0, 3, 130, 64, 1, 0, 200, 9, 65, 12, 40])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    a, b = torch.randn(int(offsets[-1]), 64).bfloat16(), (torch.randn(experts, 48, 64) / 8).bfloat16()
+    out = ops.grouped_gemm(a.to(device), b.to(device), expert_offsets=offsets.to(device), backend=backend)
+    accuracy.check("gemm", out, ops.grouped_gemm_reference(a, b, expert_offsets=offsets), torch.bfloat16)
+    a3 = torch.randn(experts, 200, 64).bfloat16()
+    masked = counts.clamp(max=200).to(torch.int32)
+    out = ops.grouped_gemm(a3.to(device), b.to(device), masked_m=masked.to(device), backend=backend)
+    accuracy.check("masked", out, ops.grouped_gemm_reference(a3, b, masked_m=masked), torch.bfloat16)
+
+
 def test_deterministic(target):
     """Same inputs, same bits, run after run (fixed reduction orders, no float atomics)."""
     device, backend = target

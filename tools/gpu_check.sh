@@ -16,6 +16,8 @@ step accuracy
 timeout 150 python3 -m moe_comm.accuracy --no-interpreter --json "$OUT/accuracy_gpu.json" 2>&1 | tee "$OUT/accuracy_gpu.txt" | grep -v " pass *$"
 step tests
 timeout 150 python3 -m pytest -q -p no:cacheprovider python_tests/test_fused_ops.py python_tests/test_cuda.py 2>&1 | tail -25 | tee "$OUT/pytest_gpu.txt"
+step tune
+timeout 200 python3 bench/tune_grouped_gemm.py 2>&1 | tee "$OUT/tune_gemm_gpu.txt"
 step bench
 timeout 200 python3 bench/bench_ops.py --device cuda --json "$OUT/bench_ops_gpu.json" 2>&1 | tee "$OUT/bench_ops_gpu.txt"
 step done

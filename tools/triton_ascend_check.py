@@ -83,8 +83,8 @@ _SYNTH = "not a shipped launch: the FP8 path with bf16/uint8 data, so its scale 
 # None -> a constant). Shapes: DeepSeek-V3-like, 256 experts on 8 ranks, top-8, hidden 7168.
 _ROWS = _sig("x_ptr:*bf16 source_ptr:*i64 hidden:i32 source_div:i32 amax_floor:fp32 q_max:fp32 q_max_inv:fp32")
 _ROWS_C = {"HAS_SOURCE": True, "ROUND_SCALE": False, "UE8M0": False, "BLOCK_H": 1024, "GROUPS": 8}
-_GEMM = _sig("tile_expert_ptr:*i64 tile_start_ptr:*i64 tile_end_ptr:*i64 N:i32 K:i32 b_rows:i32")
-_GEMM_C = {"SWIGLU": False, "DOT_FP32": False, "BLOCK_M": 64, "BLOCK_N": 128}
+_GEMM = _sig("tile_expert_ptr:*i64 tile_start_ptr:*i64 tile_end_ptr:*i64 num_tiles:i32 N:i32 K:i32 b_rows:i32")
+_GEMM_C = {"SWIGLU": False, "DOT_FP32": False, "BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}
 _BF16_AB = {**_GEMM, **_sig("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16")}
 _FP8_AB = {**_GEMM, **_sig("a_ptr:*fp8e4nv b_ptr:*fp8e4nv c_ptr:*bf16 a_scales_ptr:*fp32 b_scales_ptr:*fp32")}
 _NO_SCALES = {"a_scales_ptr": None, "b_scales_ptr": None}

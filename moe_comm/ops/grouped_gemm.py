@@ -10,7 +10,7 @@ Precisions: BF16/FP16, or FP8 E4M3 with fp32 scales per row and 128 channels (``
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -119,21 +119,41 @@ def _tiles(args: GemmArgs, block_m: int) -> tuple[torch.Tensor, torch.Tensor, to
     return torch.where(used, expert, -1), start, args.ends[expert], bound
 
 
-def launch_gemm(args: GemmArgs, out: torch.Tensor, swiglu: bool) -> None:
-    """Runs the Triton grouped GEMM into ``out`` (zeroed, rows x n_out)."""
-    fp8 = args.a_scales is not None
-    block_m, block_n, block_k = 64, 64 if swiglu else 128, GROUP if fp8 else 64
-    interpreting = args.a.device.type == "cpu"
+class GemmConfig(NamedTuple):
+    """Tile shape and launch options of the Triton grouped GEMM."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(fp8: bool, swiglu: bool, interpreting: bool) -> GemmConfig:
+    """The tile config ``launch_gemm`` uses (chosen on an H200 with ``bench/tune_grouped_gemm.py``)."""
     if interpreting:  # the interpreter's numpy dots are cheap, its per-program overhead is not
-        block_m, block_n = 64, 64
-    tile_expert, tile_start, tile_end, bound = _tiles(args, block_m)
+        return GemmConfig(64, 64, GROUP if fp8 else 64, 8, 4, 1)
+    return GemmConfig(64, 64 if swiglu else 128, GROUP if fp8 else 64, 8, 8, 3)
+
+
+def launch_gemm(args: GemmArgs, out: torch.Tensor, swiglu: bool, config: Optional[GemmConfig] = None) -> None:
+    """Runs the Triton grouped GEMM into ``out`` (zeroed, rows x n_out) with ``config`` (default:
+    ``default_config``). FP8 needs ``block_k == 128``."""
+    fp8 = args.a_scales is not None
+    interpreting = args.a.device.type == "cpu"
+    config = config or default_config(fp8, swiglu, interpreting)
+    if fp8 and config.block_k != GROUP:
+        raise ValueError(f"launch_gemm: FP8 needs block_k == {GROUP} (one scale per step), got {config.block_k}")
+    tile_expert, tile_start, tile_end, bound = _tiles(args, config.block_m)
     if args.a.shape[0] == 0 or args.num_experts == 0 or args.n_out == 0:
         return
-    grid = (bound, -(-args.n_out // block_n))
+    grid = (bound * -(-args.n_out // config.block_n),)
     kernels("grouped_gemm").grouped_gemm_kernel[grid](
         args.a.contiguous(), args.b.contiguous(), out, args.a_scales, args.b_scales, tile_expert, tile_start, tile_end,
-        args.n_out, args.k, args.b_rows, FP8=fp8, SWIGLU=swiglu, DOT_FP32=interpreting, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if interpreting else 8, num_stages=3)
+        bound, args.n_out, args.k, args.b_rows, FP8=fp8, SWIGLU=swiglu, DOT_FP32=interpreting,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, *, expert_offsets: Optional[torch.Tensor] = None,

@@ -12,23 +12,31 @@ SCALE_BLOCK = tl.constexpr(128)
 
 @triton.jit
 def grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scales_ptr, b_scales_ptr, tile_expert_ptr, tile_start_ptr,
-                        tile_end_ptr, N, K, b_rows, FP8: tl.constexpr, SWIGLU: tl.constexpr,
+                        tile_end_ptr, num_tiles, N, K, b_rows, FP8: tl.constexpr, SWIGLU: tl.constexpr,
                         DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    """Program (i, j): rows ``[tile_start[i], tile_end[i])`` (at most BLOCK_M, expert ``tile_expert[i]``;
-    -1 = no tile) by output columns ``[j * BLOCK_N, ...)``.
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Row tile i: rows ``[tile_start[i], tile_end[i])`` (at most BLOCK_M, expert ``tile_expert[i]``; -1 = no
+    tile) by output columns ``[j * BLOCK_N, ...)``. A 1-D grid of ``num_tiles * cdiv(N, BLOCK_N)`` programs
+    walks GROUP_M row tiles (about one expert) across every column block before moving on, so their
+    rows of ``a`` and the expert's weights stay in L2 instead of being read once per column block.
 
     a [rows, K] and b [E, b_rows, K] row-major; c [rows, N]. SWIGLU: b_rows == 2N, gate rows [0, N) and up
     rows [N, 2N); c = silu(a @ gate.T) * (a @ up.T) from the fp32 accumulators. FP8: BLOCK_K == 128,
     a_scales fp32 [rows, K / 128], b_scales fp32 [E, cdiv(b_rows, 128), K / 128]; each 128-deep partial
     product is scaled before it is added. DOT_FP32 multiplies in fp32 (the interpreter has no bf16 math).
     """
-    expert = tl.load(tile_expert_ptr + tl.program_id(0))
+    pid = tl.program_id(0)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(num_tiles - first, GROUP_M)
+    tile = first + (pid % per_group) % size
+    col_block = (pid % per_group) // size
+    expert = tl.load(tile_expert_ptr + tile)
     if expert >= 0:
-        start = tl.load(tile_start_ptr + tl.program_id(0))
-        end = tl.load(tile_end_ptr + tl.program_id(0))
+        start = tl.load(tile_start_ptr + tile)
+        end = tl.load(tile_end_ptr + tile)
         rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < end
         col_ok = cols < N
         ks = tl.arange(0, BLOCK_K)
