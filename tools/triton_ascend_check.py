@@ -84,7 +84,7 @@ _SYNTH = "not a shipped launch: the FP8 path with bf16/uint8 data, so its scale 
 _ROWS = _sig("x_ptr:*bf16 source_ptr:*i64 hidden:i32 source_div:i32 amax_floor:fp32 q_max:fp32 q_max_inv:fp32")
 _ROWS_C = {"HAS_SOURCE": True, "ROUND_SCALE": False, "UE8M0": False, "BLOCK_H": 1024, "GROUPS": 8}
 _GEMM = _sig("tile_expert_ptr:*i64 tile_start_ptr:*i64 tile_end_ptr:*i64 num_tiles:i32 N:i32 K:i32 b_rows:i32")
-_GEMM_C = {"SWIGLU": False, "DOT_FP32": False, "BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}
+_GEMM_C = {"SWIGLU": False, "DOT_FP32": False, "BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}  # GPU defaults
 _BF16_AB = {**_GEMM, **_sig("a_ptr:*bf16 b_ptr:*bf16 c_ptr:*bf16")}
 _FP8_AB = {**_GEMM, **_sig("a_ptr:*fp8e4nv b_ptr:*fp8e4nv c_ptr:*bf16 a_scales_ptr:*fp32 b_scales_ptr:*fp32")}
 _NO_SCALES = {"a_scales_ptr": None, "b_scales_ptr": None}
@@ -133,14 +133,12 @@ REGISTRY: dict[str, tuple[Variant, ...]] = {
                 {"NUM_TOPK": 8, "BLOCK_H": 1024}),
     ),
     "grouped_gemm.grouped_gemm_kernel": (
-        Variant("bf16", _BF16_AB, {**_GEMM_C, **_NO_SCALES, "FP8": False, "BLOCK_K": 64}),
-        Variant("bf16 swiglu", _BF16_AB, {**_GEMM_C, **_NO_SCALES, "FP8": False, "SWIGLU": True, "BLOCK_N": 64,
-                                           "BLOCK_K": 64}),
+        Variant("bf16", _BF16_AB, {**_GEMM_C, **_NO_SCALES, "FP8": False, "BLOCK_N": 256, "BLOCK_K": 64}),
+        Variant("bf16 swiglu", _BF16_AB, {**_GEMM_C, **_NO_SCALES, "FP8": False, "SWIGLU": True, "BLOCK_K": 64}),
         Variant("e4m3", _FP8_AB, {**_GEMM_C, "FP8": True, "BLOCK_K": 128}, FP8, _NO_FP8),
-        Variant("e4m3 swiglu", _FP8_AB, {**_GEMM_C, "FP8": True, "SWIGLU": True, "BLOCK_N": 64, "BLOCK_K": 128},
-                FP8, _NO_FP8),
+        Variant("e4m3 swiglu", _FP8_AB, {**_GEMM_C, "FP8": True, "SWIGLU": True, "BLOCK_K": 128}, FP8, _NO_FP8),
         Variant("fp8 scales swiglu, bf16 ab*", {**_BF16_AB, **_sig("a_scales_ptr:*fp32 b_scales_ptr:*fp32")},
-                {**_GEMM_C, "FP8": True, "SWIGLU": True, "BLOCK_N": 64, "BLOCK_K": 128}, reason=_SYNTH),
+                {**_GEMM_C, "FP8": True, "SWIGLU": True, "BLOCK_K": 128}, reason=_SYNTH),
     ),
 }
 

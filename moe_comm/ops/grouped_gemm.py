@@ -131,10 +131,14 @@ class GemmConfig(NamedTuple):
 
 
 def default_config(fp8: bool, swiglu: bool, interpreting: bool) -> GemmConfig:
-    """The tile config ``launch_gemm`` uses (chosen on an H200 with ``bench/tune_grouped_gemm.py``)."""
+    """The tile config ``launch_gemm`` uses. Chosen on an H200 with ``bench/tune_grouped_gemm.py`` at
+    DeepSeek-V3 shapes (bench/RESULTS.md): 128-row tiles, 256 output columns per program for BF16 (the
+    SwiGLU epilogue's two 128-column accumulators are the same width), 128x128 for FP8."""
     if interpreting:  # the interpreter's numpy dots are cheap, its per-program overhead is not
         return GemmConfig(64, 64, GROUP if fp8 else 64, 8, 4, 1)
-    return GemmConfig(64, 64 if swiglu else 128, GROUP if fp8 else 64, 8, 8, 3)
+    if fp8:
+        return GemmConfig(128, 128, GROUP, 8, 8, 3 if swiglu else 4)
+    return GemmConfig(128, 128 if swiglu else 256, 64, 8, 8, 3)
 
 
 def launch_gemm(args: GemmArgs, out: torch.Tensor, swiglu: bool, config: Optional[GemmConfig] = None) -> None:
