@@ -19,16 +19,18 @@ from moe_comm import accuracy, ops
 from moe_comm.ops.grouped_gemm import GemmArgs, GemmConfig, default_config, launch_gemm
 
 CONFIGS = {
-    False: [GemmConfig(*c) for c in ((64, 128, 64, 1, 8, 3), (64, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3),
-                                     (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4),
-                                     (64, 256, 64, 8, 8, 3), (256, 128, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3))],
-    True: [GemmConfig(*c) for c in ((64, 128, 128, 1, 8, 3), (64, 128, 128, 8, 8, 3), (128, 128, 128, 8, 8, 3),
-                                    (128, 128, 128, 8, 8, 4), (128, 256, 128, 8, 8, 3), (128, 64, 128, 8, 4, 3),
-                                    (64, 64, 128, 8, 4, 3))],
+    False: [GemmConfig(*c) for c in ((64, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3),
+                                     (128, 256, 64, 1, 8, 3), (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3),
+                                     (128, 256, 32, 8, 8, 4))],
+    True: [GemmConfig(*c) for c in ((64, 128, 128, 8, 8, 3), (128, 128, 128, 8, 8, 3), (128, 128, 128, 8, 8, 4),
+                                    (128, 128, 128, 1, 8, 4), (128, 64, 128, 8, 4, 3))],
 }
-SWIGLU = [GemmConfig(*c) for c in ((64, 64, 64, 1, 8, 3), (64, 64, 64, 8, 8, 3), (128, 64, 64, 8, 8, 3),
-                                   (128, 128, 64, 8, 8, 3), (64, 128, 64, 8, 8, 3), (128, 64, 64, 8, 4, 4),
-                                   (128, 64, 64, 8, 8, 4))]
+SWIGLU = {
+    False: [GemmConfig(*c) for c in ((64, 64, 64, 8, 8, 3), (128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3),
+                                     (128, 128, 64, 8, 8, 4), (128, 128, 64, 1, 8, 3))],
+    True: [GemmConfig(*c) for c in ((64, 128, 128, 8, 8, 3), (128, 64, 128, 8, 8, 3), (128, 128, 128, 8, 8, 3),
+                                    (128, 128, 128, 8, 8, 4))],
+}
 
 
 def main() -> int:
@@ -56,7 +58,8 @@ def main() -> int:
     cases = [
         ("gate_up bf16", GemmArgs("tune", perm.x, w13, offsets, None, None, None, 2 * I), False, CONFIGS[False]),
         ("gate_up fp8", GemmArgs("tune", x8, w13_8, offsets, None, x_scales, w13_scales, 2 * I), False, CONFIGS[True]),
-        ("gate_up swiglu bf16", GemmArgs("tune", perm.x, w13, offsets, None, None, None, I), True, SWIGLU),
+        ("gate_up swiglu bf16", GemmArgs("tune", perm.x, w13, offsets, None, None, None, I), True, SWIGLU[False]),
+        ("gate_up swiglu fp8", GemmArgs("tune", x8, w13_8, offsets, None, x_scales, w13_scales, I), True, SWIGLU[True]),
         ("down bf16", GemmArgs("tune", h, w2, offsets, None, None, None, H), False, CONFIGS[False]),
     ]
     ends = offsets[1:].to(torch.int32)
