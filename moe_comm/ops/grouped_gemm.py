@@ -131,9 +131,10 @@ class GemmConfig(NamedTuple):
 
 
 def default_config(fp8: bool, swiglu: bool, interpreting: bool) -> GemmConfig:
-    """The tile config ``launch_gemm`` uses. Chosen on an H200 with ``bench/tune_grouped_gemm.py`` at
-    DeepSeek-V3 shapes (bench/RESULTS.md): 128-row tiles, 256 output columns per program for BF16 (the
-    SwiGLU epilogue's two 128-column accumulators are the same width), 128x128 for FP8."""
+    """The tile config ``launch_gemm`` uses: 128-row tiles, 256 output columns per program for BF16 (the
+    SwiGLU epilogue's two 128-column accumulators are the same width), 128x128 for FP8. Picked from a
+    ``bench/tune_grouped_gemm.py`` sweep on an H200 at DeepSeek-V3 shapes whose numbers were lost
+    (bench/RESULTS.md); ``tools/triton_cuda_check.py`` holds each to sm_90's shared memory."""
     if interpreting:  # the interpreter's numpy dots are cheap, its per-program overhead is not
         return GemmConfig(64, 64, GROUP if fp8 else 64, 8, 4, 1)
     if fp8:
