@@ -14,14 +14,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import format_table, summarize, write_json
+from common import format_table, summarize, time_calls, write_json
 
 BYTE_RULE = ("pack_rows: record bytes written; unpack_rows: record bytes read; combine_reduce: returned "
              "record bytes read (num_records x hidden x 2); dispatch_layout: topk_idx bytes read (T x K x 8). "
@@ -109,17 +108,6 @@ def _check(d: dict[str, Any], cfg: dict[str, Any]) -> None:
                 ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank")), "dispatch_layout")
 
 
-def _time(fn: Callable[[], Any], warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def child(cfg: dict[str, Any], threads: int) -> list[dict[str, Any]]:
     """Times every op at ``threads`` threads (env already set by the parent); one row per (op, impl)."""
     from moe_comm._native import cpu_threads
@@ -130,7 +118,7 @@ def child(cfg: dict[str, Any], threads: int) -> list[dict[str, Any]]:
     _check(d, cfg)
     rows = []
     for op, impl, fn, nbytes in _cases(d, cfg):
-        secs = _time(fn, cfg["warmup"], cfg["iters"])
+        secs = time_calls(fn, cfg["warmup"], cfg["iters"])
         # rows an op walks: records, except dispatch_layout, which walks tokens
         n = cfg["tokens"] if op == "dispatch_layout" else d["plan"].send_rows.shape[0]
         rows.append({"op": op, "impl": impl, "threads": threads, "rows": n,

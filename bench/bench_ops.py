@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import calc_diff, format_table, summarize, write_json
+from common import calc_diff, format_table, summarize, time_calls, write_json
 
 BYTE_RULE = ("bytes that must be read + written once each: dispatch_layout: topk_idx (T*K*8) + counts (R*4 + E*4) "
              "+ is_token_in_rank (T*R); permute: x read once (T*H*2) + rows written (rows*H*2 bf16, or rows*H + "
@@ -337,15 +337,10 @@ def time_fn(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int,
             flush: Optional[torch.Tensor]) -> list[float]:
     """Seconds per call. CUDA: events around each call (ops that sync the host inside still measure
     end to end), with L2 flushed before each so inputs come from HBM as in a real layer; CPU: perf_counter."""
+    if device.type != "cuda":
+        return time_calls(fn, warmup, reps)
     for _ in range(warmup):
         fn()
-    if device.type != "cuda":
-        out = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return out
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:

@@ -41,6 +41,18 @@ def summarize(seconds: Sequence[float]) -> dict[str, float]:
             "min_us": min(us), "max_us": max(us)}
 
 
+def time_calls(fn: Callable[[], Any], warmup: int, iters: int) -> list[float]:
+    """Seconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed ones (perf_counter, this process)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def git_commit() -> dict[str, Any]:
     """HEAD of the repository holding this file and whether the tree has changes; None on failure."""
     repo = Path(__file__).resolve().parent.parent

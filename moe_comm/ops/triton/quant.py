@@ -35,6 +35,14 @@ def fp8_groups(x, amax_floor, q_max, q_max_inv, ROUND_SCALE: tl.constexpr):
 
 
 @triton.jit
+def group_step(g0, groups, GROUPS: tl.constexpr):
+    """One step over a row's 128-channel groups ``[g0, g0 + GROUPS)``: their ids [GROUPS], which exist
+    (``ids < groups``), and their channel offsets [GROUPS, 128] in the row."""
+    ids = g0 + tl.arange(0, GROUPS)
+    return ids, ids < groups, ids[:, None] * _GROUP + tl.arange(0, _GROUP)[None, :]
+
+
+@triton.jit
 def round_int8(y):
     """Round half to even for |y| <= 127 without vendor intrinsics: adding 1.5 * 2^23 leaves no fraction
     bits, so the fp32 add rounds as IEEE does (launch with fp fusion off, or the add becomes an FMA)."""
@@ -63,19 +71,16 @@ def rows_kernel(x_ptr, out_ptr, scales_ptr, source_ptr, hidden, source_div, amax
     if QUANT == _FP8:
         # GROUPS groups of 128 channels per step: independent reductions keep the memory system busy.
         groups = hidden // _GROUP
-        group_ids = tl.arange(0, GROUPS)
-        channels = tl.arange(0, _GROUP)
         for g0 in range(0, groups, GROUPS):
-            g_ok = g0 + group_ids < groups
-            offs = (g0 + group_ids)[:, None] * _GROUP + channels[None, :]
+            ids, g_ok, offs = group_step(g0, groups, GROUPS)
             x = tl.load(in_row + offs, mask=live & g_ok[:, None], other=0.0).to(tl.float32)
             scaled, scale_inv = fp8_groups(x, amax_floor, q_max, q_max_inv, ROUND_SCALE)
             tl.store(out_row + offs, cast(scaled, out_ptr.dtype.element_ty), mask=g_ok[:, None])
             if UE8M0:
-                tl.store(scales_ptr + row * groups + g0 + group_ids,
+                tl.store(scales_ptr + row * groups + ids,
                          ((scale_inv.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8), mask=g_ok)
             else:
-                tl.store(scales_ptr + row * groups + g0 + group_ids, scale_inv, mask=g_ok)
+                tl.store(scales_ptr + row * groups + ids, scale_inv, mask=g_ok)
     elif QUANT == _INT8:
         amax = tl.zeros([BLOCK_H], dtype=tl.float32)
         for h in range(0, hidden, BLOCK_H):
@@ -105,16 +110,13 @@ def dequant_kernel(q_ptr, scales_ptr, out_ptr, hidden, QUANT: tl.constexpr, UE8M
     cols = tl.arange(0, BLOCK_H)
     if QUANT == _FP8:
         groups = hidden // _GROUP
-        group_ids = tl.arange(0, GROUPS)
-        channels = tl.arange(0, _GROUP)
         for g0 in range(0, groups, GROUPS):
-            g_ok = g0 + group_ids < groups
+            ids, g_ok, offs = group_step(g0, groups, GROUPS)
             if UE8M0:
-                exponent = tl.load(scales_ptr + row * groups + g0 + group_ids, mask=g_ok, other=0).to(tl.int32)
+                exponent = tl.load(scales_ptr + row * groups + ids, mask=g_ok, other=0).to(tl.int32)
                 scale = (exponent << 23).to(tl.float32, bitcast=True)
             else:
-                scale = tl.load(scales_ptr + row * groups + g0 + group_ids, mask=g_ok, other=0.0)
-            offs = (g0 + group_ids)[:, None] * _GROUP + channels[None, :]
+                scale = tl.load(scales_ptr + row * groups + ids, mask=g_ok, other=0.0)
             q = tl.load(q_ptr + row * hidden + offs, mask=g_ok[:, None], other=0.0).to(tl.float32)
             tl.store(out_ptr + row * hidden + offs, cast(q * scale[:, None], out_ptr.dtype.element_ty),
                      mask=g_ok[:, None])
