@@ -130,7 +130,7 @@ X_DTYPES = [torch.bfloat16, torch.float32, torch.uint8, torch.float8_e4m3fn]
 
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
 @pytest.mark.parametrize("hidden", [1, 7, 33])
-@pytest.mark.parametrize("rows", ["sorted", "unsorted_repeats", "single", "zero"])
+@pytest.mark.parametrize("rows", ["sorted", "unsorted_repeats", "single", "zero", "skips"])
 def test_pack_rows_matches_reference(x_dtype, hidden, rows):
     gen = _gen(str(x_dtype), hidden, rows)
     num_src = 23
@@ -138,11 +138,16 @@ def test_pack_rows_matches_reference(x_dtype, hidden, rows):
     src_rows = {"sorted": torch.arange(num_src),
                 "unsorted_repeats": torch.randint(0, num_src, (57,), generator=gen),
                 "single": torch.tensor([num_src - 1]),
-                "zero": torch.empty(0, dtype=torch.int64)}[rows]
-    got = pack_rows(layout, fields, src_rows)
+                "zero": torch.empty(0, dtype=torch.int64),
+                "skips": torch.where(torch.arange(57) % 3 == 0, -1, torch.randint(0, num_src, (57,), generator=gen))}[rows]
+    out = torch.full((src_rows.shape[0], layout.record_bytes), 0xA5, dtype=torch.uint8)  # -1 must zero it
+    got = pack_rows(layout, fields, src_rows, out=out)
     _assert_fields_equal(layout, got, pack_rows_reference(layout, fields, src_rows))
-    for f, t in zip(layout.fields, fields):  # and each field is exactly the gathered source rows
-        assert torch.equal(layout.view(got, f.name).view(torch.uint8), _as_bytes(t[src_rows]))
+    skip = src_rows < 0
+    for f, t in zip(layout.fields, fields):  # and each field is exactly the gathered source rows, or zeros
+        want = _as_bytes(t[src_rows.clamp(min=0)]).clone()
+        want[skip] = 0
+        assert torch.equal(layout.view(got, f.name).view(torch.uint8), want)
 
 
 def _strided_outputs(gen, layout, num_rows):
@@ -473,8 +478,10 @@ def test_gather_rows_matches_reference(dtype, cols, strided):
     src = torch.randint(0, 100, (700, cols * (2 if strided else 1)), generator=gen).to(dtype)
     src = src[:, ::2] if strided else src
     rows = torch.randint(0, 700, (900,), generator=gen)  # repeats allowed; 900 x 14 KB streams
-    got = torch.zeros(900, cols, dtype=dtype)
-    want = torch.zeros(900, cols, dtype=dtype)
+    rows[::7] = -1  # zero rows
+    got = torch.ones(900, cols, dtype=dtype)
+    want = torch.ones(900, cols, dtype=dtype)
     gather_rows(got, src, rows)
     gather_rows_reference(want, src, rows)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert not bool(got[rows < 0].view(torch.uint8).any())

@@ -35,7 +35,7 @@ void dispatch_layout(int32_t* num_tokens_per_rank, int32_t* num_tokens_per_exper
                      int num_threads);
 
 // Gathers source rows into records: record i (at records + i * record_bytes) receives, for every
-// segment, row src_rows[i] of that segment's field.
+// segment, row src_rows[i] of that segment's field, or zeros where src_rows[i] < 0.
 void pack_rows(uint8_t* records,
                const Segment* segments, int num_segments, const int64_t* src_rows,
                int64_t num_rows, int64_t record_bytes,

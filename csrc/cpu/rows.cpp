@@ -39,8 +39,11 @@ void pack_rows(uint8_t* records,
             uint8_t* rec = records + i * record_bytes;
             for (int s = 0; s < num_segments; ++s) {
                 const Segment& seg = segments[s];
-                copy_field(rec + seg.offset, seg.elem_bytes, seg.data + src_rows[i] * seg.row_stride, seg.col_stride,
-                           seg.elem_bytes, seg.num_cols, stream);
+                if (src_rows[i] < 0)
+                    std::memset(rec + seg.offset, 0, static_cast<size_t>(seg.elem_bytes * seg.num_cols));
+                else
+                    copy_field(rec + seg.offset, seg.elem_bytes, seg.data + src_rows[i] * seg.row_stride,
+                               seg.col_stride, seg.elem_bytes, seg.num_cols, stream);
             }
         }
         if (stream) stream_fence();

@@ -32,7 +32,7 @@ class Field:
 
 @dataclass(frozen=True)
 class RecordLayout:
-    """Byte layout of one record; ``record_bytes`` is a multiple of 8."""
+    """Byte layout of one record (``build`` makes ``record_bytes`` a multiple of 8; the kernels need not)."""
 
     fields: tuple[Field, ...]
     record_bytes: int
@@ -89,7 +89,8 @@ def pack_rows(layout: RecordLayout, fields: Sequence[Optional[torch.Tensor]], sr
         fields: one 2-D tensor per layout field, any strides, rows indexed by ``src_rows``; None
             leaves that field's bytes unwritten (for a per-record value the caller writes through
             ``layout.view``).
-        src_rows: `[num_records]` int64, the source row of each record (any order, repeats allowed).
+        src_rows: `[num_records]` int64, the source row of each record (any order, repeats allowed);
+            -1 writes zeros to the record's fields.
         out: optional `[num_records, record_bytes]` uint8 with contiguous rows to write into.
     Returns:
         `[num_records, record_bytes]` uint8 (``out`` when given); bytes between fields are unspecified.
@@ -117,8 +118,9 @@ def pack_rows_reference(layout: RecordLayout, fields: Sequence[Optional[torch.Te
     records = torch.zeros(src_rows.shape[0], layout.record_bytes, dtype=torch.uint8, device=src_rows.device)
     for f, t in zip(layout.fields, fields):
         if f.num_cols and t is not None:
-            rows = t.index_select(0, src_rows).contiguous()
-            records[:, f.offset:f.offset + f.nbytes] = rows.view(torch.uint8).reshape(rows.shape[0], f.nbytes)
+            rows = t.index_select(0, src_rows.clamp(min=0)).contiguous().view(torch.uint8).reshape(-1, f.nbytes)
+            rows[src_rows < 0] = 0
+            records[:, f.offset:f.offset + f.nbytes] = rows
     return records
 
 
@@ -157,8 +159,8 @@ def unpack_rows_reference(layout: RecordLayout, records: torch.Tensor, outputs: 
 
 
 def gather_rows(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
-    """``out[i] = src[rows[i]]``: 2-D tensors of one element size, ``out`` with contiguous rows,
-    ``src`` any strides, ``rows`` `[out.shape[0]]` int64. Local. (On CPU the native row copy, whose
+    """``out[i] = src[rows[i]]``, zeros where ``rows[i] == -1``: 2-D tensors of one element size, ``out`` with
+    contiguous rows, ``src`` any strides, ``rows`` `[out.shape[0]]` int64. Local. (On CPU the native row copy, whose
     large copies bypass the cache; ``torch.index_select`` does not.)
     Reference: ``gather_rows_reference``."""
     if (out.dim() != 2 or src.dim() != 2 or out.shape[1] != src.shape[1] or out.element_size() != src.element_size()
@@ -176,4 +178,5 @@ def gather_rows(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> Non
 
 def gather_rows_reference(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
     """Plain-torch specification of ``gather_rows``; also the path for non-CPU devices."""
-    out.copy_(src.index_select(0, rows).view(out.dtype))
+    out.copy_(src.index_select(0, rows.clamp(min=0)).view(out.dtype))
+    out.view(torch.uint8)[rows < 0] = 0
