@@ -6,6 +6,8 @@ from typing import Optional
 import torch
 
 from .backend import kernels, next_pow2, resolve
+from .combine_reduce import REDUCE_DTYPES, combine_reduce
+from .records import Field, RecordLayout
 
 __all__ = ["unpermute_reduce", "unpermute_reduce_reference"]
 
@@ -49,6 +51,13 @@ def unpermute_reduce(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.
             kernels("unpermute").unpermute_reduce_kernel[(num_tokens, -(-y.shape[1] // block))](
                 y.contiguous(), row_of.contiguous(), topk_weights.contiguous(), out, y.shape[1],
                 NUM_TOPK=num_topk, BLOCK_H=block)
+        return out
+    if y.device.type == "cpu" and out_dtype == y.dtype and y.dtype in REDUCE_DTYPES:
+        # The combine reduction with the top-k slots as its sources: row_of is its send_pos.
+        out = torch.empty(num_tokens, y.shape[1], dtype=out_dtype)
+        records = y.contiguous().view(torch.uint8).view(y.shape[0], y.shape[1] * y.element_size())
+        layout = RecordLayout((Field("x", y.dtype, y.shape[1], 0),), records.shape[1])
+        combine_reduce(layout, records, row_of.to(torch.int32), None, None, out, None, scale=topk_weights)
         return out
     acc = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
     for k in range(num_topk):
