@@ -5,6 +5,8 @@ cases skip without a GPU. Shapes are small: the interpreter runs programs one af
 """
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -82,6 +84,21 @@ def test_gemm_ragged_shapes(target):
     out = ops.grouped_gemm(a3.to(device), b.to(device), masked_m=masked.to(device), backend=backend)
     accuracy.check("masked", out, ops.grouped_gemm_reference(a3, b, masked_m=masked), torch.bfloat16)
     assert not out[0].any() and not out[2, 4:].any()
+
+
+@pytest.mark.parametrize("bf16_units", [False, True])
+def test_native_gemm_on_cpus_with_and_without_bf16_units(monkeypatch, bf16_units):
+    """The native path multiplies in bf16 where the CPU has bf16 units, else in fp32: both meet the standard,
+    and SwiGLU keeps its fp32 products either way."""
+    gemm_module = importlib.import_module("moe_comm.ops.grouped_gemm")  # ops exports a function of that name
+    monkeypatch.setattr(gemm_module, "_cpu_has_bf16_matmul", lambda: bf16_units)
+    offsets = torch.tensor([0, 40, 40, 97])
+    a, b = torch.randn(97, 256).bfloat16(), (torch.randn(3, 96, 256) / 16).bfloat16()
+    out = ops.grouped_gemm(a, b, expert_offsets=offsets, backend="native")
+    accuracy.check("gemm", out, ops.grouped_gemm_reference(a, b, expert_offsets=offsets), torch.bfloat16)
+    w2 = (torch.randn(3, 256, 48) / 8).bfloat16()
+    out = ops.expert_ffn(a, b, w2, expert_offsets=offsets, backend="native")
+    accuracy.check("ffn", out, ops.expert_ffn_reference(a, b, w2, expert_offsets=offsets), torch.bfloat16)
 
 
 def test_gemm_many_tiles(target):
