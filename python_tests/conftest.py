@@ -24,6 +24,13 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _seeded_rng():
+    """Every test draws the same random data on every run (MOE_COMM_TEST_SEED picks another draw)."""
+    import torch
+    torch.manual_seed(int(os.environ.get("MOE_COMM_TEST_SEED", "0")))
+
+
 #: Every multi-rank test runs on each CPU transport; outputs must be identical (tests compare to
 #: the same references, and test_shm compares the transports directly).
 TRANSPORTS = ("shm", "collective")
