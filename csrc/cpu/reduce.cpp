@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "api.h"
+#include "elem.h"
 #include "parallel.h"
 #include "stream.h"
 
@@ -24,43 +25,6 @@ namespace {
 // Hidden elements accumulated at a time: the accumulator stays in L1 (or registers) while every
 // source is added; 1.2x faster than whole rows at hidden 7168 (bench/RESULTS.md).
 constexpr int64_t kReduceChunk = 512;
-
-inline float bf16_to_float(uint16_t v) {
-    const uint32_t bits = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-}
-
-// Round-to-nearest-even, NaN kept quiet: the same rounding torch uses for float -> bfloat16.
-inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof(bits));
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    // A select, not a branch, so the store loop vectorizes.
-    return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
-}
-
-template <DType kType>
-struct Elem;
-template <>
-struct Elem<DType::kFloat32> {
-    using T = float;
-    static float load(T v) { return v; }
-    static T store(float f) { return f; }
-};
-template <>
-struct Elem<DType::kBFloat16> {
-    using T = uint16_t;
-    static float load(T v) { return bf16_to_float(v); }
-    static T store(float f) { return float_to_bf16(f); }
-};
-template <>
-struct Elem<DType::kFloat16> {
-    using T = _Float16;
-    static float load(T v) { return static_cast<float>(v); }
-    static T store(float f) { return static_cast<_Float16>(f); }
-};
 
 #if defined(__AVX2__)
 // bf16 rows by hand: GCC's vectorization of the generic loop spends its time converting. Same
