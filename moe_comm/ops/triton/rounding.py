@@ -15,12 +15,14 @@ def round_to_grid(x, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     smallest normal 2^MIN_EXPONENT, as an fp32 value. No saturation: the caller keeps |x| in range."""
     DROP: tl.constexpr = 23 - MANTISSA
     bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & ~((1 << DROP) - 1)
-    normal = bits.to(tl.float32, bitcast=True)
+    rounded = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & ~((1 << DROP) - 1)
+    normal = rounded.to(tl.float32, bitcast=True)
     # Below the smallest normal the grid is uniform, 2^(MIN_EXPONENT - MANTISSA) apart: adding 1.5 * 2^23
     # of that step leaves exactly that step as the fp32 ulp, so the add itself rounds to nearest even.
+    # On the magnitude, then signed, so a negative value that rounds to zero stays -0 as torch's casts give.
     MAGIC: tl.constexpr = 1.5 * 2.0 ** (MIN_EXPONENT - MANTISSA + 23)
-    subnormal = (x + MAGIC) - MAGIC
+    magnitude = (tl.abs(x) + MAGIC) - MAGIC
+    subnormal = tl.where(bits < 0, -magnitude, magnitude)
     return tl.where(tl.abs(x) < 2.0 ** MIN_EXPONENT, subnormal, normal)
 
 
