@@ -13,6 +13,8 @@ import torch
 from moe_comm import accuracy, ops
 from moe_comm.accuracy_suite import CASES, _routing
 
+from bit_checks import assert_same_bits_or_both_nan
+
 TARGETS = [("cpu", "native"), ("cpu", "triton"), ("cuda", "native"), ("cuda", "triton")]
 
 
@@ -44,6 +46,9 @@ def test_standard(op, target):
 def _same(a, b) -> None:
     for name in ("x", "expert_offsets", "num_tokens_per_expert", "row_of", "source", "expert_of_row"):
         accuracy.check(name, getattr(a, name), getattr(b, name).to(getattr(a, name).device))
+    assert (a.scales is None) == (b.scales is None)
+    if b.scales is not None:
+        accuracy.check("scales", a.scales, b.scales.to(a.scales.device))
 
 
 @pytest.mark.parametrize("tokens,topk,experts,alignment", [(0, 4, 8, 16), (7, 1, 3, 1), (5, 3, 64, 128), (64, 8, 4, 2)])
@@ -233,3 +238,76 @@ def test_quantize_partial_steps(target, hidden):
         accuracy.check("codes", q, q_ref)
         accuracy.check("scales", s, s_ref)
         accuracy.check("dequantize", ops.dequantize(q, s, backend=backend), ops.dequantize_reference(q_ref, s_ref))
+
+
+def _fp32_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int64).to(torch.int32).view(torch.float32)
+
+
+def _groups_with_amax(values: torch.Tensor, amax: float) -> torch.Tensor:
+    """Rows of 128-channel groups holding ``values`` (|v| <= amax), each group led by ``amax``: with
+    ``q_max == amax`` the scale is exactly 1, so the codes are the casts of the values themselves."""
+    per_group = values.numel() // 127 * 127
+    groups = values[:per_group].view(-1, 127)
+    lead = torch.full((groups.shape[0], 1), amax, dtype=torch.float32)
+    rows = torch.cat([lead, groups], dim=1).reshape(-1, 8 * 128 if groups.shape[0] % 8 == 0 else 128)
+    return rows
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_codes_match_torch_at_every_rounding_case(target, fmt):
+    """Every backend's FP8 codes equal torch's cast bit for bit: all fp32 magnitudes up to the format's max
+    with the low 16 bits at 0, 1, 0x7fff, 0x8000, 0x8001, 0xffff (exact ties, both neighbours of them, and
+    subnormal codes included), both signs."""
+    device, backend = target
+    q_max = torch.finfo(ops.FORMATS[fmt]).max
+    top = int(torch.tensor(q_max, dtype=torch.float32).view(torch.int32)) >> 16
+    highs = torch.arange(top, dtype=torch.int64) << 16
+    bits = (highs[:, None] + torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF])).reshape(-1)
+    values = _fp32_from_bits(bits)
+    values = torch.cat([values, -values])
+    if device.type == "cuda" or backend == "native":
+        chosen = values
+    else:  # the interpreter runs one program at a time: every 16th value keeps it to seconds
+        chosen = values[::16]
+    x = _groups_with_amax(chosen, q_max)
+    q, _ = ops.quantize(x.to(device), fmt, backend=backend)
+    q_ref, _ = ops.quantize_reference(x, fmt)
+    assert torch.equal(q_ref.view(torch.uint8)[:, 1:128], x[:, 1:128].to(ops.FORMATS[fmt]).view(torch.uint8))
+    accuracy.check("codes", q, q_ref)
+
+
+def test_int8_codes_round_half_to_even(target):
+    """INT8 codes of exact halves round to even, as torch.round: amax 127 makes the scale exactly 1."""
+    device, backend = target
+    halves = torch.arange(-126, 127, dtype=torch.float32) + 0.5
+    x = torch.cat([torch.tensor([127.0]), halves, torch.tensor([-0.5, 0.5, 1.5, -1.5])]).view(1, -1)
+    q, s = ops.quantize(x.to(device), "int8", backend=backend)
+    q_ref, s_ref = ops.quantize_reference(x, "int8")
+    assert torch.equal(q_ref[0, 1:].float(), torch.round(x[0, 1:]))
+    accuracy.check("codes", q, q_ref)
+    accuracy.check("scales", s, s_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt,round_scale,ue8m0", [("e4m3", False, False), ("e4m3", True, True),
+                                                   ("e5m2", True, False), ("int8", False, False)])
+def test_native_quantize_and_fused_permute_match_torch(dtype, fmt, round_scale, ue8m0):
+    """The C++ cast (quantize, and permute's gather + cast in one pass) gives torch's codes and scales bit
+    for bit, for each input dtype, tiny and huge magnitudes, and rows with a NaN or Inf (a group with a NaN
+    is NaN in both; NaN payloads are not compared: torch's own differ with the tensor's size)."""
+    torch.manual_seed(7)
+    x = (torch.randn(40, 1024) * torch.logspace(-12, 4, 40)[:, None]).to(dtype)
+    x[3, 5], x[4, 700], x[5, 9], x[6] = float("nan"), float("inf"), -float("inf"), 0.0
+    q, s = ops.quantize(x, fmt, round_scale=round_scale, use_ue8m0=ue8m0, backend="native")
+    q_ref, s_ref = ops.quantize_reference(x, fmt, round_scale=round_scale, use_ue8m0=ue8m0)
+    assert_same_bits_or_both_nan(q, q_ref, "codes")
+    assert_same_bits_or_both_nan(s, s_ref, "scales")
+    assert bool(s_ref.float().isnan().any()) == (not round_scale), "the NaN row reaches its scale"
+    idx = _routing(40, 8, 3, seed=5)
+    got = ops.permute(x, idx, 8, alignment=4, quant=fmt, round_scale=round_scale, use_ue8m0=ue8m0,
+                      backend="native")
+    want = ops.permute_reference(x, idx, 8, alignment=4, quant=fmt, round_scale=round_scale, use_ue8m0=ue8m0)
+    for name in ("x", "scales", "row_of", "source"):
+        assert_same_bits_or_both_nan(getattr(got, name), getattr(want, name), name)
+

@@ -13,6 +13,9 @@ from moe_comm.ops import (DispatchLayout, RecordLayout, combine_reduce, combine_
                           gather_rows, gather_rows_reference,
                           dispatch_layout_reference, pack_rows, pack_rows_reference, unpack_rows, unpack_rows_reference)
 from moe_comm.ops.combine_reduce import REDUCE_DTYPES
+from moe_comm.ops.quant import native_rows, quantize_reference
+
+from bit_checks import assert_same_bits_or_both_nan
 
 
 def _gen(*key) -> torch.Generator:
@@ -485,3 +488,29 @@ def test_gather_rows_matches_reference(dtype, cols, strided):
     gather_rows_reference(want, src, rows)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert not bool(got[rows < 0].view(torch.uint8).any())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_rows_builds_agree_bitwise(dtype):
+    """Each build of the C++ cast the CPU can run (AVX-512, AVX2, generic) gives the reference's codes and
+    scales bit for bit, gathering rows (zero rows included) or not, with NaN and Inf present."""
+    gen = _gen(str(dtype), "quant isa")
+    x = (torch.randn(37, 1536, generator=gen) * 2.0 ** torch.randint(-30, 12, (37, 1), generator=gen)).to(dtype)
+    x[2, 7], x[5, 1000], x[9] = float("nan"), -float("inf"), 0.0
+    source = torch.randint(-1, 37 * 2, (50,), generator=gen)
+    cases = (("e4m3", False, False), ("e4m3", True, True), ("e5m2", True, False), ("int8", False, False))
+    seen = set()
+    try:
+        for cap in (2, 1, 0):
+            native().set_quantize_rows_isa_cap(cap)
+            seen.add(native().quantize_rows_isa())
+            for fmt, round_scale, ue8m0 in cases:
+                q, s = native_rows(x, 50, fmt, round_scale, ue8m0, source=source, source_div=2)
+                rows = torch.where(source >= 0, source // 2, 0)
+                gathered = torch.where((source >= 0)[:, None], x[rows], torch.zeros((), dtype=dtype))
+                q_ref, s_ref = quantize_reference(gathered, fmt, round_scale=round_scale, use_ue8m0=ue8m0)
+                assert_same_bits_or_both_nan(q, q_ref, f"{fmt} codes, cap {cap}")
+                assert_same_bits_or_both_nan(s, s_ref, f"{fmt} scales, cap {cap}")
+    finally:
+        native().set_quantize_rows_isa_cap(2)
+    assert "generic" in seen

@@ -68,6 +68,29 @@ void combine_reduce(void* out, float* out_weights,
 const char* combine_reduce_isa();
 void set_combine_reduce_generic(bool generic);
 
+// Formats of quantize_rows: FP8 E4M3 / E5M2 with one scale per 128 channels, or INT8 with one per row.
+enum class QuantFormat : int { kE4M3 = 0, kE5M2 = 1, kInt8 = 2 };
+
+// Per-token quantization of rows, optionally gathered (moe_comm/ops/quant.py and fp8.py give the formulas
+// and the torch references it matches bit for bit). Output row r is input row source[r] / source_div
+// (row r when source is null; a zero row where source[r] < 0) of `x` [*, hidden] in `in_dtype`, cast:
+//   FP8:  per 128-channel group g, amax = max(1e-4, max |x_g|) (NaN propagates); scale = q_max / amax and
+//         scale_inv = amax * (1 / q_max), or with round_scale the powers of two 2^-e and 2^e,
+//         e = ceil(log2(amax / q_max)); out = fp8(x_g * scale) rounded as torch rounds (nearest even;
+//         E4M3 saturates at +-448, E5M2 overflows to Inf, NaN stays NaN); scales [rows, hidden / 128] fp32 scale_inv, or
+//         with ue8m0 one exponent byte of scale_inv per group ([rows, hidden / 128] bytes).
+//   INT8: amax over the row, s = 127 / amax, out = clamp(rne(x * s), -127, 127), scales [rows] fp32 1 / s.
+// hidden must be a multiple of 128 for FP8.
+void quantize_rows(uint8_t* out, uint8_t* scales,
+                   const void* x, const int64_t* source,
+                   int64_t num_rows, int64_t hidden, int64_t source_div, DType in_dtype, QuantFormat format,
+                   bool round_scale, bool ue8m0, int num_threads);
+
+// Which build of quantize_rows this CPU runs: "avx512", "avx2" or "generic" (same bits). Tests cap it
+// with set_quantize_rows_isa_cap(level): 0 generic, 1 at most AVX2, 2 the best the CPU has.
+const char* quantize_rows_isa();
+void set_quantize_rows_isa_cap(int level);
+
 // Low-latency send order: the (token, k) messages of topk_idx [num_tokens, num_topk] with an expert
 // (-1 skipped), sorted by expert id, then by t * num_topk + k (a stable counting sort). Writes msg[i]
 // = t * num_topk + k and experts[i] for each message i, send_counts[r] = messages to rank

@@ -40,6 +40,7 @@ py::dict build_info() {
     info["bang"] = false;
     info["hardware_threads"] = cpu::hardware_threads();
     info["combine_reduce_isa"] = cpu::combine_reduce_isa();
+    info["quantize_rows_isa"] = cpu::quantize_rows_isa();
     return info;
 }
 
@@ -155,6 +156,20 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_threads"));
 
     m.def(
+        "quantize_rows",
+        [](std::uintptr_t out, std::uintptr_t scales, std::uintptr_t x, std::uintptr_t source, int64_t num_rows,
+           int64_t hidden, int64_t source_div, int in_dtype, int format, bool round_scale, bool ue8m0,
+           int num_threads) {
+            py::gil_scoped_release release;
+            cpu::quantize_rows(ptr<uint8_t>(out), ptr<uint8_t>(scales), ptr<const void>(x), ptr<const int64_t>(source),
+                               num_rows, hidden, source_div, static_cast<cpu::DType>(in_dtype),
+                               static_cast<cpu::QuantFormat>(format), round_scale, ue8m0, num_threads);
+        },
+        py::arg("out"), py::arg("scales"), py::arg("x"), py::arg("source"), py::arg("num_rows"), py::arg("hidden"),
+        py::arg("source_div"), py::arg("in_dtype"), py::arg("format"), py::arg("round_scale"), py::arg("ue8m0"),
+        py::arg("num_threads"));
+
+    m.def(
         "flag_store", [](std::uintptr_t flag, int64_t value) { cpu::flag_store(ptr<int64_t>(flag), value); },
         py::arg("flag"), py::arg("value"));
     m.def(
@@ -182,6 +197,8 @@ PYBIND11_MODULE(_C, m) {
         "2 process exited | 3 flag past its target).");
 
     m.def("combine_reduce_isa", &cpu::combine_reduce_isa);
+    m.def("quantize_rows_isa", &cpu::quantize_rows_isa);
+    m.def("set_quantize_rows_isa_cap", &cpu::set_quantize_rows_isa_cap, py::arg("level"));
     m.def("set_combine_reduce_generic", &cpu::set_combine_reduce_generic, py::arg("generic"));
     m.def("hardware_threads", &cpu::hardware_threads);
 }

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .backend import kernels, resolve
-from .quant import check_quant_args, launch_rows, quantize_reference
+from .quant import check_quant_args, launch_rows, native_rows, quantize_reference
 from .records import gather_rows
 
 __all__ = ["Permutation", "permute", "permute_reference", "max_permuted_rows"]
@@ -98,11 +98,14 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, alignm
     row_of = torch.full_like(flat, -1).index_put_((routed,), row)
     source = torch.full((rows,), -1, dtype=torch.int64, device=x.device).index_put_((row,), routed)
     expert_of_row = torch.full((rows,), -1, dtype=torch.int32, device=x.device).index_put_((row,), expert.to(torch.int32))
-    out = x.new_empty(rows, x.shape[1])
-    gather_rows(out, x, torch.where(source >= 0, source // topk_idx.shape[1], -1))
     scales = None
-    if quant is not None:
-        out, scales = quantize_reference(out, quant, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    if quant is not None and x.device.type == "cpu":  # gather and cast in one pass
+        out, scales = native_rows(x, rows, quant, round_scale, use_ue8m0, source=source, source_div=topk_idx.shape[1])
+    else:
+        out = x.new_empty(rows, x.shape[1])
+        gather_rows(out, x, torch.where(source >= 0, source // topk_idx.shape[1], -1))
+        if quant is not None:
+            out, scales = quantize_reference(out, quant, round_scale=round_scale, use_ue8m0=use_ue8m0)
     return Permutation(out, scales, offsets, per_expert.to(torch.int32), row_of.view_as(topk_idx), source,
                        expert_of_row)
 

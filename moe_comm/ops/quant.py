@@ -13,13 +13,16 @@ from typing import Optional
 
 import torch
 
+from .._native import cpu_threads, native
 from .backend import kernels, next_pow2, resolve
+from .combine_reduce import REDUCE_DTYPES
 from .fp8 import GROUP, per_token_cast_back, per_token_cast_to_fp8
 
 __all__ = ["FORMATS", "quantize", "quantize_reference", "dequantize", "dequantize_reference", "launch_rows",
-           "check_quant_args"]
+           "native_rows", "check_quant_args"]
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "int8": torch.int8}
+_NATIVE_FORMATS = {"e4m3": 0, "e5m2": 1, "int8": 2}  # moe_comm::cpu::QuantFormat
 _INT8_MAX = torch.tensor(127.0, dtype=torch.float32)
 _AMAX_FLOOR = 1e-4
 _ROW_BLOCK = 1024   # channels per step of the rows kernels (unquantized and INT8)
@@ -65,6 +68,29 @@ def _scales_shape(rows: int, hidden: int, fmt: str, use_ue8m0: bool) -> tuple[tu
     return (rows, hidden // GROUP), torch.float32
 
 
+def _row_outputs(x: torch.Tensor, num_rows: int, fmt: Optional[str], use_ue8m0: bool
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    out = torch.empty(num_rows, x.shape[1], dtype=FORMATS[fmt] if fmt else x.dtype, device=x.device)
+    if fmt is None:
+        return out, None
+    shape, dtype = _scales_shape(num_rows, x.shape[1], fmt, use_ue8m0)
+    return out, torch.empty(shape, dtype=dtype, device=x.device)
+
+
+def native_rows(x: torch.Tensor, num_rows: int, fmt: str, round_scale: bool, use_ue8m0: bool,
+                source: Optional[torch.Tensor] = None, source_div: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``launch_rows`` (with a format) for CPU tensors, in ``moe_comm._C``: the same rows, codes and scales as
+    ``quantize_reference`` bit for bit, in one pass."""
+    x = x.contiguous()
+    out, scales = _row_outputs(x, num_rows, fmt, use_ue8m0)
+    source = None if source is None else source.contiguous()
+    if num_rows and x.shape[1]:
+        native().quantize_rows(out.data_ptr(), scales.data_ptr(), x.data_ptr(),
+                               0 if source is None else source.data_ptr(), num_rows, x.shape[1], source_div,
+                               REDUCE_DTYPES[x.dtype], _NATIVE_FORMATS[fmt], round_scale, use_ue8m0, cpu_threads())
+    return out, scales
+
+
 def launch_rows(x: torch.Tensor, num_rows: int, fmt: Optional[str], round_scale: bool, use_ue8m0: bool,
                 source: Optional[torch.Tensor] = None, source_div: int = 1
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -73,12 +99,9 @@ def launch_rows(x: torch.Tensor, num_rows: int, fmt: Optional[str], round_scale:
     k = kernels("quant")
     hidden = x.shape[1]
     x = x.contiguous()
-    out = torch.empty(num_rows, hidden, dtype=FORMATS[fmt] if fmt else x.dtype, device=x.device)
-    scales = None
+    out, scales = _row_outputs(x, num_rows, fmt, use_ue8m0)
     mode, q_max = k.NONE, 1.0
     if fmt is not None:
-        shape, dtype = _scales_shape(num_rows, hidden, fmt, use_ue8m0)
-        scales = torch.empty(shape, dtype=dtype, device=x.device)
         mode = k.INT8 if fmt == "int8" else k.FP8
         q_max = 127.0 if fmt == "int8" else torch.finfo(FORMATS[fmt]).max
     if num_rows == 0 or hidden == 0:
@@ -105,12 +128,14 @@ def quantize(x: torch.Tensor, fmt: str = "e4m3", *, round_scale: bool = False, u
     check_quant_args("quantize", x.shape[1], fmt, round_scale, use_ue8m0)
     if resolve("quantize", x.device, backend) == "triton":
         return launch_rows(x, x.shape[0], fmt, round_scale, use_ue8m0)
+    if x.device.type == "cpu":
+        return native_rows(x, x.shape[0], fmt, round_scale, use_ue8m0)
     return quantize_reference(x, fmt, round_scale=round_scale, use_ue8m0=use_ue8m0)
 
 
 def quantize_reference(x: torch.Tensor, fmt: str = "e4m3", *, round_scale: bool = False, use_ue8m0: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch specification of ``quantize``; also the native path (vectorized torch on any device)."""
+    """Plain-torch specification of ``quantize``; also the native path off the CPU (vectorized torch)."""
     if fmt != "int8":
         return per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0, dtype=FORMATS[fmt])
     x32 = x.to(torch.float32)

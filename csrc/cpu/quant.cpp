@@ -1,0 +1,198 @@
+// Per-token FP8 / INT8 quantization (api.h: quantize_rows), bit-identical to the torch references:
+// every step is the same IEEE fp32 operation (no FMA: -ffp-contract=off), and the float8 roundings
+// round as torch's casts do (nearest even; the overflow rules below, checked against torch bit for bit
+// by the tests), written as selects so the loops vectorize.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "api.h"
+#include "check.h"
+#include "elem.h"
+#include "parallel.h"
+
+namespace moe_comm::cpu {
+namespace {
+
+constexpr int64_t kGroup = 128;
+constexpr float kAmaxFloor = 1e-4f;
+constexpr uint32_t kMantissa = (1u << 23) - 1;
+
+// Rounds |f| (sign cleared in `bits`) to a float8 with `kMant` mantissa bits and exponent bias `kBias`:
+// nearest even for normals; subnormals by an fp32 add that leaves the wanted bits at the bottom.
+template <int kMant, int kBias>
+inline uint32_t fp8_magnitude(uint32_t bits) {
+    constexpr int kDrop = 23 - kMant;
+    constexpr uint32_t kDenormMagic = static_cast<uint32_t>(127 - kBias + kDrop + 1) << 23;
+    constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 - kBias + 1) << 23;
+    const uint32_t odd = (bits >> kDrop) & 1u;
+    const uint32_t normal =
+        (bits + (static_cast<uint32_t>(kBias - 127) << 23) + ((1u << (kDrop - 1)) - 1) + odd) >> kDrop;
+    const uint32_t denormal = bits_of(from_bits(bits) + from_bits(kDenormMagic)) - kDenormMagic;
+    return bits < kMinNormal ? denormal : normal;
+}
+
+// E4M3 (fn: no Inf) saturates to +-448 from above, Inf included, as torch's cast does; NaN stays NaN.
+inline uint8_t to_e4m3(float f) {
+    const uint32_t all = bits_of(f), sign = all & 0x80000000u, bits = all ^ sign;
+    const uint32_t rounded = fp8_magnitude<3, 7>(bits);
+    const uint32_t mag = bits > 0x7f800000u ? 0x7fu : (rounded > 0x7eu ? 0x7eu : rounded);
+    return static_cast<uint8_t>(mag | (sign >> 24));
+}
+
+// E5M2 overflows to +-Inf from 61440 up, as torch's cast does; NaN stays NaN.
+inline uint8_t to_e5m2(float f) {
+    const uint32_t all = bits_of(f), sign = all & 0x80000000u, bits = all ^ sign;
+    const uint32_t big = bits > 0x7f800000u ? 0x7fu : 0x7cu;  // NaN stays NaN, the rest overflows to Inf
+    const uint32_t mag = bits >= (143u << 23) ? big : fp8_magnitude<2, 15>(bits);
+    return static_cast<uint8_t>(mag | (sign >> 24));
+}
+
+// max(1e-4, max |x|) of n values, NaN if any is NaN (as torch's amax and maximum). With the sign bit
+// cleared, float order is integer order of the bits and every NaN is above Inf, so this is one
+// integer max reduction, which vectorizes.
+inline float abs_max(const float* x, int64_t n) {
+    uint32_t top = bits_of(kAmaxFloor);
+    for (int64_t i = 0; i < n; ++i) top = std::max(top, bits_of(x[i]) & 0x7fffffffu);
+    return top > 0x7f800000u ? std::numeric_limits<float>::quiet_NaN() : from_bits(top);
+}
+
+template <uint8_t (*kCast)(float)>
+void fp8_row(uint8_t* out, uint8_t* scales, const float* x, int64_t hidden, float q_max, float q_max_inv,
+             bool round_scale, bool ue8m0) {
+    for (int64_t g = 0; g < hidden / kGroup; ++g) {
+        const float* xg = x + g * kGroup;
+        const float amax = abs_max(xg, kGroup);
+        float scale, scale_inv;
+        if (round_scale) {
+            const uint32_t bits = bits_of(amax * q_max_inv);
+            const uint32_t exponent = ((bits >> 23) & 0xffu) - 127u + ((bits & kMantissa) != 0 ? 1u : 0u);
+            scale = from_bits((127u - exponent) << 23);
+            scale_inv = from_bits((127u + exponent) << 23);
+        } else {
+            scale = q_max / amax;
+            scale_inv = amax * q_max_inv;
+        }
+        uint8_t* og = out + g * kGroup;
+        for (int64_t i = 0; i < kGroup; ++i) og[i] = kCast(xg[i] * scale);
+        if (ue8m0)
+            scales[g] = static_cast<uint8_t>(bits_of(scale_inv) >> 23);
+        else
+            std::memcpy(scales + g * sizeof(float), &scale_inv, sizeof(float));
+    }
+}
+
+void int8_row(int8_t* out, float* scale_out, const float* x, int64_t hidden) {
+    const float scale = 127.0f / abs_max(x, hidden);
+    for (int64_t i = 0; i < hidden; ++i) {
+        // Adding 1.5 * 2^23 leaves no fraction bits: the fp32 add rounds half to even, as torch.round.
+        const float r = (x[i] * scale + 12582912.0f) - 12582912.0f;
+        out[i] = static_cast<int8_t>(r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r));
+    }
+    *scale_out = 1.0f / scale;
+}
+
+template <DType kType>
+inline void load_row(float* dst, const void* x, int64_t row, int64_t hidden) {
+    using E = Elem<kType>;
+    const auto* src = static_cast<const typename E::T*>(x) + row * hidden;
+    for (int64_t i = 0; i < hidden; ++i) dst[i] = E::load(src[i]);
+}
+
+struct Job {
+    uint8_t* out;
+    uint8_t* scales;
+    const void* x;
+    const int64_t* source;
+    int64_t hidden, source_div, scale_bytes;
+    DType in_dtype;
+    QuantFormat format;
+    bool round_scale, ue8m0;
+};
+
+// Rows [begin, end) of the job.
+inline void quantize_range(const Job& job, int64_t begin, int64_t end) {
+    const int64_t hidden = job.hidden;
+    const float q_max = job.format == QuantFormat::kE4M3 ? 448.0f : 57344.0f;
+    const float q_max_inv = 1.0f / q_max;
+    std::vector<float> row(static_cast<size_t>(hidden));
+    for (int64_t r = begin; r < end; ++r) {
+        const int64_t src = job.source == nullptr ? r : job.source[r];
+        if (src < 0)
+            std::fill(row.begin(), row.end(), 0.0f);
+        else if (job.in_dtype == DType::kBFloat16)
+            load_row<DType::kBFloat16>(row.data(), job.x, src / job.source_div, hidden);
+        else if (job.in_dtype == DType::kFloat16)
+            load_row<DType::kFloat16>(row.data(), job.x, src / job.source_div, hidden);
+        else
+            load_row<DType::kFloat32>(row.data(), job.x, src / job.source_div, hidden);
+        uint8_t* o = job.out + r * hidden;
+        uint8_t* s = job.scales + r * job.scale_bytes;
+        if (job.format == QuantFormat::kE4M3)
+            fp8_row<to_e4m3>(o, s, row.data(), hidden, q_max, q_max_inv, job.round_scale, job.ue8m0);
+        else if (job.format == QuantFormat::kE5M2)
+            fp8_row<to_e5m2>(o, s, row.data(), hidden, q_max, q_max_inv, job.round_scale, job.ue8m0);
+        else
+            int8_row(reinterpret_cast<int8_t*>(o), reinterpret_cast<float*>(s), row.data(), hidden);
+    }
+}
+
+// quantize_range built for AVX-512, AVX2 and baseline x86-64, with every helper inlined (flatten) so each
+// build vectorizes them for its ISA. The same IEEE operations in every build, so the same bits.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MC_BUILDS 1
+__attribute__((target("avx512f,avx512bw,avx512vl"), flatten))
+void range_avx512(const Job& job, int64_t begin, int64_t end) { quantize_range(job, begin, end); }
+__attribute__((target("avx2,f16c"), flatten))
+void range_avx2(const Job& job, int64_t begin, int64_t end) { quantize_range(job, begin, end); }
+#endif
+__attribute__((flatten))
+void range_generic(const Job& job, int64_t begin, int64_t end) { quantize_range(job, begin, end); }
+
+std::atomic<int> isa_cap{2};  // the best build tests allow: 2 avx512, 1 avx2, 0 generic
+
+int best_isa() {
+    int isa = 0;
+#ifdef MC_BUILDS
+    static const int supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                         __builtin_cpu_supports("avx512vl")
+                                     ? 2
+                                     : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? 1 : 0);
+    isa = supported;
+#endif
+    return std::min(isa, isa_cap.load(std::memory_order_relaxed));
+}
+
+}  // namespace
+
+void quantize_rows(uint8_t* out, uint8_t* scales,
+                   const void* x, const int64_t* source,
+                   int64_t num_rows, int64_t hidden, int64_t source_div, DType in_dtype, QuantFormat format,
+                   bool round_scale, bool ue8m0, int num_threads) {
+    const bool fp8 = format == QuantFormat::kE4M3 || format == QuantFormat::kE5M2;
+    MC_CHECK(fp8 || format == QuantFormat::kInt8, "quantize_rows: unknown format code " << static_cast<int>(format));
+    MC_CHECK(!fp8 || hidden % kGroup == 0, "quantize_rows: FP8 needs hidden % " << kGroup << " == 0, got " << hidden);
+    MC_CHECK(source_div > 0, "quantize_rows: source_div must be positive, got " << source_div);
+    MC_CHECK(in_dtype == DType::kFloat32 || in_dtype == DType::kBFloat16 || in_dtype == DType::kFloat16,
+             "quantize_rows: unknown dtype code " << static_cast<int>(in_dtype));
+    const int64_t scale_bytes = fp8 ? (hidden / kGroup) * (ue8m0 ? 1 : 4) : 4;
+    const Job job{out, scales, x, source, hidden, source_div, scale_bytes, in_dtype, format, round_scale, ue8m0};
+    void (*range)(const Job&, int64_t, int64_t) = range_generic;
+#ifdef MC_BUILDS
+    const int isa = best_isa();
+    range = isa == 2 ? range_avx512 : (isa == 1 ? range_avx2 : range_generic);
+#endif
+    parallel_for(num_rows, grain_rows(hidden * 4), num_threads,
+                 [&job, range](int64_t begin, int64_t end) { range(job, begin, end); });
+}
+
+const char* quantize_rows_isa() {
+    static const char* const names[] = {"generic", "avx2", "avx512"};
+    return names[best_isa()];
+}
+
+void set_quantize_rows_isa_cap(int level) { isa_cap.store(std::clamp(level, 0, 2)); }
+
+}  // namespace moe_comm::cpu
