@@ -514,3 +514,28 @@ def test_quantize_rows_builds_agree_bitwise(dtype):
     finally:
         native().set_quantize_rows_isa_cap(2)
     assert "generic" in seen
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_rows_every_code_on_every_build(dtype):
+    """The C++ dequantize gives the reference's bits for every FP8 and INT8 code, under fp32 scales from
+    tiny to huge and every UE8M0 exponent byte, on each build the CPU can run."""
+    gen = _gen(str(dtype), "dequant isa")
+    codes = torch.arange(256, dtype=torch.int64).to(torch.uint8).repeat(4, 1).reshape(8, 128)  # every code, 4x
+    fp32_scales = (2.0 ** torch.randint(-140, 120, (8, 1), generator=gen).float()) * torch.rand(8, 1, generator=gen)
+    exponent_bytes = torch.arange(256, dtype=torch.int64).to(torch.uint8)[torch.randperm(256, generator=gen)[:32]]
+    cases = []
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        q = codes.view(fp8).repeat(1, 4)  # [8, 512]: 4 groups of 128 per row
+        cases.append((q, fp32_scales.repeat(1, 4)))
+        cases.append((q, exponent_bytes.view(8, 4).view(torch.int32).reshape(8, 1)))
+    cases.append((codes.view(torch.int8), fp32_scales.reshape(8)))
+    try:
+        for cap in (2, 1, 0):
+            native().set_quantize_rows_isa_cap(cap)
+            for q, scales in cases:
+                got = moe_comm.ops.dequantize(q, scales, dtype, backend="native")
+                want = moe_comm.ops.dequantize_reference(q, scales, dtype)
+                assert_same_bits_or_both_nan(got, want, f"{q.dtype} {scales.dtype} scales, cap {cap}")
+    finally:
+        native().set_quantize_rows_isa_cap(2)

@@ -86,7 +86,13 @@ void quantize_rows(uint8_t* out, uint8_t* scales,
                    int64_t num_rows, int64_t hidden, int64_t source_div, DType in_dtype, QuantFormat format,
                    bool round_scale, bool ue8m0, int num_threads);
 
-// Which build of quantize_rows this CPU runs: "avx512", "avx2" or "generic" (same bits). Tests cap it
+// The inverse: out[r] (out_dtype) = code * scale in fp32, rounded to nearest even, for `q` [rows, hidden]
+// codes and `scales` laid out as quantize_rows writes them.
+void dequantize_rows(void* out, const uint8_t* q, const uint8_t* scales,
+                     int64_t num_rows, int64_t hidden, DType out_dtype, QuantFormat format, bool ue8m0,
+                     int num_threads);
+
+// Which build of quantize_rows and dequantize_rows this CPU runs: "avx512", "avx2" or "generic" (same bits). Tests cap it
 // with set_quantize_rows_isa_cap(level): 0 generic, 1 at most AVX2, 2 the best the CPU has.
 const char* quantize_rows_isa();
 void set_quantize_rows_isa_cap(int level);

@@ -1,7 +1,7 @@
-// Per-token FP8 / INT8 quantization (api.h: quantize_rows), bit-identical to the torch references:
-// every step is the same IEEE fp32 operation (no FMA: -ffp-contract=off), and the float8 roundings
-// round as torch's casts do (nearest even; the overflow rules below, checked against torch bit for bit
-// by the tests), written as selects so the loops vectorize.
+// Per-token FP8 / INT8 quantization and dequantization (api.h: quantize_rows, dequantize_rows),
+// bit-identical to the torch references: every step is the same IEEE fp32 operation (no FMA:
+// -ffp-contract=off), and the float8 roundings round as torch's casts do (nearest even; the overflow
+// rules below, checked against torch bit for bit by the tests), written as selects so the loops vectorize.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -101,20 +101,82 @@ inline void load_row(float* dst, const void* x, int64_t row, int64_t hidden) {
     for (int64_t i = 0; i < hidden; ++i) dst[i] = E::load(src[i]);
 }
 
+// The exact fp32 value of every float8 code (NaN codes give a quiet NaN).
+struct Fp8Table {
+    float value[256];
+    Fp8Table(int mant_bits, int bias, bool has_inf) {
+        for (int code = 0; code < 256; ++code) {
+            const int exponent = (code & 0x7f) >> mant_bits, mant = code & ((1 << mant_bits) - 1);
+            const int top = (1 << (7 - mant_bits)) - 1;
+            float v;
+            if (exponent == 0)
+                v = std::ldexp(static_cast<float>(mant), 1 - bias - mant_bits);
+            else if (has_inf ? exponent == top : (exponent == top && mant == (1 << mant_bits) - 1))
+                v = has_inf && mant == 0 ? std::numeric_limits<float>::infinity()
+                                         : std::numeric_limits<float>::quiet_NaN();
+            else
+                v = std::ldexp(static_cast<float>(mant + (1 << mant_bits)), exponent - bias - mant_bits);
+            value[code] = code & 0x80 ? -v : v;
+        }
+    }
+};
+
+const Fp8Table kE4M3Values(3, 7, false);
+const Fp8Table kE5M2Values(2, 15, true);
+
+template <DType kType>
+inline void dequantize_row(void* out_raw, const uint8_t* q, const uint8_t* scales, int64_t hidden,
+                           QuantFormat format, bool ue8m0) {
+    using E = Elem<kType>;
+    auto* out = static_cast<typename E::T*>(out_raw);
+    if (format == QuantFormat::kInt8) {
+        float scale;
+        std::memcpy(&scale, scales, sizeof(scale));
+        for (int64_t i = 0; i < hidden; ++i) out[i] = E::store(static_cast<float>(static_cast<int8_t>(q[i])) * scale);
+        return;
+    }
+    const float* table = format == QuantFormat::kE4M3 ? kE4M3Values.value : kE5M2Values.value;
+    for (int64_t g = 0; g < hidden / kGroup; ++g) {
+        float scale;
+        if (ue8m0)
+            scale = from_bits(static_cast<uint32_t>(scales[g]) << 23);
+        else
+            std::memcpy(&scale, scales + g * sizeof(float), sizeof(scale));
+        for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) out[i] = E::store(table[q[i]] * scale);
+    }
+}
+
+// One call of quantize_rows (x -> out, scales) or dequantize_rows (out, scales -> x).
 struct Job {
+    bool dequantize;
     uint8_t* out;
     uint8_t* scales;
-    const void* x;
+    void* x;
     const int64_t* source;
     int64_t hidden, source_div, scale_bytes;
-    DType in_dtype;
+    DType dtype;  // x's
     QuantFormat format;
     bool round_scale, ue8m0;
 };
 
 // Rows [begin, end) of the job.
-inline void quantize_range(const Job& job, int64_t begin, int64_t end) {
+inline void job_range(const Job& job, int64_t begin, int64_t end) {
     const int64_t hidden = job.hidden;
+    if (job.dequantize) {
+        const int64_t x_bytes = hidden * (job.dtype == DType::kFloat32 ? 4 : 2);
+        for (int64_t r = begin; r < end; ++r) {
+            void* x = static_cast<uint8_t*>(job.x) + r * x_bytes;
+            const uint8_t* q = job.out + r * hidden;
+            const uint8_t* s = job.scales + r * job.scale_bytes;
+            if (job.dtype == DType::kBFloat16)
+                dequantize_row<DType::kBFloat16>(x, q, s, hidden, job.format, job.ue8m0);
+            else if (job.dtype == DType::kFloat16)
+                dequantize_row<DType::kFloat16>(x, q, s, hidden, job.format, job.ue8m0);
+            else
+                dequantize_row<DType::kFloat32>(x, q, s, hidden, job.format, job.ue8m0);
+        }
+        return;
+    }
     const float q_max = job.format == QuantFormat::kE4M3 ? 448.0f : 57344.0f;
     const float q_max_inv = 1.0f / q_max;
     std::vector<float> row(static_cast<size_t>(hidden));
@@ -122,9 +184,9 @@ inline void quantize_range(const Job& job, int64_t begin, int64_t end) {
         const int64_t src = job.source == nullptr ? r : job.source[r];
         if (src < 0)
             std::fill(row.begin(), row.end(), 0.0f);
-        else if (job.in_dtype == DType::kBFloat16)
+        else if (job.dtype == DType::kBFloat16)
             load_row<DType::kBFloat16>(row.data(), job.x, src / job.source_div, hidden);
-        else if (job.in_dtype == DType::kFloat16)
+        else if (job.dtype == DType::kFloat16)
             load_row<DType::kFloat16>(row.data(), job.x, src / job.source_div, hidden);
         else
             load_row<DType::kFloat32>(row.data(), job.x, src / job.source_div, hidden);
@@ -139,17 +201,17 @@ inline void quantize_range(const Job& job, int64_t begin, int64_t end) {
     }
 }
 
-// quantize_range built for AVX-512, AVX2 and baseline x86-64, with every helper inlined (flatten) so each
+// job_range built for AVX-512, AVX2 and baseline x86-64, with every helper inlined (flatten) so each
 // build vectorizes them for its ISA. The same IEEE operations in every build, so the same bits.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define MC_BUILDS 1
 __attribute__((target("avx512f,avx512bw,avx512vl"), flatten))
-void range_avx512(const Job& job, int64_t begin, int64_t end) { quantize_range(job, begin, end); }
+void range_avx512(const Job& job, int64_t begin, int64_t end) { job_range(job, begin, end); }
 __attribute__((target("avx2,f16c"), flatten))
-void range_avx2(const Job& job, int64_t begin, int64_t end) { quantize_range(job, begin, end); }
+void range_avx2(const Job& job, int64_t begin, int64_t end) { job_range(job, begin, end); }
 #endif
 __attribute__((flatten))
-void range_generic(const Job& job, int64_t begin, int64_t end) { quantize_range(job, begin, end); }
+void range_generic(const Job& job, int64_t begin, int64_t end) { job_range(job, begin, end); }
 
 std::atomic<int> isa_cap{2};  // the best build tests allow: 2 avx512, 1 avx2, 0 generic
 
@@ -165,27 +227,44 @@ int best_isa() {
     return std::min(isa, isa_cap.load(std::memory_order_relaxed));
 }
 
+void run(const Job& job, int64_t num_rows, int num_threads) {
+    const bool fp8 = job.format == QuantFormat::kE4M3 || job.format == QuantFormat::kE5M2;
+    const char* op = job.dequantize ? "dequantize_rows" : "quantize_rows";
+    MC_CHECK(fp8 || job.format == QuantFormat::kInt8, op << ": unknown format code " << static_cast<int>(job.format));
+    MC_CHECK(!fp8 || job.hidden % kGroup == 0, op << ": FP8 needs hidden % " << kGroup << " == 0, got " << job.hidden);
+    MC_CHECK(job.source_div > 0, op << ": source_div must be positive, got " << job.source_div);
+    MC_CHECK(job.dtype == DType::kFloat32 || job.dtype == DType::kBFloat16 || job.dtype == DType::kFloat16,
+             op << ": unknown dtype code " << static_cast<int>(job.dtype));
+    void (*range)(const Job&, int64_t, int64_t) = range_generic;
+#ifdef MC_BUILDS
+    const int isa = best_isa();
+    range = isa == 2 ? range_avx512 : (isa == 1 ? range_avx2 : range_generic);
+#endif
+    parallel_for(num_rows, grain_rows(job.hidden * 4), num_threads,
+                 [&job, range](int64_t begin, int64_t end) { range(job, begin, end); });
+}
+
+int64_t scale_bytes(QuantFormat format, int64_t hidden, bool ue8m0) {
+    return format == QuantFormat::kInt8 ? 4 : (hidden / kGroup) * (ue8m0 ? 1 : 4);
+}
+
 }  // namespace
 
 void quantize_rows(uint8_t* out, uint8_t* scales,
                    const void* x, const int64_t* source,
                    int64_t num_rows, int64_t hidden, int64_t source_div, DType in_dtype, QuantFormat format,
                    bool round_scale, bool ue8m0, int num_threads) {
-    const bool fp8 = format == QuantFormat::kE4M3 || format == QuantFormat::kE5M2;
-    MC_CHECK(fp8 || format == QuantFormat::kInt8, "quantize_rows: unknown format code " << static_cast<int>(format));
-    MC_CHECK(!fp8 || hidden % kGroup == 0, "quantize_rows: FP8 needs hidden % " << kGroup << " == 0, got " << hidden);
-    MC_CHECK(source_div > 0, "quantize_rows: source_div must be positive, got " << source_div);
-    MC_CHECK(in_dtype == DType::kFloat32 || in_dtype == DType::kBFloat16 || in_dtype == DType::kFloat16,
-             "quantize_rows: unknown dtype code " << static_cast<int>(in_dtype));
-    const int64_t scale_bytes = fp8 ? (hidden / kGroup) * (ue8m0 ? 1 : 4) : 4;
-    const Job job{out, scales, x, source, hidden, source_div, scale_bytes, in_dtype, format, round_scale, ue8m0};
-    void (*range)(const Job&, int64_t, int64_t) = range_generic;
-#ifdef MC_BUILDS
-    const int isa = best_isa();
-    range = isa == 2 ? range_avx512 : (isa == 1 ? range_avx2 : range_generic);
-#endif
-    parallel_for(num_rows, grain_rows(hidden * 4), num_threads,
-                 [&job, range](int64_t begin, int64_t end) { range(job, begin, end); });
+    run({false, out, scales, const_cast<void*>(x), source, hidden, source_div, scale_bytes(format, hidden, ue8m0),
+         in_dtype, format, round_scale, ue8m0},
+        num_rows, num_threads);
+}
+
+void dequantize_rows(void* out, const uint8_t* q, const uint8_t* scales,
+                     int64_t num_rows, int64_t hidden, DType out_dtype, QuantFormat format, bool ue8m0,
+                     int num_threads) {
+    run({true, const_cast<uint8_t*>(q), const_cast<uint8_t*>(scales), out, nullptr, hidden, 1,
+         scale_bytes(format, hidden, ue8m0), out_dtype, format, false, ue8m0},
+        num_rows, num_threads);
 }
 
 const char* quantize_rows_isa() {

@@ -170,6 +170,18 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_threads"));
 
     m.def(
+        "dequantize_rows",
+        [](std::uintptr_t out, std::uintptr_t q, std::uintptr_t scales, int64_t num_rows, int64_t hidden,
+           int out_dtype, int format, bool ue8m0, int num_threads) {
+            py::gil_scoped_release release;
+            cpu::dequantize_rows(ptr<void>(out), ptr<const uint8_t>(q), ptr<const uint8_t>(scales), num_rows, hidden,
+                                 static_cast<cpu::DType>(out_dtype), static_cast<cpu::QuantFormat>(format), ue8m0,
+                                 num_threads);
+        },
+        py::arg("out"), py::arg("q"), py::arg("scales"), py::arg("num_rows"), py::arg("hidden"), py::arg("out_dtype"),
+        py::arg("format"), py::arg("ue8m0"), py::arg("num_threads"));
+
+    m.def(
         "flag_store", [](std::uintptr_t flag, int64_t value) { cpu::flag_store(ptr<int64_t>(flag), value); },
         py::arg("flag"), py::arg("value"));
     m.def(

@@ -161,6 +161,8 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch
         raise ValueError(f"dequantize: scales for {q.dtype} {list(q.shape)} must be float32 {list(expected)}"
                          f"{' (or UE8M0 int32)' if fmt == 'fp8' else ''}, got {scales.dtype} {list(scales.shape)}")
     if resolve("dequantize", q.device, backend) != "triton":
+        if q.device.type == "cpu" and dtype in REDUCE_DTYPES:
+            return _native_dequantize(q, scales, dtype, fmt, use_ue8m0)
         return dequantize_reference(q, scales, dtype)
     k = kernels("quant")
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
@@ -169,6 +171,18 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch
         k.dequant_kernel[(q.shape[0],)](q.contiguous(), scales.view(torch.uint8) if use_ue8m0 else scales, out,
                                         q.shape[1], QUANT=k.INT8 if fmt == "int8" else k.FP8, UE8M0=use_ue8m0,
                                         **_blocks(q.shape[1]))
+    return out
+
+
+def _native_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, fmt: str, use_ue8m0: bool
+                       ) -> torch.Tensor:
+    """``dequantize`` on CPU tensors, in ``moe_comm._C``: ``dequantize_reference``'s bits."""
+    q, scales = q.contiguous(), scales.contiguous()
+    out = torch.empty(q.shape, dtype=dtype)
+    if q.numel():
+        code = _NATIVE_FORMATS["int8" if fmt == "int8" else ("e4m3" if q.dtype == torch.float8_e4m3fn else "e5m2")]
+        native().dequantize_rows(out.data_ptr(), q.data_ptr(), scales.data_ptr(), q.shape[0], q.shape[1],
+                                 REDUCE_DTYPES[dtype], code, use_ue8m0, cpu_threads())
     return out
 
 
