@@ -187,7 +187,7 @@ def _native_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
 
 
 def dequantize_reference(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Plain-torch specification of ``dequantize``; also the native path."""
+    """Plain-torch specification of ``dequantize``; also the native path off the CPU."""
     if q.dtype == torch.int8:
         return (q.to(torch.float32) * scales.unsqueeze(1)).to(dtype)
     return per_token_cast_back(q, scales, dtype)
