@@ -17,6 +17,7 @@ import torch
 
 from .backend import kernels, resolve
 from .fp8 import GROUP
+from .quant import dequantize
 
 __all__ = ["grouped_gemm", "grouped_gemm_reference"]
 
@@ -199,12 +200,12 @@ def native_gemm(args: GemmArgs, out: torch.Tensor, swiglu: bool) -> None:
         if bf16:
             torch.matmul(args.a[start:end], args.b[e].t(), out=out[start:end])
             continue
-        a = args.a[start:end].to(torch.float32)
-        if fp8:
-            a = a * args.a_scales[start:end].repeat_interleave(GROUP, dim=1)
-            weights = dequantize_weights(args.b[e:e + 1], args.b_scales[e:e + 1])[0]
+        if fp8:  # fp32 operands through the native dequantize: the same products as dequantize_weights
+            a = dequantize(args.a[start:end], args.a_scales[start:end], torch.float32, backend="native")
+            row_scales = args.b_scales[e].repeat_interleave(GROUP, dim=0)[:args.b_rows]
+            weights = dequantize(args.b[e], row_scales, torch.float32, backend="native")
         else:
-            weights = args.b[e].to(torch.float32)
+            a, weights = args.a[start:end].to(torch.float32), args.b[e].to(torch.float32)
         acc = a @ weights.t()
         if swiglu:
             gate, up = acc[:, :args.n_out], acc[:, args.n_out:]
