@@ -146,10 +146,10 @@ inline void dequantize_row(void* out_raw, const uint8_t* q, const uint8_t* scale
     }
 }
 
-// One call of quantize_rows (x -> out, scales) or dequantize_rows (out, scales -> x).
+// One call of quantize_rows (x -> codes, scales) or dequantize_rows (codes, scales -> x).
 struct Job {
     bool dequantize;
-    uint8_t* out;
+    uint8_t* codes;
     uint8_t* scales;
     void* x;
     const int64_t* source;
@@ -166,7 +166,7 @@ inline void job_range(const Job& job, int64_t begin, int64_t end) {
         const int64_t x_bytes = hidden * (job.dtype == DType::kFloat32 ? 4 : 2);
         for (int64_t r = begin; r < end; ++r) {
             void* x = static_cast<uint8_t*>(job.x) + r * x_bytes;
-            const uint8_t* q = job.out + r * hidden;
+            const uint8_t* q = job.codes + r * hidden;
             const uint8_t* s = job.scales + r * job.scale_bytes;
             if (job.dtype == DType::kBFloat16)
                 dequantize_row<DType::kBFloat16>(x, q, s, hidden, job.format, job.ue8m0);
@@ -190,7 +190,7 @@ inline void job_range(const Job& job, int64_t begin, int64_t end) {
             load_row<DType::kFloat16>(row.data(), job.x, src / job.source_div, hidden);
         else
             load_row<DType::kFloat32>(row.data(), job.x, src / job.source_div, hidden);
-        uint8_t* o = job.out + r * hidden;
+        uint8_t* o = job.codes + r * hidden;
         uint8_t* s = job.scales + r * job.scale_bytes;
         if (job.format == QuantFormat::kE4M3)
             fp8_row<to_e4m3>(o, s, row.data(), hidden, q_max, q_max_inv, job.round_scale, job.ue8m0);
