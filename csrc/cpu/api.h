@@ -77,8 +77,8 @@ enum class QuantFormat : int { kE4M3 = 0, kE5M2 = 1, kInt8 = 2 };
 //   FP8:  per 128-channel group g, amax = max(1e-4, max |x_g|) (NaN propagates); scale = q_max / amax and
 //         scale_inv = amax * (1 / q_max), or with round_scale the powers of two 2^-e and 2^e,
 //         e = ceil(log2(amax / q_max)); out = fp8(x_g * scale) rounded as torch rounds (nearest even;
-//         E4M3 saturates at +-448, E5M2 overflows to Inf, NaN stays NaN); scales [rows, hidden / 128] fp32 scale_inv, or
-//         with ue8m0 one exponent byte of scale_inv per group ([rows, hidden / 128] bytes).
+//         E4M3 saturates at +-448, E5M2 overflows to Inf, NaN stays NaN); scales [rows, hidden / 128]
+//         fp32 scale_inv, or with ue8m0 one exponent byte of scale_inv per group ([rows, hidden / 128] bytes).
 //   INT8: amax over the row, s = 127 / amax, out = clamp(rne(x * s), -127, 127), scales [rows] fp32 1 / s.
 // hidden must be a multiple of 128 for FP8.
 void quantize_rows(uint8_t* out, uint8_t* scales,
@@ -92,8 +92,8 @@ void dequantize_rows(void* out, const uint8_t* q, const uint8_t* scales,
                      int64_t num_rows, int64_t hidden, DType out_dtype, QuantFormat format, bool ue8m0,
                      int num_threads);
 
-// Which build of quantize_rows and dequantize_rows this CPU runs: "avx512", "avx2" or "generic" (same bits). Tests cap it
-// with set_quantize_rows_isa_cap(level): 0 generic, 1 at most AVX2, 2 the best the CPU has.
+// Which build of quantize_rows and dequantize_rows this CPU runs: "avx512", "avx2" or "generic" (same
+// bits). Tests cap it with set_quantize_rows_isa_cap(level): 0 generic, 1 at most AVX2, 2 the best.
 const char* quantize_rows_isa();
 void set_quantize_rows_isa_cap(int level);
 
