@@ -162,17 +162,8 @@ def torch_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype =
     return (q.float().view(T, H // GROUP, GROUP) * scales.unsqueeze(2)).view(T, H).to(dtype)
 
 
-def block_cast_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights `[E, N, K]` to e4m3 with one fp32 dequant scale per 128x128 block: `[E, N/128, K/128]`."""
-    E, N, K = w.shape
-    blocks = w.float().view(E, N // GROUP, GROUP, K // GROUP, GROUP)
-    amax = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-4)
-    q = (blocks * (448.0 / amax)[:, :, None, :, None]).to(torch.float8_e4m3fn).view(E, N, K)
-    return q, amax / 448.0
-
-
 def _dequant_weights(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``block_cast_fp8`` for one expert `[N, K]`, in bf16."""
+    """Inverse of ``per_block_cast_to_fp8`` for one expert `[N, K]`, in bf16."""
     N, K = q.shape
     return (q.float().view(N // GROUP, GROUP, K // GROUP, GROUP) * s[:, None, :, None]).view(N, K).bfloat16()
 
@@ -374,7 +365,8 @@ def _inputs(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]:
     xm = x.new_zeros(E, M, H)
     xm[experts, rows - perm.expert_offsets[experts]] = perm.x[rows]
     a_q, a_s = torch_quantize(perm.x, "e4m3")
-    w13_q, w13_s = block_cast_fp8(w13)
+    from moe_comm.ops import per_block_cast_to_fp8
+    w13_q, w13_s = per_block_cast_to_fp8(w13)
     return dict(x=x, topk_idx=topk_idx, weights=weights, w13=w13, w2=w2, perm=perm, bounds=bounds, counts=counts,
                 xm=xm, masked_m=perm.num_tokens_per_expert.clone(), M=M, a_q=a_q, a_s=a_s, w13_q=w13_q, w13_s=w13_s,
                 offs32=perm.expert_offsets[1:].to(torch.int32), valid=sum(counts))

@@ -12,8 +12,9 @@ from .config import Config
 from .errors import CommTimeoutError, CrossRankMismatchError, PeerExitedError
 from .event import EventHandle, EventOverlap
 from .launch import init_from_env, spawn
+from .moe import EPMoE, Experts, ep_moe
 
 __version__ = "0.1.0"
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "CommTimeoutError", "CrossRankMismatchError", "PeerExitedError",
-           "topk_idx_t", "build_info", "init_from_env", "spawn", "__version__"]
+           "topk_idx_t", "build_info", "EPMoE", "Experts", "ep_moe", "init_from_env", "spawn", "__version__"]

@@ -4,7 +4,7 @@ a plain-torch ``*_reference`` that is its specification. Ops never import a tran
 from .backend import BACKENDS, resolve, triton_usable
 from .combine_reduce import combine_reduce, combine_reduce_reference
 from .expert_ffn import expert_ffn, expert_ffn_reference
-from .fp8 import per_token_cast_back, per_token_cast_to_fp8, ue8m0_to_float
+from .fp8 import per_block_cast_to_fp8, per_token_cast_back, per_token_cast_to_fp8, ue8m0_to_float
 from .grouped_gemm import grouped_gemm, grouped_gemm_reference
 from .layout import DispatchLayout, dispatch_layout, dispatch_layout_reference
 from .low_latency_layout import (combine_rows, combine_rows_reference, low_latency_unpack, low_latency_unpack_reference,
@@ -25,7 +25,7 @@ __all__ = [
     "RecordLayout", "pack_rows", "pack_rows_reference", "unpack_rows", "unpack_rows_reference",
     "gather_rows", "gather_rows_reference",
     "combine_reduce", "combine_reduce_reference",
-    "per_token_cast_to_fp8", "per_token_cast_back", "ue8m0_to_float",
+    "per_token_cast_to_fp8", "per_token_cast_back", "per_block_cast_to_fp8", "ue8m0_to_float",
     "send_order", "send_order_reference", "combine_rows", "combine_rows_reference",
     "low_latency_unpack", "low_latency_unpack_reference",
 ]

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GROUP", "FP8_DTYPE", "per_token_cast_to_fp8", "per_token_cast_back", "ue8m0_to_float"]
+__all__ = ["GROUP", "FP8_DTYPE", "per_token_cast_to_fp8", "per_token_cast_back", "per_block_cast_to_fp8",
+           "ue8m0_to_float"]
 
 GROUP = 128
 FP8_DTYPE = torch.float8_e4m3fn
@@ -82,3 +83,22 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.
         scales = ue8m0_to_float(scales)
     groups = x_fp8.to(torch.float32).view(num_tokens, hidden // GROUP, GROUP)
     return (groups * scales.unsqueeze(2)).view(num_tokens, hidden).to(dtype)
+
+
+def per_block_cast_to_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Casts weights ``w`` `[E, N, K]` (K a multiple of 128, any N) to E4M3 with one fp32 dequantization
+    scale per 128x128 block, DeepSeek-V3's checkpoint format (the last block of rows may be partial):
+    ``(w_fp8 [E, N, K] float8_e4m3fn, scales [E, ceil(N / 128), K / 128] float32)``, with
+    ``w ~ w_fp8 * scales[e, n // 128, k // 128]`` and the same fp32 formulas as ``per_token_cast_to_fp8``."""
+    if w.dim() != 3 or w.shape[2] % GROUP:
+        raise ValueError(f"per_block_cast_to_fp8: w must be [E, N, K] with K a multiple of {GROUP}, got {list(w.shape)}")
+    experts, n, k = w.shape
+    row_blocks = -(-n // GROUP)
+    padded = torch.zeros(experts, row_blocks * GROUP, k, dtype=torch.float32, device=w.device)
+    padded[:, :n] = w
+    blocks = padded.view(experts, row_blocks, GROUP, k // GROUP, GROUP)
+    q_max, q_max_inv = _fp8_max(FP8_DTYPE)
+    amax = torch.maximum(blocks.abs().amax(dim=(2, 4)), _AMAX_FLOOR.to(w.device))
+    scale = (q_max.to(w.device) / amax)[:, :, None, :, None]
+    w_fp8 = (blocks * scale).to(FP8_DTYPE).view(experts, row_blocks * GROUP, k)[:, :n].contiguous()
+    return w_fp8, amax * q_max_inv.to(w.device)
