@@ -29,6 +29,7 @@ test: setup
 bench: setup
 	$(PY) bench/bench_normal.py --ranks 4
 	$(PY) bench/bench_low_latency.py --ranks 4
+	$(PY) bench/bench_moe.py --ranks 2
 	$(PY) bench/bench_kernels.py
 	$(PY) bench/bench_ops.py
 

@@ -1,0 +1,224 @@
+"""EP-MoE layer benchmark: every mode of ``moe_comm.ep_moe`` on every transport, side by side.
+
+    python bench/bench_moe.py --ranks 2                      # local ranks (moe_comm.launch.LocalWorld)
+    torchrun --nproc-per-node 2 bench/bench_moe.py           # launcher detected from the environment
+    mpirun -n 2 python bench/bench_moe.py
+
+Per (transport, mode): the layer's time; its communication alone (the mode's schedule with the
+experts replaced by a ready output); its compute alone (the experts on the micro-batches that
+arrived); and overlap efficiency = (t_comm + t_comp - t_layer) / min(t_comm, t_comp), 0 for none, 1
+when the shorter part is hidden completely. ``cpu/wall`` is the CPU time a rank's process used per
+second of the case (1.0 = one core busy), which shows whether communication leaves a core free for
+compute to overlap into; ``overlap_bound`` is the speed-up a perfect overlap could reach on that
+basis. Outputs are checked bit for bit against ``ep_moe_reference`` before timing.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from moe_comm._native import cpu_threads
+from moe_comm.moe import (LOW_LATENCY_MODES, MODES, Experts, LowLatencyStages, NormalStages, ep_moe,
+                          ep_moe_reference, schedules)
+
+# sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
+from common import (TRANSPORTS, case_rows, format_table, gather_results, launch, launched_ranks, percentile,
+                    require_all_ranks, time_cases, write_json)
+
+
+def _inputs(cfg: dict[str, Any], ranks: int) -> tuple[Experts, list[torch.Tensor], list[torch.Tensor],
+                                                      list[torch.Tensor]]:
+    """All experts and every rank's (x, topk_idx, topk_weights), from the seed (the same on every rank)."""
+    T, H, I, K, E = cfg["tokens"], cfg["hidden"], cfg["inter"], cfg["topk"], cfg["experts"]
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    w13 = torch.randn(E, 2 * I, H, generator=gen) / math.sqrt(H)
+    w2 = torch.randn(E, H, I, generator=gen) / math.sqrt(I)
+    experts = Experts.quantized(w13, w2) if cfg["fp8"] else Experts(w13.bfloat16(), w2.bfloat16())
+    xs = [torch.randn(T, H, generator=gen).bfloat16() for _ in range(ranks)]
+    idxs = [torch.rand(T, E, generator=gen).topk(K, dim=1).indices for _ in range(ranks)]
+    weights = [torch.rand(T, K, generator=gen) for _ in range(ranks)]
+    return experts, xs, idxs, weights
+
+
+class _CommOnly:
+    """A mode's stages with the experts replaced by a zero output of the right shape (communication alone)."""
+
+    def __init__(self, stages: Any) -> None:
+        self._stages, self._outputs = stages, {}
+        self.dispatch, self.combine = stages.dispatch, stages.combine
+
+    def compute(self, received: Any) -> torch.Tensor:
+        received.wait()
+        shape = (received.x.shape[0], received.x.shape[1]) if isinstance(self._stages, NormalStages) \
+            else tuple(received.x.shape)
+        if shape not in self._outputs:
+            self._outputs[shape] = torch.zeros(shape, dtype=torch.bfloat16)
+        return self._outputs[shape]
+
+
+class _Recording:
+    """A mode's stages that keep what each compute step received (to time the compute alone)."""
+
+    def __init__(self, stages: Any) -> None:
+        self.stages, self.received = stages, []
+        self.dispatch, self.combine = stages.dispatch, stages.combine
+
+    def compute(self, received: Any) -> torch.Tensor:
+        out = self.stages.compute(received)
+        self.received.append(received)
+        return out
+
+
+def _run_mode(stages: Any, mode: str, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The mode's schedule over ``stages`` (real, comm-only or recording)."""
+    if mode == "chunked":
+        return schedules.chunked(stages, x, idx, w, chunks)
+    return getattr(schedules, mode)(stages, x, idx, w)
+
+
+def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """Checks, then times, every (transport, mode) on this rank; returns the results on rank 0, else None."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    T, H, E, chunks = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["num_chunks"]
+    experts, xs, idxs, weights = _inputs(cfg, R)
+    local = E // R
+    mine = experts.select(rank * local, local)
+    x, idx, w = xs[rank], idxs[rank], weights[rank]
+    m = T  # low-latency M: the whole batch fits one micro-batch
+    hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(m, H, R, E)
+    bufs = {name: moe_comm.Buffer(group, transport=name, low_latency_mode=True, num_rdma_bytes=hint)
+            for name in cfg["transports"]}
+
+    def stages_for(name: str, mode: str) -> Any:
+        if mode in LOW_LATENCY_MODES:
+            return LowLatencyStages(bufs[name], mine, E, m)
+        return NormalStages(bufs[name], mine, E)
+
+    checks: dict[str, float] = {}
+    cases: dict[str, Callable[[], Any]] = {}
+    for mode in cfg["modes"]:
+        expected = ep_moe_reference(xs, idxs, weights, experts, mode, chunks)[rank]
+        for name in cfg["transports"]:
+            out = ep_moe(bufs[name], x, idx, w, mine, E, mode=mode, num_chunks=chunks,
+                         num_max_dispatch_tokens_per_rank=m)
+            checks[f"{name}_{mode}_mismatched"] = float(not torch.equal(out.view(torch.int16),
+                                                                        expected.view(torch.int16)))
+            recording = _Recording(stages_for(name, mode))
+            _run_mode(recording, mode, x, idx, w, chunks)
+            comm_only = _CommOnly(stages_for(name, mode))
+            cases[f"{name}_{mode}_layer"] = functools.partial(ep_moe, bufs[name], x, idx, w, mine, E, mode=mode,
+                                                              num_chunks=chunks, num_max_dispatch_tokens_per_rank=m)
+            cases[f"{name}_{mode}_comm"] = functools.partial(_run_mode, comm_only, mode, x, idx, w, chunks)
+            cases[f"{name}_{mode}_compute"] = functools.partial(
+                lambda stages, got: [stages.compute(r) for r in got], recording.stages, recording.received)
+    require_all_ranks(not any(checks.values()), "bench_moe", rank, checks, group)
+
+    cpu: dict[str, list[float]] = {name: [] for name in cases}
+
+    def with_cpu(name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def timed() -> Any:
+            start = time.process_time()
+            result = fn()
+            cpu[name].append(time.process_time() - start)
+            return result
+        return timed
+
+    times = time_cases({n: with_cpu(n, fn) for n, fn in cases.items()}, group, cfg["warmup"], cfg["iters"])
+    cpu_median = torch.tensor([percentile(cpu[n][cfg["warmup"]:], 50) for n in cases], dtype=torch.float64)
+    dist.all_reduce(cpu_median, group=group)  # mean over ranks, below
+    res = gather_results(times, {n: 0.0 for n in cases}, checks, group)
+    if res is None:
+        return None
+    res["cpu_s"] = dict(zip(cases, (cpu_median / R).tolist()))
+    return {**res, "threads_per_rank": torch.get_num_threads(), "kernel_threads_per_rank": cpu_threads()}
+
+
+def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str, json_path: str) -> None:
+    """Prints one row per (transport, mode) and writes the JSON record (rank 0 only)."""
+    by = {r["case"]: r for r in case_rows(res)}
+    rows = []
+    for name in cfg["transports"]:
+        for mode in cfg["modes"]:
+            layer, comm, comp = (by[f"{name}_{mode}_{part}"] for part in ("layer", "comm", "compute"))
+            t_layer, t_comm, t_comp = layer["median_us"], comm["median_us"], comp["median_us"]
+            rows.append({"transport": name, "mode": mode, "layer_us": t_layer, "comm_us": t_comm, "compute_us": t_comp,
+                         "sum_us": t_comm + t_comp,
+                         "overlap_eff": (t_comm + t_comp - t_layer) / min(t_comm, t_comp),
+                         "layer_p10_p90": layer["p10_p90"],
+                         "cpu_per_wall_layer": res["cpu_s"][layer["case"]] / (t_layer * 1e-6),
+                         "cpu_per_wall_comm": res["cpu_s"][comm["case"]] / (t_comm * 1e-6),
+                         # the communication's CPU time still runs on the rank's cores: the most any overlap saves
+                         "overlap_bound": (t_comm + t_comp) / max(t_comm, t_comp + res["cpu_s"][comm["case"]] * 1e6),
+                         "times_us": {part: by[f"{name}_{mode}_{part}"]["times_us"]
+                                      for part in ("layer", "comm", "compute")}})
+    base = {r["transport"]: r["layer_us"] for r in rows if r["mode"] == "sequential"}
+    for r in rows:
+        if r["transport"] in base and r["mode"] in ("sequential", "chunked"):
+            r["vs_sequential"] = base[r["transport"]] / r["layer_us"]
+    columns = [("transport", "transport"), ("mode", "mode"), ("layer_us", "layer_us"),
+               ("layer_p10_p90", "layer p10/p90"), ("comm_us", "comm_alone_us"), ("compute_us", "compute_alone_us"),
+               ("sum_us", "comm+compute_us"), ("overlap_eff", "overlap_eff"), ("vs_sequential", "vs_sequential(x)"),
+               ("cpu_per_wall_comm", "cpu/wall comm"), ("cpu_per_wall_layer", "cpu/wall layer"),
+               ("overlap_bound", "overlap_bound(x)")]
+    print(format_table(columns, rows))
+    notes = [f"{cfg['ranks']} ranks x {cfg['tokens']} tokens, hidden {cfg['hidden']}, intermediate {cfg['inter']}, "
+             f"top-{cfg['topk']} of {cfg['experts']} experts, {'FP8' if cfg['fp8'] else 'BF16'} experts; chunked mode: "
+             f"{cfg['num_chunks']} chunks; low-latency M = tokens per rank",
+             "overlap_eff = (comm_alone + compute_alone - layer) / min(comm_alone, compute_alone); medians of the "
+             "per-iteration max over ranks; cases take turns each iteration",
+             "cpu/wall: a rank's process CPU seconds (all its threads) per wall second, mean over ranks",
+             "overlap_bound = (comm_alone + compute_alone) / max(comm_alone, compute_alone + CPU seconds of comm_alone): "
+             "the speed-up over running the two parts back to back that a perfect overlap could reach when each rank "
+             "has one core, since the communication's own CPU work (copies, TCP, polling) competes with the compute",
+             f"{cfg['ranks']} ranks share {os.cpu_count()} CPU cores ({res['threads_per_rank']} torch / "
+             f"{res['kernel_threads_per_rank']} moe_comm._C thread(s) per rank); shared, noisy VM"]
+    print("\n".join(notes))
+    for r in rows:
+        r.pop("layer_p10_p90")
+    write_json(json_path, {"bench": "bench_moe", "command": command, "launcher": launcher, "config": cfg,
+                           "notes": notes, "checks_max_over_ranks": res["checks_max_over_ranks"], "rows": rows})
+    print(f"wrote {json_path}")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2, help="local ranks to spawn (ignored under torchrun/mpirun)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--inter", type=int, default=256, help="expert intermediate size (a multiple of 128 for FP8)")
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--experts", type=int, default=16, help="total experts, a multiple of the rank count")
+    p.add_argument("--num-chunks", type=int, default=4, help="micro-batches of the chunked mode")
+    p.add_argument("--fp8", action="store_true", help="FP8 experts (128x128 block scales) and FP8 dispatch")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
+    p.add_argument("--threads-per-rank", type=int, default=0, help="0: cpu_count // local ranks, at least 1")
+    p.add_argument("--json", default=str(Path(__file__).resolve().parent / "out" / "bench_moe.json"))
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    ranks = launched_ranks(args.ranks)
+    if args.experts % ranks or args.hidden % 128 or not 1 <= args.topk <= args.experts:
+        raise SystemExit(f"bench_moe: need --experts a multiple of the rank count ({ranks}), --hidden a multiple of "
+                         f"128 and 1 <= --topk <= --experts, got {vars(args)}")
+    cfg = {k: getattr(args, k) for k in ("tokens", "hidden", "inter", "topk", "experts", "num_chunks", "fp8", "modes",
+                                         "warmup", "iters", "seed", "transports")}
+    launch(run_rank, functools.partial(report, json_path=args.json), cfg, args.ranks, args.threads_per_rank)
+
+
+if __name__ == "__main__":
+    main()
