@@ -3,9 +3,11 @@ bit for bit ``ep_moe_reference`` (the same ops with all experts in one process),
 standard of its fp64 specification, and the same on every run. Inputs include ranks with no
 tokens, experts no token picks, -1 slots and micro-batches with no tokens."""
 import pytest
+import torch
 
 from moe_cases import layer_from_logits, mismatched_chunks, moe_forward
 from moe_comm.moe import MODES
+from moe_comm.ops import triton_usable
 
 CASES = [
     # world, tokens per rank, hidden, intermediate, topk, experts, unused experts
@@ -59,3 +61,15 @@ def test_ranks_disagreeing_on_chunks_raise(worlds):
     for message in worlds(2).run(mismatched_chunks, timeout_s=60):
         assert message != "no error"
         assert "CrossRankMismatchError" in message or "CommTimeoutError" in message, message
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ep_moe_on_triton_kernels(worlds, mode):
+    """The layer on the Triton kernels (the interpreter on CPU: small shapes) matches its reference there too."""
+    usable, why = triton_usable(torch.device("cpu"))
+    if not usable:
+        pytest.skip(why)
+    cfg = dict(tokens=[6, 3], hidden=128, inter=128, topk=2, experts=4, mode=mode, num_chunks=2, fp8=mode == "two_batch",
+               seed=2, backend="triton")
+    for r in worlds(2).run(moe_forward, cfg):
+        assert r["bitwise_reference"] and r["accuracy"] and r["repeatable"], r

@@ -73,6 +73,11 @@ class Experts:
     def intermediate(self) -> int:
         return self.w13.shape[1] // 2
 
+    def to(self, device: torch.device) -> "Experts":
+        """The same experts on ``device``."""
+        return Experts(*(None if t is None else t.to(device) for t in (self.w13, self.w2, self.w13_scales,
+                                                                        self.w2_scales)))
+
     def select(self, first: int, count: int) -> "Experts":
         """Experts ``[first, first + count)`` (views, no copy): one rank's share of a global set."""
         part = slice(first, first + count)

@@ -43,13 +43,13 @@ def dense_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tenso
 
 
 def dense_moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, experts: Experts, *,
-                        rank_groups: int = 1) -> torch.Tensor:
+                        rank_groups: int = 1, backend: Optional[str] = None) -> torch.Tensor:
     """fp64 specification of ``dense_moe`` (float64 `[T, H]`) from the FFN op's bf16 expert outputs: the
     routing, weighting and reduction in fp64, rounding only where the layer defines it (with
     ``rank_groups``, each group's share to bf16). The FFN op itself is held to the accuracy standard by
-    ``moe_comm.accuracy``; starting from its outputs keeps a bf16 output that rounds the other way from
-    being amplified by tokens whose terms cancel."""
-    perm, y = _expert_outputs(x, topk_idx, experts, "native")
+    ``moe_comm.accuracy``; starting from its outputs (on ``backend``) keeps a bf16 output that rounds the
+    other way from being amplified by tokens whose terms cancel."""
+    perm, y = _expert_outputs(x, topk_idx, experts, backend)
     if rank_groups == 1:
         return unpermute_reduce_reference(y, perm.row_of, topk_weights)
     shares = [unpermute_reduce_reference(y, rows, topk_weights)
@@ -72,7 +72,7 @@ def ep_moe_reference(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tenso
     for c in range(count):
         parts = [s[c] for s in splits]
         batch = [torch.cat([t[p] for t, p in zip(ts, parts)]) for ts in (xs, topk_idxs, topk_weights)]
-        out = dense_moe_reference(*batch, experts, rank_groups=groups) if fp64 else \
+        out = dense_moe_reference(*batch, experts, rank_groups=groups, backend=backend) if fp64 else \
             dense_moe(*batch, experts, rank_groups=groups, backend=backend)
         for r, piece in enumerate(out.split([p.stop - p.start for p in parts])):
             outs[r].append(piece)
