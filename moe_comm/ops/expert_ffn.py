@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from ..alloc import zeros
 from .backend import resolve
 from .fp8 import GROUP
 from .grouped_gemm import GemmArgs, grouped_gemm, launch_gemm, native_gemm, segments_reference
@@ -35,7 +36,7 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, expert_o
     if fp8 and inter % GROUP:
         raise ValueError(f"expert_ffn: FP8 needs the intermediate size I to be a multiple of {GROUP}, got {inter}")
     first = GemmArgs("expert_ffn", x, w13, expert_offsets, masked_m, x_scales, w13_scales, inter)
-    h = torch.zeros(first.a.shape[0], inter, dtype=torch.bfloat16, device=x.device)
+    h = zeros((first.a.shape[0], inter), torch.bfloat16, x.device)
     chosen = resolve("expert_ffn", x.device, backend)
     if chosen == "triton":
         launch_gemm(first, h, swiglu=True)

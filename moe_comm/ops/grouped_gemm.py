@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..alloc import zeros
 from .backend import kernels, resolve
 from .fp8 import GROUP
 from .quant import dequantize
@@ -171,7 +172,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, *, expert_offsets: Optional[t
     `[E]`) layout; fp32 accumulation, rounded to ``out_dtype``. Returns `[M, N]` or `[E, M, N]`; rows
     outside the experts' ranges are zero. Reference ``grouped_gemm_reference`` (fp64)."""
     args = GemmArgs("grouped_gemm", a, b, expert_offsets, masked_m, a_scales, b_scales, b.shape[1])
-    out = torch.zeros(args.a.shape[0], args.n_out, dtype=out_dtype, device=a.device)
+    # NOTES: fresh zero pages on CPU: the masked layout's unused rows (most of [E, M, N] at decode) cost nothing
+    out = zeros((args.a.shape[0], args.n_out), out_dtype, a.device)
     if resolve("grouped_gemm", a.device, backend) == "triton":
         launch_gemm(args, out, swiglu=False)
     else:
