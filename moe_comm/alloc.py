@@ -87,7 +87,7 @@ def pool_stats() -> dict[str, int]:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A new contiguous zero tensor; on CPU its untouched pages are never written."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:  # (numpy's empty array has stride 0, which cannot be viewed)
+        return torch.zeros(shape, dtype=dtype, device=device)
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

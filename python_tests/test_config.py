@@ -406,3 +406,14 @@ def test_output_pool_recycles_blocks_once_tensors_die():
     assert pool_stats()["hits"] == before + 1 and third.shape == (1000, 1024)
     small = empty((10,), torch.float32, torch.device("cpu"))  # below 1 MiB: a plain torch tensor
     assert small.numel() == 10
+
+
+def test_zero_outputs_of_every_size():
+    import torch
+
+    from moe_comm.alloc import zeros
+    for shape in ((0, 128), (3, 0), (0,), (5, 7), (1024, 1024)):
+        t = zeros(shape, torch.bfloat16, torch.device("cpu"))
+        assert t.shape == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
+        assert not t.any()
+        t.fill_(1)  # writable
