@@ -3,6 +3,7 @@ from one seed, so it can compute its own expected output with the single-process
 from __future__ import annotations
 
 import hashlib
+import time
 import math
 from typing import Any
 
@@ -122,3 +123,21 @@ def mismatched_chunks(group: dist.ProcessGroup) -> str:
     finally:
         buffer.destroy()
     return "no error"
+
+
+def skip_forward(group: dist.ProcessGroup, mode: str) -> Any:
+    """The last rank never calls the layer; the others must time out naming it, not hang."""
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    everything = global_experts(4 * ranks, 128, 128, False, seed=4)
+    xs, idxs, weights = rank_inputs([8] * ranks, 128, 2, everything.num_experts, seed=4)
+    hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(8, 128, ranks, everything.num_experts)
+    buffer = moe_comm.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, timeout_s=2.0)
+    if rank == ranks - 1:
+        return "skipped"
+    start = time.monotonic()
+    try:
+        ep_moe(buffer, xs[rank], idxs[rank], weights[rank], everything.select(rank * 4, 4), everything.num_experts,
+               mode=mode, num_chunks=3, num_max_dispatch_tokens_per_rank=8)
+    except moe_comm.CommTimeoutError as exc:
+        return time.monotonic() - start, str(exc), exc.missing_ranks
+    return "no timeout"

@@ -5,7 +5,8 @@ tokens, experts no token picks, -1 slots and micro-batches with no tokens."""
 import pytest
 import torch
 
-from moe_cases import layer_from_logits, mismatched_chunks, moe_forward
+from moe_cases import layer_from_logits, mismatched_chunks, moe_forward, skip_forward
+from moe_comm.launch import LocalWorld
 from moe_comm.moe import MODES
 from moe_comm.ops import triton_usable
 
@@ -73,3 +74,13 @@ def test_ep_moe_on_triton_kernels(worlds, mode):
                seed=2, backend="triton")
     for r in worlds(2).run(moe_forward, cfg):
         assert r["bitwise_reference"] and r["accuracy"] and r["repeatable"], r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rank_that_skips_the_layer_times_out_the_others(mode):
+    with LocalWorld(2, timeout_s=60, threads_per_rank=1) as world:
+        results = world.run(skip_forward, mode)
+    assert results[1] == "skipped"
+    elapsed, message, missing = results[0]
+    assert missing == [1] and 2.0 <= elapsed < 10.0, (elapsed, message)
+    assert "rank 0 timed out after 2 s; ranks not heard from: [1]" in message, message
