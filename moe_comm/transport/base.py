@@ -65,6 +65,13 @@ class Transport(abc.ABC):
         send nor receive, and their blocks of ``output`` stay as they are. Any dtype; ``op`` names the
         caller's operation in errors. Meant for small metadata; payloads go through ``exchange``."""
 
+    def bulk_all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+                        input_splits: Sequence[int], *, op: str, skip: frozenset[int] = frozenset()) -> Pending:
+        """``all_to_all`` for payload rows (what ``exchange`` moves). A transport may carry them on a channel
+        of their own, so that a small ``all_to_all`` posted later never waits behind them; the default
+        is ``all_to_all``. Ordered with the other bulk exchanges, not with ``all_to_all``."""
+        return self.all_to_all(output, input, output_splits, input_splits, op=op, skip=skip)
+
     @abc.abstractmethod
     def exited_ranks(self) -> list[int]:
         """Ranks on this host whose process has exited (a dead peer, found without waiting)."""
@@ -78,7 +85,7 @@ class Transport(abc.ABC):
         and the received rows lack that block. Collective, in the same order on every rank not in
         ``skip`` (masked ranks: their rows and columns of ``sent`` must be 0).
 
-        This implementation packs into a local buffer and runs ``all_to_all``."""
+        This implementation packs into a local buffer and runs ``bulk_all_to_all``."""
         me = self.rank
         send_counts, recv_counts = own_counts(sent, me, skip_self)
         firsts = prefix_sums(sent[me])
@@ -89,7 +96,7 @@ class Transport(abc.ABC):
                 rows(dest, firsts[dest], packed[begin:begin + count])
             begin += count
         recv_store, received = self.workspace.take("recv", sum(recv_counts), record_bytes, device)
-        pending = self.all_to_all(received, packed, recv_counts, send_counts, op=op, skip=skip)
+        pending = self.bulk_all_to_all(received, packed, recv_counts, send_counts, op=op, skip=skip)
         return _BufferedExchange(self.workspace, pending, received, send_store, recv_store)
 
     @abc.abstractmethod
@@ -116,7 +123,7 @@ def own_counts(sent: Sequence[Sequence[int]], me: int, skip_self: bool) -> tuple
 
 
 class _BufferedExchange:
-    """An ``exchange`` through workspace buffers and ``all_to_all``."""
+    """An ``exchange`` through workspace buffers and ``bulk_all_to_all``."""
 
     def __init__(self, workspace: Workspace, pending: Pending, received: torch.Tensor,
                  send_store: torch.Tensor, recv_store: torch.Tensor) -> None:

@@ -250,13 +250,15 @@ class ShmTransport(Transport):
         native().flag_store(segment.flag(layout.arrived(channel, slot, self.local_index)), seq)
 
     def _remote_exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
-                         op: str, skip: frozenset[int]) -> tuple:
-        """Starts the collective all-to-all of the rows to and from other hosts (zero for this host)."""
+                         op: str, skip: frozenset[int], bulk: bool) -> tuple:
+        """Starts the collective all-to-all of the rows to and from other hosts (zero for this host), on
+        the collective transport's payload channel when ``bulk``, else on its metadata channel."""
         remote = [r for r in self.remote if r not in skip]
         send_remote = [send_counts[r] if r in remote else 0 for r in range(self.num_ranks)]
         recv_remote = [recv_counts[r] if r in remote else 0 for r in range(self.num_ranks)]
         received = torch.empty(sum(recv_remote), *send.shape[1:], dtype=send.dtype)
-        pending = self._coll.all_to_all(received, send, recv_remote, send_remote, op=op, skip=skip)
+        post = self._coll.bulk_all_to_all if bulk else self._coll.all_to_all
+        pending = post(received, send, recv_remote, send_remote, op=op, skip=skip)
         return pending, received, remote
 
     def exited_ranks(self) -> list[int]:
@@ -277,7 +279,7 @@ class ShmTransport(Transport):
         if self.remote:
             keep = torch.cat([data[starts[r]:starts[r + 1]] if r not in skip else data[:0] for r in self.remote]) \
                 if data.numel() else data
-            remote = self._remote_exchange(keep, input_splits, output_splits, op, skip)
+            remote = self._remote_exchange(keep, input_splits, output_splits, op, skip, bulk=False)
         for dest in local:
             nbytes = input_splits[dest] * row_bytes
             if nbytes > META_CELL:
@@ -316,7 +318,7 @@ class ShmTransport(Transport):
                 if send_counts[dest]:
                     rows(dest, firsts[dest], packed[begin:begin + send_counts[dest]])
                 begin += send_counts[dest]
-            remote = self._remote_exchange(packed, send_counts, recv_counts, op, skip)
+            remote = self._remote_exchange(packed, send_counts, recv_counts, op, skip, bulk=True)
         for dest in local:
             offset = sum(rows_to[i][dest] for i in range(me)) * record_bytes
             count = send_counts[dest]
