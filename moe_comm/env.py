@@ -9,6 +9,8 @@ MOE_COMM_TIMEOUT_S   deadline in seconds for every wait (default 300); ``Buffer(
 MOE_COMM_NUM_THREADS threads the CPU kernels of ``moe_comm._C`` may use (default: all cores).
 MOE_COMM_POOL_BYTES  idle bytes the CPU output pool (``moe_comm.alloc.empty``) may keep (default 2 GiB;
                      0 disables recycling).
+MOE_COMM_WEIGHT_CACHE_BYTES  bytes of fp32 expert-weight copies the native CPU GEMM may keep across calls
+                     (``moe_comm.ops.weight_cache``; default 1 GiB; 0 disables).
 MOE_COMM_OPS_BACKEND backend of the ops in ``moe_comm.ops`` when a call passes none: ``native`` or
                      ``triton`` (unset: ``native`` on CPU tensors, ``triton`` elsewhere when it imports).
 TRITON_INTERPRET     (Triton's own) ``1`` runs Triton kernels in its CPU interpreter; read by Triton when
@@ -21,11 +23,12 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-__all__ = ["transport", "timeout_s", "num_threads", "pool_bytes", "local_world_size", "ops_backend",
-           "triton_interpret"]
+__all__ = ["transport", "timeout_s", "num_threads", "pool_bytes", "weight_cache_bytes", "local_world_size",
+           "ops_backend", "triton_interpret"]
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_POOL_BYTES = 2 << 30
+DEFAULT_WEIGHT_CACHE_BYTES = 1 << 30
 
 
 def transport() -> Optional[str]:
@@ -56,14 +59,23 @@ def num_threads() -> Optional[int]:
     return None if value is None else int(_positive("MOE_COMM_NUM_THREADS", value, int))
 
 
+def _byte_count(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if not value.strip().isdigit():
+        raise ValueError(f"environment variable {name} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
 def pool_bytes() -> int:
     """Idle bytes the CPU output pool may keep, from ``MOE_COMM_POOL_BYTES`` (0 allowed), else 2 GiB."""
-    value = os.environ.get("MOE_COMM_POOL_BYTES")
-    if value is None:
-        return DEFAULT_POOL_BYTES
-    if not value.strip().isdigit():
-        raise ValueError(f"environment variable MOE_COMM_POOL_BYTES must be a non-negative int, got {value!r}")
-    return int(value)
+    return _byte_count("MOE_COMM_POOL_BYTES", DEFAULT_POOL_BYTES)
+
+
+def weight_cache_bytes() -> int:
+    """Bytes of cached fp32 expert weights, from ``MOE_COMM_WEIGHT_CACHE_BYTES`` (0 allowed), else 1 GiB."""
+    return _byte_count("MOE_COMM_WEIGHT_CACHE_BYTES", DEFAULT_WEIGHT_CACHE_BYTES)
 
 
 def local_world_size() -> Optional[int]:

@@ -19,6 +19,7 @@ from ..alloc import zeros
 from .backend import kernels, resolve
 from .fp8 import GROUP
 from .quant import dequantize
+from .weight_cache import fp32_weights
 
 __all__ = ["grouped_gemm", "grouped_gemm_reference"]
 
@@ -192,27 +193,45 @@ def _cpu_has_bf16_matmul() -> bool:
 def native_gemm(args: GemmArgs, out: torch.Tensor, swiglu: bool) -> None:
     """Per-expert matmuls (one device read of the segment bounds), in fp32, or in bf16 with fp32
     accumulation where the CPU has bf16 units and the result is bf16 anyway (not for SwiGLU, whose
-    activation reads the fp32 products)."""
+    activation reads the fp32 products). The fp32 weights of CPU tensors come from ``weight_cache``."""
     fp8 = args.a_scales is not None
     bf16 = (not swiglu and args.a.dtype == out.dtype == torch.bfloat16 and args.a.device.type == "cpu"
             and _cpu_has_bf16_matmul())
+    cached = None
+    if not bf16 and args.b.dtype != torch.float32:
+        cached = fp32_weights(args.b, args.b_scales, lambda: _all_fp32(args))
     for e, (start, end) in enumerate(zip(args.starts.tolist(), args.ends.tolist())):
         if end <= start:
             continue
         if bf16:
             torch.matmul(args.a[start:end], args.b[e].t(), out=out[start:end])
             continue
-        if fp8:  # fp32 operands through the native dequantize: the same products as dequantize_weights
+        if fp8:
             a = dequantize(args.a[start:end], args.a_scales[start:end], torch.float32, backend="native")
-            row_scales = args.b_scales[e].repeat_interleave(GROUP, dim=0)[:args.b_rows]
-            weights = dequantize(args.b[e], row_scales, torch.float32, backend="native")
         else:
-            a, weights = args.a[start:end].to(torch.float32), args.b[e].to(torch.float32)
+            a = args.a[start:end].to(torch.float32)
+        weights = cached[e] if cached is not None else _expert_fp32(args, e)
         acc = a @ weights.t()
         if swiglu:
             gate, up = acc[:, :args.n_out], acc[:, args.n_out:]
             acc = torch.nn.functional.silu(gate) * up
         out[start:end] = acc.to(out.dtype)
+
+
+def _expert_fp32(args: GemmArgs, e: int) -> torch.Tensor:
+    """Expert ``e``'s weights in fp32; FP8 through the native dequantize (the values of ``dequantize_weights``)."""
+    if args.b_scales is None:
+        return args.b[e].to(torch.float32)
+    row_scales = args.b_scales[e].repeat_interleave(GROUP, dim=0)[:args.b_rows]
+    return dequantize(args.b[e], row_scales, torch.float32, backend="native")
+
+
+def _all_fp32(args: GemmArgs) -> torch.Tensor:
+    """Every expert's weights in fp32, `[E, N, K]` (what ``weight_cache`` keeps)."""
+    value = torch.empty(args.b.shape, dtype=torch.float32, device=args.b.device)
+    for e in range(args.num_experts):
+        value[e] = _expert_fp32(args, e)
+    return value
 
 
 def grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, *, expert_offsets: Optional[torch.Tensor] = None,
