@@ -30,7 +30,8 @@ class _Entry:
     value: torch.Tensor
 
 
-_lock = threading.Lock()
+# NOTES: reentrant: a weight tensor collected (by the cyclic GC) inside a locked region runs _forget there
+_lock = threading.RLock()
 _entries: "collections.OrderedDict[int, _Entry]" = collections.OrderedDict()
 _stats = {"hits": 0, "misses": 0, "bytes": 0}
 
