@@ -27,8 +27,7 @@ import torch.distributed as dist
 
 import moe_comm
 from moe_comm._native import cpu_threads
-from moe_comm.moe import (LOW_LATENCY_MODES, MODES, Experts, LowLatencyStages, NormalStages, ep_moe,
-                          ep_moe_reference, schedules)
+from moe_comm.moe import MODES, Experts, NormalStages, ep_moe, ep_moe_reference, schedules
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
 from common import (TRANSPORTS, case_rows, format_table, gather_results, launch, launched_ranks, percentile,
@@ -78,13 +77,6 @@ class _Recording:
         return out
 
 
-def _run_mode(stages: Any, mode: str, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, chunks: int) -> torch.Tensor:
-    """The mode's schedule over ``stages`` (real, comm-only or recording)."""
-    if mode == "chunked":
-        return schedules.chunked(stages, x, idx, w, chunks)
-    return getattr(schedules, mode)(stages, x, idx, w)
-
-
 def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Checks, then times, every (transport, mode) on this rank; returns the results on rank 0, else None."""
     rank, R = dist.get_rank(group), dist.get_world_size(group)
@@ -98,11 +90,6 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     bufs = {name: moe_comm.Buffer(group, transport=name, low_latency_mode=True, num_rdma_bytes=hint)
             for name in cfg["transports"]}
 
-    def stages_for(name: str, mode: str) -> Any:
-        if mode in LOW_LATENCY_MODES:
-            return LowLatencyStages(bufs[name], mine, E, m)
-        return NormalStages(bufs[name], mine, E)
-
     checks: dict[str, float] = {}
     cases: dict[str, Callable[[], Any]] = {}
     for mode in cfg["modes"]:
@@ -112,12 +99,12 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
                          num_max_dispatch_tokens_per_rank=m)
             checks[f"{name}_{mode}_mismatched"] = float(not torch.equal(out.view(torch.int16),
                                                                         expected.view(torch.int16)))
-            recording = _Recording(stages_for(name, mode))
-            _run_mode(recording, mode, x, idx, w, chunks)
-            comm_only = _CommOnly(stages_for(name, mode))
+            recording = _Recording(schedules.stages_for(mode, bufs[name], mine, E, m))
+            schedules.run(mode, recording, x, idx, w, chunks)
+            comm_only = _CommOnly(schedules.stages_for(mode, bufs[name], mine, E, m))
             cases[f"{name}_{mode}_layer"] = functools.partial(ep_moe, bufs[name], x, idx, w, mine, E, mode=mode,
                                                               num_chunks=chunks, num_max_dispatch_tokens_per_rank=m)
-            cases[f"{name}_{mode}_comm"] = functools.partial(_run_mode, comm_only, mode, x, idx, w, chunks)
+            cases[f"{name}_{mode}_comm"] = functools.partial(schedules.run, mode, comm_only, x, idx, w, chunks)
             cases[f"{name}_{mode}_compute"] = functools.partial(
                 lambda stages, got: [stages.compute(r) for r in got], recording.stages, recording.received)
     require_all_ranks(not any(checks.values()), "bench_moe", rank, checks, group)

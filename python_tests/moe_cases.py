@@ -3,14 +3,15 @@ from one seed, so it can compute its own expected output with the single-process
 from __future__ import annotations
 
 import hashlib
-import time
 import math
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import moe_comm
+from low_latency_cases import ll_buffer
 from moe_comm import accuracy
 from moe_comm.moe import Experts, LOW_LATENCY_MODES, ep_moe, ep_moe_reference, select_experts
 
@@ -47,8 +48,7 @@ def max_tokens(mode: str, tokens: list[int]) -> int:
 def make_buffer(group: dist.ProcessGroup, mode: str, m: int, hidden: int, num_experts: int) -> moe_comm.Buffer:
     if mode not in LOW_LATENCY_MODES:
         return moe_comm.Buffer(group, explicitly_destroy=True, timeout_s=60)
-    hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(m, hidden, dist.get_world_size(group), num_experts)
-    return moe_comm.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True, timeout_s=60)
+    return ll_buffer(group, m, hidden, num_experts, timeout_s=60)
 
 
 def moe_forward(group: dist.ProcessGroup, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -130,8 +130,7 @@ def skip_forward(group: dist.ProcessGroup, mode: str) -> Any:
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     everything = global_experts(4 * ranks, 128, 128, False, seed=4)
     xs, idxs, weights = rank_inputs([8] * ranks, 128, 2, everything.num_experts, seed=4)
-    hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(8, 128, ranks, everything.num_experts)
-    buffer = moe_comm.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, timeout_s=2.0)
+    buffer = ll_buffer(group, 8, 128, everything.num_experts, timeout_s=2.0)
     if rank == ranks - 1:
         return "skipped"
     start = time.monotonic()

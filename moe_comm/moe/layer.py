@@ -11,7 +11,6 @@ from ..errors import bad_argument
 from . import schedules
 from .experts import Experts
 from .routing import select_experts
-from .stages import LowLatencyStages, NormalStages
 
 __all__ = ["EPMoE", "ep_moe"]
 
@@ -73,14 +72,8 @@ def ep_moe(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights
     """
     _check_forward("ep_moe", buffer, x, topk_idx, topk_weights, experts, num_experts, mode, num_chunks,
                    num_max_dispatch_tokens_per_rank)
-    if mode in schedules.LOW_LATENCY_MODES:
-        stages = LowLatencyStages(buffer, experts, num_experts, num_max_dispatch_tokens_per_rank, backend)
-        run = schedules.two_batch if mode == "two_batch" else schedules.low_latency
-        return run(stages, x, topk_idx, topk_weights)
-    normal = NormalStages(buffer, experts, num_experts, backend)
-    if mode == "chunked":
-        return schedules.chunked(normal, x, topk_idx, topk_weights, num_chunks)
-    return schedules.sequential(normal, x, topk_idx, topk_weights)
+    stages = schedules.stages_for(mode, buffer, experts, num_experts, num_max_dispatch_tokens_per_rank, backend)
+    return schedules.run(mode, stages, x, topk_idx, topk_weights, num_chunks)
 
 
 class EPMoE(torch.nn.Module):

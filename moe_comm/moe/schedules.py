@@ -5,12 +5,16 @@ mode with the same number of micro-batches (each step is collective, in the same
 """
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 
+from ..buffer import Buffer
+from .experts import Experts
 from .stages import LowLatencyStages, NormalStages
 
-__all__ = ["MODES", "LOW_LATENCY_MODES", "num_micro_batches", "micro_batches", "sequential", "chunked", "two_batch",
-           "low_latency"]
+__all__ = ["MODES", "LOW_LATENCY_MODES", "num_micro_batches", "micro_batches", "stages_for", "run", "sequential",
+           "chunked", "two_batch", "low_latency"]
 
 MODES = ("sequential", "chunked", "two_batch", "low_latency")
 #: the modes that run on the low-latency calls (a Buffer with low_latency_mode=True)
@@ -32,6 +36,23 @@ def micro_batches(num_tokens: int, count: int) -> list[slice]:
         bounds.append(slice(start, end))
         start = end
     return bounds
+
+
+def stages_for(mode: str, buffer: Buffer, experts: Experts, num_experts: int,
+               num_max_dispatch_tokens_per_rank: Optional[int], backend: Optional[str] = None) -> Any:
+    """The steps ``mode`` runs: low-latency calls (with M = ``num_max_dispatch_tokens_per_rank``) or normal ones."""
+    if mode in LOW_LATENCY_MODES:
+        return LowLatencyStages(buffer, experts, num_experts, num_max_dispatch_tokens_per_rank, backend)
+    return NormalStages(buffer, experts, num_experts, backend)
+
+
+def run(mode: str, stages: Any, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+        num_chunks: int) -> torch.Tensor:
+    """``mode``'s schedule over ``stages`` (``stages_for``'s, or any object with the same three steps)."""
+    if mode == "chunked":
+        return chunked(stages, x, topk_idx, topk_weights, num_chunks)
+    return {"sequential": sequential, "two_batch": two_batch, "low_latency": low_latency}[mode](
+        stages, x, topk_idx, topk_weights)
 
 
 def sequential(stages: NormalStages, x: torch.Tensor, topk_idx: torch.Tensor,
