@@ -151,6 +151,19 @@ class Buffer(LowLatencyAPI):
             self.runtime.close()
             self.runtime = None
 
+    def get_comm_stream(self) -> Any:
+        """DeepEP's communication stream: not available (moe-comm's transports run on the caller's
+        thread, or on its own threads on CPU; there is no separate device stream to return)."""
+        raise NotImplementedError("Buffer.get_comm_stream: moe-comm has no separate communication stream; "
+                                  "order work with the EventOverlap objects the calls return")
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """DeepEP's raw view of its NVLink/RDMA buffer: not available (moe-comm's buffers have their
+        own layouts, so a raw view would not mean what DeepEP's does)."""
+        raise NotImplementedError("Buffer.get_local_buffer_tensor: moe-comm does not expose its raw buffers; "
+                                  "clean_low_latency_buffer() resets the low-latency state instead")
+
     def _alive(self, op: str) -> None:
         if self.runtime is None:
             raise RuntimeError(f"{op}: this Buffer was destroyed")

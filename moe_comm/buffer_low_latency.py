@@ -14,6 +14,7 @@ from .handle import LowLatencyHandle
 from .ll_args import check_ll_combine, check_ll_counts, check_ll_dispatch, check_ll_sizes, check_rdma_bytes
 from .low_latency import LowLatencyMode
 from .transport import Transport
+from .variant_knobs import LOW_LATENCY_COMBINE, LOW_LATENCY_DISPATCH, reject_unsupported
 
 __all__ = ["LowLatencyAPI", "XType"]
 
@@ -51,7 +52,7 @@ class LowLatencyAPI:
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False
+                             return_recv_hook: bool = False, **variant_knobs: Any
                              ) -> tuple[XType, torch.Tensor, tuple, EventOverlap, Optional[Callable[[], None]]]:
         """Sends one message per (token, selected expert) into fixed-shape per-expert blocks. Collective.
 
@@ -67,6 +68,8 @@ class LowLatencyAPI:
                 ``round_scale``: power-of-two scales; ``use_ue8m0``: packed UE8M0 scales (needs round_scale).
             async_finish: the receive runs in ``event.current_stream_wait()``.
             return_recv_hook: the call only sends; ``hook()`` receives and fills the outputs (once).
+            variant_knobs: keywords of DeepEP forks (``use_nvfp4``, ``x_global_scale``, ...), accepted
+                at their off value only (``moe_comm.variant_knobs``).
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` `[E_loc, R * M, H]` bf16, or
             ``(float8_e4m3fn [E_loc, R * M, H], scales)`` with scales float32 `[E_loc, R * M, H / 128]` or
@@ -77,6 +80,7 @@ class LowLatencyAPI:
             token ascending; rows past ``recv_count[e]`` are 0 (``src_info`` -1).
         """
         op = "low_latency_dispatch"
+        reject_unsupported(op, LOW_LATENCY_DISPATCH, variant_knobs)
         self._low_latency_ready(op)
         check_bools(op, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
                     return_recv_hook=return_recv_hook)
@@ -99,7 +103,7 @@ class LowLatencyAPI:
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None, **variant_knobs: Any
                             ) -> tuple[torch.Tensor, EventOverlap, Optional[Callable[[], None]]]:
         """Returns expert outputs to their source ranks and reduces them, weighted. Collective.
 
@@ -112,11 +116,14 @@ class LowLatencyAPI:
             use_logfmt: not supported (raises NotImplementedError).
             out: optional `[T, H]` bf16 contiguous output.
             combine_wait_recv_cost_stats: like ``dispatch_wait_recv_cost_stats``.
+            variant_knobs: keywords of DeepEP forks (``overlap``, ``comp_signal``, ...), accepted at
+                their off value only (``moe_comm.variant_knobs``).
         Returns:
             ``(combined_x, event, hook)``: ``combined_x[t] = bf16(sum over k ascending with topk_idx[t, k]
             >= 0 of topk_weights[t, k] * y(t, k))``, fp32 multiply and add: bitwise reproducible.
         """
         op = "low_latency_combine"
+        reject_unsupported(op, LOW_LATENCY_COMBINE, variant_knobs)
         self._low_latency_ready(op)
         check_bools(op, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
                     return_recv_hook=return_recv_hook)
