@@ -15,6 +15,9 @@ MOE_COMM_OPS_BACKEND backend of the ops in ``moe_comm.ops`` when a call passes n
                      ``triton`` (unset: ``native`` on CPU tensors, ``triton`` elsewhere when it imports).
 TRITON_INTERPRET     (Triton's own) ``1`` runs Triton kernels in its CPU interpreter; read by Triton when
                      a kernel module is imported, and by ``moe_comm.ops.backend`` to allow CPU tensors.
+MOE_COMM_DEEP_EP     ``1``: the vLLM and SGLang plugin entry points make ``import deep_ep`` give moe-comm
+                     (``moe_comm.integrations.install_deep_ep_alias``); ``force``: even over another
+                     ``deep_ep`` already imported; unset, empty or ``0``: the plugins do nothing.
 LOCAL_WORLD_SIZE     (set by torchrun) ranks per node: the ``shm`` transport groups global ranks
                      ``r // LOCAL_WORLD_SIZE`` as one node.
 """
@@ -24,7 +27,7 @@ import os
 from typing import Optional
 
 __all__ = ["transport", "timeout_s", "num_threads", "pool_bytes", "weight_cache_bytes", "local_world_size",
-           "ops_backend", "triton_interpret"]
+           "ops_backend", "triton_interpret", "deep_ep_alias"]
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_POOL_BYTES = 2 << 30
@@ -93,3 +96,13 @@ def ops_backend() -> Optional[str]:
 def triton_interpret() -> bool:
     """Whether ``TRITON_INTERPRET`` asks Triton for its CPU interpreter (Triton's own truthy spellings)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def deep_ep_alias() -> Optional[str]:
+    """``MOE_COMM_DEEP_EP``: None (unset, empty or ``0``: off), ``"1"`` or ``"force"``."""
+    value = os.environ.get("MOE_COMM_DEEP_EP", "").strip().lower()
+    if value in ("", "0"):
+        return None
+    if value not in ("1", "force"):
+        raise ValueError(f"environment variable MOE_COMM_DEEP_EP must be 1, force, 0 or unset, got {value!r}")
+    return value

@@ -1,0 +1,92 @@
+"""vLLM plugin (entry point ``vllm.general_plugins: moe_comm``): with ``MOE_COMM_DEEP_EP=1``, vLLM's
+``--all2all-backend deepep_high_throughput|deepep_low_latency`` runs on moe-comm.
+
+vLLM loads general plugins in every process before its MoE modules are imported, so the
+``deep_ep`` alias is in place when ``prepare_finalize/deepep_ht.py`` and ``deepep_ll.py`` run
+``import deep_ep``. On vLLM's CPU platform two more things are needed (vLLM wires DeepEP on
+CUDA/ROCm only), and ``register`` adds them:
+
+1. ``CpuCommunicator`` builds vLLM's own ``DeepEPHTAll2AllManager`` / ``DeepEPLLAll2AllManager``
+   for those backends, instead of falling back to all-gather/reduce-scatter;
+2. ``fused_moe.all2all_utils`` gets the names ``DeepEPHTPrepareAndFinalize``,
+   ``DeepEPLLPrepareAndFinalize`` and ``DEEPEP_QUANT_BLOCK_SHAPE``, which it imports on CUDA only.
+
+Both hooks reuse vLLM's unmodified classes. Written against vLLM 0.32 (``TESTED_VERSIONS``);
+another version gets a warning, since the calls vLLM makes into ``deep_ep`` are version-specific.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from . import install_from_env
+
+__all__ = ["register", "TESTED_VERSIONS"]
+
+logger = logging.getLogger("moe_comm.integrations.vllm")
+
+TESTED_VERSIONS = ("0.32.",)
+
+_MANAGERS = {"deepep_high_throughput": "DeepEPHTAll2AllManager", "deepep_low_latency": "DeepEPLLAll2AllManager"}
+_PATCHED = "_moe_comm_deep_ep"
+
+
+def register() -> None:
+    """The plugin: does nothing unless ``MOE_COMM_DEEP_EP`` is ``1`` or ``force``. Idempotent (vLLM
+    may call it several times per process)."""
+    if install_from_env() is None:
+        return
+    import vllm
+    from vllm.platforms import current_platform
+    from vllm.utils import import_utils
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not version.startswith(TESTED_VERSIONS):
+        logger.warning("moe-comm's deep_ep was tested with vLLM %s; this is vLLM %s", " / ".join(TESTED_VERSIONS),
+                       version)
+    import_utils._has_module.cache_clear()  # an earlier has_deep_ep() may have cached False
+    if current_platform.is_cpu():
+        _hook_cpu_communicator()
+        _bind_prepare_finalize_names()
+
+
+def _hook_cpu_communicator() -> None:
+    """Makes ``CpuCommunicator`` build vLLM's DeepEP all2all managers for the ``deepep_*`` backends."""
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.distributed.device_communicators import all2all
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    if getattr(CpuCommunicator.__init__, _PATCHED, False):
+        return
+    original = CpuCommunicator.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, cpu_group: Any, device: Any = None, device_group: Any = None, unique_name: str = "",
+                 use_all2all: bool = False, **kwargs: Any) -> None:
+        config = get_current_vllm_config_or_none()
+        backend = config.parallel_config.all2all_backend if config is not None else None
+        if not (use_all2all and backend in _MANAGERS):
+            original(self, cpu_group, device, device_group, unique_name, use_all2all=use_all2all, **kwargs)
+            return
+        # Built without all2all so the CPU fallback (a warning and an all-gather manager) is skipped;
+        # the flag is then what the base class sets for use_all2all=True.
+        original(self, cpu_group, device, device_group, unique_name, use_all2all=False, **kwargs)
+        self.use_all2all = self.is_ep_communicator
+        if self.use_all2all:
+            self.all2all_manager = getattr(all2all, _MANAGERS[backend])(self.cpu_group)
+            logger.info("moe-comm: %s on the CPU platform uses vLLM's %s over moe-comm's deep_ep", backend,
+                        _MANAGERS[backend])
+
+    setattr(__init__, _PATCHED, True)
+    CpuCommunicator.__init__ = __init__
+
+
+def _bind_prepare_finalize_names() -> None:
+    """Gives ``all2all_utils`` the DeepEP prepare/finalize names it binds on CUDA/ROCm only."""
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+    from vllm.model_executor.layers.fused_moe.prepare_finalize import deepep_ht, deepep_ll
+
+    all2all_utils.DeepEPHTPrepareAndFinalize = deepep_ht.DeepEPHTPrepareAndFinalize
+    all2all_utils.DeepEPLLPrepareAndFinalize = deepep_ll.DeepEPLLPrepareAndFinalize
+    all2all_utils.DEEPEP_QUANT_BLOCK_SHAPE = deepep_ll.DEEPEP_QUANT_BLOCK_SHAPE
