@@ -1,0 +1,1 @@
+"""Helpers for testing code that calls moe-comm (``contract``: a recording ``Buffer``)."""
