@@ -10,6 +10,7 @@ earlier anyway, ``register`` points its names at moe-comm. Without CUDA, ``regis
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import sys
 from typing import Any
@@ -40,7 +41,7 @@ def register() -> None:
         logger.warning("moe-comm's deep_ep was tested with SGLang %s; this is SGLang %s", " / ".join(TESTED_VERSIONS),
                        version)
     already_imported = DISPATCHER in sys.modules
-    dispatcher = __import__(DISPATCHER, fromlist=["DeepEPBuffer"])
+    dispatcher = importlib.import_module(DISPATCHER)
     if already_imported and dispatcher.__dict__.get("Buffer") is not compat.Buffer:
         _rebind_dispatcher(dispatcher, compat)
     if not torch.cuda.is_available():

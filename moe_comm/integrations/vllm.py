@@ -45,7 +45,9 @@ def register() -> None:
     if not version.startswith(TESTED_VERSIONS):
         logger.warning("moe-comm's deep_ep was tested with vLLM %s; this is vLLM %s", " / ".join(TESTED_VERSIONS),
                        version)
-    import_utils._has_module.cache_clear()  # an earlier has_deep_ep() may have cached False
+    has_module = getattr(import_utils, "_has_module", None)  # has_deep_ep()'s cached probe; it may have cached False
+    if hasattr(has_module, "cache_clear"):
+        has_module.cache_clear()
     if current_platform.is_cpu():
         _hook_cpu_communicator()
         _bind_prepare_finalize_names()
