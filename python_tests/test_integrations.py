@@ -2,16 +2,13 @@
 entry points, each in a fresh interpreter where import state matters. The engines themselves are
 exercised by ``python_tests/engines`` (``make test-engines``)."""
 import importlib.metadata
-import os
-import subprocess
-import sys
-import textwrap
 import weakref
 
 import pytest
 import torch
 
 import moe_comm
+from fresh_python import run_python
 from moe_comm.compat import deep_ep
 
 OTHER_DEEP_EP = {
@@ -19,15 +16,6 @@ OTHER_DEEP_EP = {
     "deep_ep/utils.py": "class EventHandle: pass\nclass EventOverlap: pass\n",
     "engine_module.py": "import deep_ep\nfrom deep_ep import Buffer, Config\nfrom deep_ep.utils import EventOverlap\n",
 }
-
-
-def run_python(code: str, *, env: dict, path: str = "") -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k != "MOE_COMM_DEEP_EP"}
-    environ.update(env)
-    if path:
-        environ["PYTHONPATH"] = path + os.pathsep + environ.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True, text=True,
-                          timeout=120)
 
 
 @pytest.fixture
@@ -75,7 +63,7 @@ def test_alias_is_off_unless_asked():
             import deep_ep
         except ModuleNotFoundError:
             print("absent")
-        """, env={})
+        """)
     assert result.returncode == 0 and result.stdout.strip() == "absent", result.stderr
 
 
@@ -91,7 +79,7 @@ def test_alias_gives_deep_ep_and_its_utils():
         assert importlib.util.find_spec("deep_ep") is not None  # vLLM's has_deep_ep() looks it up so
         assert install_from_env() is module                     # idempotent
         print("ok")
-        """, env={"MOE_COMM_DEEP_EP": "1"})
+        """, MOE_COMM_DEEP_EP="1")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
@@ -102,7 +90,7 @@ def test_alias_shadows_an_installed_but_unimported_deep_ep(other_deep_ep):
         install_deep_ep_alias()
         import deep_ep
         print(getattr(deep_ep, "MOE_COMM", False))
-        """, env={}, path=other_deep_ep)
+        """, path=other_deep_ep)
     assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr
     assert "shadows the one installed at" in result.stderr and other_deep_ep in result.stderr
 
@@ -112,7 +100,7 @@ def test_alias_refuses_an_imported_deep_ep_unless_forced(other_deep_ep):
         import engine_module
         from moe_comm.integrations import install_from_env
         install_from_env()
-        """, env={"MOE_COMM_DEEP_EP": "1"}, path=other_deep_ep)
+        """, path=other_deep_ep, MOE_COMM_DEEP_EP="1")
     assert refused.returncode != 0
     assert "DeepEPConflictError" in refused.stderr and "another deep_ep is already imported" in refused.stderr
     assert other_deep_ep in refused.stderr and "MOE_COMM_DEEP_EP=force" in refused.stderr
@@ -126,14 +114,14 @@ def test_alias_refuses_an_imported_deep_ep_unless_forced(other_deep_ep):
         assert engine_module.deep_ep is deep_ep and engine_module.Buffer is moe_comm.Buffer
         assert engine_module.Config is moe_comm.Config and engine_module.EventOverlap is moe_comm.EventOverlap
         print("ok")
-        """, env={"MOE_COMM_DEEP_EP": "force"}, path=other_deep_ep)
+        """, path=other_deep_ep, MOE_COMM_DEEP_EP="force")
     assert forced.returncode == 0 and forced.stdout.strip() == "ok", forced.stderr
     assert "rebound" in forced.stderr and "engine_module.Buffer" in forced.stderr
 
 
 def test_bad_alias_setting_is_named():
     result = run_python("from moe_comm.integrations import install_from_env; install_from_env()",
-                        env={"MOE_COMM_DEEP_EP": "yes"})
+                        MOE_COMM_DEEP_EP="yes")
     assert result.returncode != 0 and "MOE_COMM_DEEP_EP must be 1, force, 0 or unset, got 'yes'" in result.stderr
 
 
@@ -144,7 +132,7 @@ def test_megatron_patch_installs_the_alias_before_megatron_is_imported():
         megatron.patch()
         import deep_ep
         print(deep_ep.MOE_COMM, megatron.FUSED_A2A in sys.modules)
-        """, env={})
+        """)
     assert result.returncode == 0 and result.stdout.strip() == "True False", result.stderr
 
 

@@ -16,11 +16,14 @@ from typing import Optional
 
 from .. import env
 
-__all__ = ["DeepEPConflictError", "install_deep_ep_alias", "install_from_env", "alias_installed"]
+__all__ = ["DeepEPConflictError", "install_deep_ep_alias", "install_from_env", "alias_installed", "PATCH_MARK"]
 
 logger = logging.getLogger("moe_comm.integrations")
 
 _ALIASED = ("Buffer", "Config", "EventHandle", "EventOverlap")
+
+#: Attribute set on every engine function the plugins wrap, so a second registration leaves it be.
+PATCH_MARK = "_moe_comm_deep_ep"
 
 
 class DeepEPConflictError(RuntimeError):

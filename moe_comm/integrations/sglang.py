@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import install_from_env
+from . import PATCH_MARK, install_from_env
 
 __all__ = ["register", "TESTED_VERSIONS"]
 
@@ -26,7 +26,6 @@ logger = logging.getLogger("moe_comm.integrations.sglang")
 TESTED_VERSIONS = ("0.5.23",)
 
 DISPATCHER = "sglang.srt.layers.moe.token_dispatcher.deepep"
-_PATCHED = "_moe_comm_deep_ep"
 
 
 def register() -> None:
@@ -67,7 +66,7 @@ def _skip_sm_probe(dispatcher: Any) -> None:
     call, without the probe."""
     buffers = dispatcher.DeepEPBuffer
     original = buffers.get_deepep_buffer.__func__
-    if getattr(original, _PATCHED, False):
+    if getattr(original, PATCH_MARK, False):
         return
 
     @functools.wraps(original)
@@ -79,5 +78,5 @@ def _skip_sm_probe(dispatcher: Any) -> None:
         finally:
             dispatcher._is_npu = was_npu
 
-    setattr(get_deepep_buffer, _PATCHED, True)
+    setattr(get_deepep_buffer, PATCH_MARK, True)
     buffers.get_deepep_buffer = classmethod(get_deepep_buffer)

@@ -20,7 +20,7 @@ import functools
 import logging
 from typing import Any
 
-from . import install_from_env
+from . import PATCH_MARK, install_from_env
 
 __all__ = ["register", "TESTED_VERSIONS"]
 
@@ -29,7 +29,6 @@ logger = logging.getLogger("moe_comm.integrations.vllm")
 TESTED_VERSIONS = ("0.32.",)
 
 _MANAGERS = {"deepep_high_throughput": "DeepEPHTAll2AllManager", "deepep_low_latency": "DeepEPLLAll2AllManager"}
-_PATCHED = "_moe_comm_deep_ep"
 
 
 def register() -> None:
@@ -59,7 +58,7 @@ def _hook_cpu_communicator() -> None:
     from vllm.distributed.device_communicators import all2all
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
-    if getattr(CpuCommunicator.__init__, _PATCHED, False):
+    if getattr(CpuCommunicator.__init__, PATCH_MARK, False):
         return
     original = CpuCommunicator.__init__
 
@@ -80,7 +79,7 @@ def _hook_cpu_communicator() -> None:
             logger.info("moe-comm: %s on the CPU platform uses vLLM's %s over moe-comm's deep_ep", backend,
                         _MANAGERS[backend])
 
-    setattr(__init__, _PATCHED, True)
+    setattr(__init__, PATCH_MARK, True)
     CpuCommunicator.__init__ = __init__
 
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
@@ -35,11 +32,3 @@ def run_ranks(fn, cfg: dict, transport: str, world_size: int = 2) -> list:
     """``fn(group, cfg)`` on ``world_size`` fresh gloo ranks using ``transport``."""
     with LocalWorld(world_size, timeout_s=600, threads_per_rank=1, env={"MOE_COMM_TRANSPORT": transport}) as world:
         return world.run(fn, cfg)
-
-
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter, with ``env`` added and MOE_COMM_DEEP_EP only if given."""
-    environ = {k: v for k, v in os.environ.items() if k != "MOE_COMM_DEEP_EP"}
-    environ.update(env)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True, text=True,
-                          timeout=300)

@@ -3,7 +3,8 @@ unmodified ``DeepEPDispatcher`` in low-latency mode (BF16 and SGLang's default F
 for bit against moe-comm's references, with the exact call forms."""
 import pytest
 
-from engine_support import require, run_python, run_ranks
+from engine_support import require, run_ranks
+from fresh_python import run_python
 
 require("sglang", "0.5.23")
 
@@ -33,9 +34,9 @@ PROBE = """
     from sglang.srt.plugins import load_plugins
     load_plugins()
     from sglang.srt.layers.moe.token_dispatcher import deepep
-    import moe_comm
+    import moe_comm, moe_comm.integrations
     print(deepep.use_deepep, getattr(deepep, "Buffer", None) is moe_comm.Buffer,
-          getattr(deepep.DeepEPBuffer.get_deepep_buffer, "_moe_comm_deep_ep", False))
+          getattr(deepep.DeepEPBuffer.get_deepep_buffer, moe_comm.integrations.PATCH_MARK, False))
     """
 
 

