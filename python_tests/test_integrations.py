@@ -9,6 +9,7 @@ import torch
 
 import moe_comm
 from fresh_python import run_python
+from low_latency_cases import ll_buffer
 from moe_comm.compat import deep_ep
 
 OTHER_DEEP_EP = {
@@ -181,8 +182,7 @@ def test_raw_buffer_views_and_comm_stream_are_not_implemented(worlds):
 
 def _call_with_knobs(group, method, knobs):
     hidden, m, experts = 128, 4, 4
-    hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(m, hidden, 1, experts)
-    buffer = moe_comm.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+    buffer = ll_buffer(group, m, hidden, experts)
     x = torch.randn(3, hidden).bfloat16()
     topk_idx = torch.tensor([[0, 1], [2, -1], [3, 0]])
     try:
