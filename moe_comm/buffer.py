@@ -25,6 +25,7 @@ from .normal import NormalMode
 from .normal_args import (TOPK_IDX_T, check_combine_args, check_dispatch_routing, check_num_experts, check_topk_idx,
                           split_x)
 from .ops import dispatch_layout
+from .transport.mpi import as_comm
 
 __all__ = ["Buffer"]
 
@@ -45,9 +46,13 @@ class Buffer(LowLatencyAPI):
     is checked as DeepEP does: low-latency calls need ``low_latency_mode=True`` and at least
     ``get_low_latency_rdma_size_hint(...)`` bytes.
 
+    ``comm`` (an mpi4py intra-communicator, e.g. ``MPI.COMM_WORLD``) may replace ``group``, as in
+    DeepEP: the buffer then runs on the ``mpi`` transport and needs no torch.distributed group
+    (``group`` stays None; a group given as well must have the same ranks).
+
     Args (besides DeepEP's):
         transport: ``"auto"`` (default; env ``MOE_COMM_TRANSPORT`` may name one) or a name from
-            ``moe_comm.transport.available()``.
+            ``moe_comm.transport.available()``; with ``comm``, only ``"auto"`` or ``"mpi"``.
         timeout_s: deadline for every wait (default: env ``MOE_COMM_TIMEOUT_S``, else 300 s); a missed
             deadline raises ``moe_comm.CommTimeoutError`` naming the ranks not heard from.
     """
@@ -67,16 +72,19 @@ class Buffer(LowLatencyAPI):
         check_bools(op, low_latency_mode=low_latency_mode,
                     allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode, allow_mnnvl=allow_mnnvl,
                     use_fabric=use_fabric, explicitly_destroy=explicitly_destroy, enable_shrink=enable_shrink)
-        if group is None:
-            if comm is not None:
-                raise NotImplementedError("Buffer: an mpi4py communicator (comm=...) needs the MPI transport, which "
-                                          "is not built yet; pass a torch.distributed group instead")
+        if comm is not None:
+            comm = as_comm(op, comm)
+        if group is None and comm is None:
             if not dist.is_initialized():
-                bad_argument(op, "group", "a torch.distributed ProcessGroup (or None after init_process_group)",
-                             "None, and torch.distributed is not initialized")
+                bad_argument(op, "group", "a torch.distributed ProcessGroup, or None with comm= or after "
+                             "init_process_group", "None, and torch.distributed is not initialized")
             group = dist.group.WORLD
-        elif not isinstance(group, dist.ProcessGroup):
+        elif group is not None and not isinstance(group, dist.ProcessGroup):
             bad_argument(op, "group", "a torch.distributed ProcessGroup", describe(group), kind=TypeError)
+        if group is not None and comm is not None and \
+                (dist.get_rank(group), dist.get_world_size(group)) != (comm.Get_rank(), comm.Get_size()):
+            bad_argument(op, "comm", f"the same ranks as group (rank {dist.get_rank(group)} of "
+                         f"{dist.get_world_size(group)})", f"rank {comm.Get_rank()} of {comm.Get_size()}")
         if timeout_s is None:
             timeout_s = env.timeout_s()
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -84,17 +92,17 @@ class Buffer(LowLatencyAPI):
         if not isinstance(transport, str):
             bad_argument(op, "transport", "a str", describe(transport), kind=TypeError)
 
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.group_size = dist.get_world_size(group)
+        self.group, self.comm = group, comm
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self.timeout_s = float(timeout_s)
-        self.transport_name = transports.resolve(transport, group)
+        self.transport_name = transports.resolve(transport, group, comm)
         self.runtime: Optional[transports.Transport] = transports.create(
-            self.transport_name, group, self.timeout_s, min(max(num_nvl_bytes, num_rdma_bytes), _PREALLOCATE_MAX))
+            self.transport_name, group, self.timeout_s, min(max(num_nvl_bytes, num_rdma_bytes), _PREALLOCATE_MAX),
+            comm=comm)
+        self.rank, self.group_size = self.runtime.rank, self.runtime.num_ranks
         self._normal = NormalMode(self.runtime)
         self._low_latency = LowLatencyMode(self.runtime, shrink=enable_shrink)
 

@@ -1,0 +1,332 @@
+"""The ``mpi`` transport: MPI's own all-to-all-v (mpi4py), for jobs launched with ``mpirun``.
+
+Rows travel as one derived datatype per row size (a contiguous run of the row's bytes), so counts
+and displacements are row counts (no 2^31-byte limit) and CPU tensors are handed to MPI by address,
+without copies. Every exchange is a non-blocking ``Ialltoallv`` (``Isend``/``Irecv`` pairs when
+ranks are masked), polled against the buffer's deadline; like the ``collective`` transport, small
+``all_to_all`` exchanges run on a communicator of their own, so they never queue behind a payload.
+
+MPI does not move data between calls into the library (no progress thread), so an exchange posted
+with ``async_finish`` or a receive hook completes when it is waited on.
+
+Faults: each rank counts the exchanges it has entered in a memory-mapped file of its host
+(``host_counters``), so a rank that misses the deadline names the host ranks that never arrived,
+and whether their process has exited. Construction duplicates the communicator with ``Idup``,
+polled like the exchanges, so a rank that never builds its buffer is a timeout too. MPI cannot cancel a collective: after a timeout the transport refuses further
+exchanges, and when the buffer is destroyed, or the interpreter exits, it aborts the job
+(``MPI_Abort`` on ``COMM_WORLD``) instead of leaving it to hang in ``MPI_Finalize``.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import secrets
+import socket
+import sys
+import time
+import weakref
+import zlib
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from .._native import native
+from ..checks import describe
+from ..errors import CommTimeoutError, PeerExitedError, bad_argument
+from .base import Pending, Transport, prefix_sums
+from .host_counters import HostCounters
+
+__all__ = ["MpiTransport", "load_mpi", "as_comm"]
+
+# Busy polling before the waits start to sleep: a short exchange completes within it, and a long
+# one leaves the cores to ranks that still compute.
+_SPIN_S = 200e-6
+_SLEEP_MAX_S = 1e-3
+_LIVENESS_EVERY_S = 0.05
+
+
+def load_mpi() -> Any:
+    """``mpi4py.MPI``, imported on first use (it initialises MPI); ImportError says how to install it."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ImportError("the 'mpi' transport needs mpi4py and an MPI library: pip install 'moe-comm[mpi]' "
+                          "(mpi4py with the mpich wheel), then launch with mpirun") from exc
+    return MPI
+
+
+def as_comm(op: str, comm: Any) -> Any:
+    """``comm`` checked to be a usable mpi4py intra-communicator (TypeError/ValueError naming ``comm``)."""
+    mpi = load_mpi()
+    if isinstance(comm, mpi.Comm) and comm == mpi.COMM_NULL:
+        bad_argument(op, "comm", "a valid communicator", "MPI.COMM_NULL")
+    if not isinstance(comm, mpi.Intracomm):
+        bad_argument(op, "comm", "an mpi4py intra-communicator (e.g. MPI.COMM_WORLD)", describe(comm),
+                     kind=TypeError)
+    return comm
+
+
+def _comm_of_group(group: dist.ProcessGroup, timeout_s: float) -> tuple[Any, bool]:
+    """The ranks of torch.distributed ``group`` as an MPI communicator of the same ranks, in the same
+    order, and whether it was created here (else it is ``MPI.COMM_WORLD``). Needs every process of
+    the torch world to be the MPI process of the same rank (as with ``mpirun`` and
+    ``moe_comm.launch.init_from_env``)."""
+    mpi = load_mpi()
+    world = mpi.COMM_WORLD
+    torch_rank, torch_size = dist.get_rank(), dist.get_world_size()
+    if (world.Get_rank(), world.Get_size()) != (torch_rank, torch_size):
+        raise RuntimeError(f"Buffer: transport 'mpi' on a torch.distributed group needs torch rank r to be "
+                           f"MPI.COMM_WORLD rank r; got torch rank {torch_rank} of {torch_size}, MPI rank "
+                           f"{world.Get_rank()} of {world.Get_size()} (launch with mpirun, or pass comm=...)")
+    ranks = dist.get_process_group_ranks(group)
+    if ranks == list(range(torch_size)):
+        return world, False
+    # MPI_Comm_create_group blocks until every member calls it and has no non-blocking form: meet
+    # on the torch group first, with the deadline.
+    try:
+        dist.barrier(group, async_op=True).wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise CommTimeoutError("Buffer()", dist.get_rank(group), timeout_s, None,
+                               f"the group's barrier before creating its MPI communicator failed: {exc}") from exc
+    members = world.Get_group().Incl(ranks)
+    try:
+        return world.Create_group(members), True
+    finally:
+        members.Free()
+
+
+class _MpiPending:
+    """An exchange's MPI requests and the tensors they read and write (kept alive until done)."""
+
+    def __init__(self, transport: "MpiTransport", requests: list, keep: tuple, op: str) -> None:
+        self._transport, self.requests, self.keep, self._op = transport, requests, keep, op
+
+    def done(self) -> bool:
+        return load_mpi().Request.Testall(self.requests)
+
+    def wait(self) -> None:
+        if self.requests:
+            self._transport.wait_for(self.requests, self._op)
+        self.requests, self.keep = [], ()
+
+
+# Exchanges still in flight when their transport was garbage collected: their tensors must outlive
+# MPI's use of them, and nobody will wait for them any more.
+_ORPHANS: list[_MpiPending] = []
+
+
+def _release(mpi: Any, comms: list, types: dict, inflight: list) -> None:
+    """Frees a transport's communicators and datatypes (local calls); keeps unfinished exchanges'
+    tensors alive."""
+    _ORPHANS.extend(p for p in inflight if not p.done())
+    inflight.clear()
+    if mpi.Is_finalized():
+        return
+    for row in types.values():
+        row.Free()
+    types.clear()
+    for comm in comms:
+        comm.Free()
+    comms.clear()
+
+
+class MpiTransport(Transport):
+    """Alltoallv over an mpi4py communicator (or over the MPI twin of a torch.distributed group)."""
+
+    name = "mpi"
+
+    def __init__(self, group: Union[dist.ProcessGroup, Any], timeout_s: float, buffer_bytes: int = 0) -> None:
+        """Collective over ``group``: a torch.distributed group whose ranks are the same MPI ranks,
+        or an mpi4py communicator, within the deadline. Works on two duplicates of the communicator
+        (payloads, metadata), so its messages never meet the caller's; they are freed with the
+        transport (``close`` or garbage collection). ``buffer_bytes`` is unused: buffers are
+        allocated per exchange. CPU tensors only."""
+        super().__init__()
+        self._mpi = load_mpi()
+        self.timeout_s = timeout_s
+        self.device = torch.device("cpu")
+        self._types: dict[int, Any] = {}
+        self._inflight: list[_MpiPending] = []
+        self._comms: list[Any] = []
+        self._failed: Optional[str] = None
+        self._counters: Optional[HostCounters] = None
+        self._host_ranks: list[int] = []
+        self._entered = 0  # exchanges this rank has posted
+        self.pids: list[int] = []
+        self._finalizer = weakref.finalize(self, _release, self._mpi, self._comms, self._types, self._inflight)
+        if isinstance(group, dist.ProcessGroup):
+            parent, created = _comm_of_group(group, timeout_s)
+        else:
+            parent, created = group, False
+        self.rank, self.num_ranks = parent.Get_rank(), parent.Get_size()
+        self._bulk = parent if created else self._dup(parent)
+        self._comms.append(self._bulk)
+        self._meta = self._dup(self._bulk)
+        self._comms.append(self._meta)
+        self._meet()
+
+    def _dup(self, comm: Any) -> Any:
+        """``comm`` duplicated (non-blocking, so a rank that never comes is a timeout, not a hang)."""
+        dup, request = comm.Idup()
+        self.wait_for([request], "Buffer()")
+        return dup
+
+    def _meet(self) -> None:
+        """Swaps (host, pid, token) with every rank and maps this host's arrival counters (the
+        file named by the host's first rank's token)."""
+        mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), os.getpid(), secrets.randbits(62)],
+                            dtype=torch.int64)
+        got = torch.empty(self.num_ranks, 3, dtype=torch.int64)
+        self.all_to_all(got, mine.expand(self.num_ranks, 3).contiguous(), [1] * self.num_ranks,
+                        [1] * self.num_ranks, op="Buffer()").wait()
+        rows = got.tolist()
+        self._host_ranks = [r for r, row in enumerate(rows) if row[0] == rows[self.rank][0]]
+        self.pids = [row[1] for row in rows]
+        counters = HostCounters(f"{rows[self._host_ranks[0]][2]:x}", len(self._host_ranks),
+                                self._host_ranks.index(self.rank))
+        try:
+            ones = torch.ones(self.num_ranks, 1, dtype=torch.uint8)  # everyone has opened the file
+            self.all_to_all(torch.empty_like(ones), ones, [1] * self.num_ranks, [1] * self.num_ranks,
+                            op="Buffer()").wait()
+        finally:
+            counters.unlink()
+        self._counters = counters
+
+    # ------------------------------------------------------------------ posting
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   output_splits: Sequence[int], input_splits: Sequence[int], *, op: str,
+                   skip: frozenset[int] = frozenset()) -> Pending:
+        return self._post(self._meta, output, input, output_splits, input_splits, op, skip)
+
+    def bulk_all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+                        input_splits: Sequence[int], *, op: str, skip: frozenset[int] = frozenset()) -> Pending:
+        return self._post(self._bulk, output, input, output_splits, input_splits, op, skip)
+
+    def _post(self, comm: Any, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+              input_splits: Sequence[int], op: str, skip: frozenset[int]) -> Pending:
+        if self._failed is not None:
+            raise RuntimeError(f"{op}: rank {self.rank}: the mpi transport is unusable after {self._failed} "
+                               f"(MPI cannot cancel a collective); the communicator is aborted when this "
+                               f"Buffer is destroyed or the process exits")
+        for name, tensor in (("input", input), ("output", output)):
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError(f"{op}: the mpi transport moves contiguous CPU tensors; {name} is "
+                                 f"{describe(tensor)}")
+        self._entered += 1
+        if self._counters is not None:
+            self._counters.store(self._entered)
+        row = self._row_type(output, input)
+        if row is None:  # zero-width rows on every rank: nothing to move
+            requests = []
+        elif skip:
+            requests = self._point_to_point(comm, row, output, input, output_splits, input_splits, skip)
+        else:
+            requests = [comm.Ialltoallv(_spec(input, input_splits, row), _spec(output, output_splits, row))]
+        pending = _MpiPending(self, requests, (output, input), op)
+        self._inflight[:] = [p for p in self._inflight if not p.done()] + [pending]
+        return pending
+
+    def _row_type(self, output: torch.Tensor, input: torch.Tensor) -> Any:
+        """The committed datatype of one row (bytes of ``input``'s trailing dimensions); None for
+        rows of no bytes."""
+        nbytes = input.element_size() * int(torch.Size(input.shape[1:]).numel())
+        if output.element_size() * int(torch.Size(output.shape[1:]).numel()) != nbytes:
+            raise ValueError(f"all_to_all: output rows and input rows differ in size: {describe(output)} vs "
+                             f"{describe(input)}")
+        if nbytes == 0:
+            return None
+        row = self._types.get(nbytes)
+        if row is None:
+            row = self._types[nbytes] = self._mpi.BYTE.Create_contiguous(nbytes).Commit()
+        return row
+
+    def _point_to_point(self, comm: Any, row: Any, output: torch.Tensor, input: torch.Tensor,
+                        output_splits: Sequence[int], input_splits: Sequence[int], skip: frozenset[int]) -> list:
+        """The all-to-all as sends and receives between the ranks not in ``skip`` (a collective
+        would wait for them). Blocks of skipped ranks stay as they are."""
+        out_at, in_at = prefix_sums(output_splits), prefix_sums(input_splits)
+        requests = []
+        for peer in range(self.num_ranks):
+            if peer in skip:
+                continue
+            send, recv = input[in_at[peer]:in_at[peer + 1]], output[out_at[peer]:out_at[peer + 1]]
+            if peer == self.rank:
+                recv.copy_(send)
+                continue
+            if send.shape[0]:
+                requests.append(comm.Isend([_memory(send), send.shape[0], row], peer))
+            if recv.shape[0]:
+                requests.append(comm.Irecv([_memory(recv), recv.shape[0], row], peer))
+        return requests
+
+    # ------------------------------------------------------------------ waiting
+    def wait_for(self, requests: list, op: str) -> None:
+        """Polls ``requests`` until all complete; past the deadline raises CommTimeoutError (and marks
+        the transport failed), and PeerExitedError as soon as a host rank's process has exited."""
+        start = time.monotonic()
+        deadline, next_check, pause = start + self.timeout_s, start + _LIVENESS_EVERY_S, 0.0
+        while not self._mpi.Request.Testall(requests):
+            now = time.monotonic()
+            if now >= deadline:
+                self._fail(f"a timeout in {op}")
+                self._raise_timeout(op)
+            if now >= next_check:
+                next_check = now + _LIVENESS_EVERY_S
+                for peer in self.exited_ranks():
+                    self._fail(f"rank {peer} exited during {op}")
+                    raise PeerExitedError(op, self.rank, peer, self.pids[peer])
+            if now - start > _SPIN_S:
+                pause = min(_SLEEP_MAX_S, pause * 2 or 10e-6)
+                time.sleep(pause)
+
+    def _raise_timeout(self, op: str) -> None:
+        """CommTimeoutError naming the host ranks behind this one (all ranks when all share the host)."""
+        if self._counters is None:  # still meeting: nobody can tell
+            raise CommTimeoutError(op, self.rank, self.timeout_s, None)
+        counts = self._counters.values.tolist()
+        late = [r for r, n in zip(self._host_ranks, counts) if n < self._entered]
+        exited = ", ".join(f"rank {r} (pid {self.pids[r]}) has exited" for r in late if r in self.exited_ranks())
+        off_host = self.num_ranks - len(self._host_ranks)
+        if off_host:  # their counters live on their own hosts
+            raise CommTimeoutError(op, self.rank, self.timeout_s, None,
+                                   f"late on this host: {late}; {off_host} ranks on other hosts not checked"
+                                   + (f"; {exited}" if exited else ""))
+        raise CommTimeoutError(op, self.rank, self.timeout_s, late, exited)
+
+    def _fail(self, reason: str) -> None:
+        if self._failed is None:
+            self._failed = reason
+            atexit.register(self._abort)
+
+    def _abort(self) -> None:
+        """Ends the job: a collective left in flight cannot be finished or cancelled."""
+        if self._failed is None or self._mpi.Is_finalized():
+            return
+        sys.stderr.write(f"moe-comm: rank {self.rank}: aborting the MPI communicator after {self._failed}\n")
+        sys.stderr.flush()
+        self._mpi.COMM_WORLD.Abort(1)
+
+    # ------------------------------------------------------------------ the rest
+    def exited_ranks(self) -> list[int]:
+        return [r for r in self._host_ranks if r != self.rank and not native().process_alive(self.pids[r])]
+
+    def close(self) -> None:
+        if self._failed is not None:
+            self._abort()
+        for pending in list(self._inflight):
+            pending.wait()
+        self._finalizer()
+        self.workspace.clear()
+
+
+def _memory(tensor: torch.Tensor) -> Any:
+    """The bytes of a contiguous CPU tensor, as an MPI buffer (no copy)."""
+    return load_mpi().buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def _spec(tensor: torch.Tensor, splits: Sequence[int], row: Any) -> list:
+    """An mpi4py vector buffer spec: ``tensor``'s rows in blocks of ``splits`` rows."""
+    counts = [int(n) for n in splits]
+    return [_memory(tensor), (counts, prefix_sums(counts)[:-1]), row]
