@@ -4,7 +4,8 @@
 ``PMI_RANK``/``PMI_SIZE``, Open MPI's ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE``; the rendezvous
 is ``MASTER_ADDR`` (default 127.0.0.1) : ``MASTER_PORT`` (default 29500).
 ``LocalWorld`` / ``spawn`` start N processes on this host with a gloo group each and run picklable
-functions on every rank, with a deadline.
+functions on every rank, with a deadline; the processes are children of this one (multiprocessing
+``spawn``) or the ranks of one ``mpiexec`` job (``moe_comm.mpiexec``), which MPI code needs.
 """
 from __future__ import annotations
 
@@ -94,8 +95,11 @@ class RankFailure(RuntimeError):
     and ``results`` maps the ranks that finished to their values."""
 
 
-def _worker(rank: int, world_size: int, store_port: int, backend: str, timeout_s: float, threads: int,
-            environ: dict[str, str], tasks: Any, results: Any) -> None:
+def worker_loop(rank: int, world_size: int, store_port: int, backend: str, timeout_s: float, threads: int,
+                environ: dict[str, str], tasks: Any, results: Any) -> None:
+    """One rank of a ``LocalWorld``: joins the process group through the parent's store, then runs
+    ``(fn, args)`` from ``tasks.get()`` until it gets None, putting ``(rank, ok, value or traceback)``
+    into ``results``."""
     os.environ.update(environ)
     os.environ.setdefault("MOE_COMM_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
@@ -117,33 +121,72 @@ def _worker(rank: int, world_size: int, store_port: int, backend: str, timeout_s
     dist.destroy_process_group()
 
 
+class _SpawnedRanks:
+    """The ranks of a ``LocalWorld`` as children of this process (multiprocessing ``spawn``)."""
+
+    def __init__(self, world_size: int, store_port: int, backend: str, timeout_s: float, threads: int,
+                 environ: dict[str, str]) -> None:
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [ctx.Process(target=worker_loop, args=(r, world_size, store_port, backend, timeout_s, threads,
+                                                             environ, self._tasks[r], self._results), daemon=True)
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+
+    def send(self, rank: int, task: Any) -> None:
+        self._tasks[rank].put(task)
+
+    def receive(self, timeout_s: float) -> Optional[tuple[int, bool, Any]]:
+        try:
+            return self._results.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def alive(self, rank: int) -> bool:
+        return self._procs[rank].is_alive()
+
+    def stop(self, force: bool) -> None:
+        for rank in range(len(self._procs)):
+            self.send(rank, None)
+        for p in self._procs:
+            p.join(timeout=0 if force else 5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
 class LocalWorld:
     """``world_size`` local processes, each in one gloo group, that run functions on request.
 
     ``run(fn, *args)`` calls ``fn(group, *args)`` on every rank and returns the per-rank results
     (picklable); one process group serves many calls. After a failed or timed-out call the world is
     closed, since ranks may be out of step. ``env`` sets environment variables in the ranks (e.g.
-    ``{"MOE_COMM_TRANSPORT": "collective"}``).
+    ``{"MOE_COMM_TRANSPORT": "collective"}``). ``launcher="mpiexec"`` starts the ranks as one MPI
+    job (MPI rank r is torch rank r), for code that uses MPI, e.g. the ``mpi`` transport; it needs
+    mpi4py and MPICH's ``mpiexec`` (``pip install 'moe-comm[mpi]'``).
     """
 
     def __init__(self, world_size: int, *, backend: str = "gloo", timeout_s: float = 300.0,
-                 threads_per_rank: Optional[int] = None, env: Optional[dict[str, str]] = None) -> None:
+                 threads_per_rank: Optional[int] = None, env: Optional[dict[str, str]] = None,
+                 launcher: str = "spawn") -> None:
         if world_size < 1:
             raise ValueError(f"LocalWorld: world_size must be >= 1, got {world_size}")
+        if launcher not in ("spawn", "mpiexec"):
+            raise ValueError(f"LocalWorld: launcher must be 'spawn' or 'mpiexec', got {launcher!r}")
         self.world_size, self.timeout_s = world_size, timeout_s
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-        ctx = mp.get_context("spawn")
         # The parent hosts the rendezvous store on a port the OS picks, so concurrent worlds never
         # race for a port (a file store would also grow with every exchange's arrival record).
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout_s))
-        self._results = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(world_size)]
-        self._procs = [ctx.Process(target=_worker, args=(r, world_size, self._store.port, backend, timeout_s, threads,
-                                                         dict(env or {}), self._tasks[r], self._results), daemon=True)
-                       for r in range(world_size)]
-        for p in self._procs:
-            p.start()
+        args = (world_size, self._store.port, backend, timeout_s, threads, dict(env or {}))
+        if launcher == "mpiexec":
+            from .mpiexec import MpiexecRanks
+            self._ranks: Any = MpiexecRanks(*args)
+        else:
+            self._ranks = _SpawnedRanks(*args)
         self.closed = False
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: Optional[float] = None) -> list[Any]:
@@ -155,21 +198,20 @@ class LocalWorld:
         """
         if self.closed:
             raise RuntimeError("LocalWorld.run: this world is closed")
-        for q in self._tasks:
-            q.put((fn, args))
+        for rank in range(self.world_size):
+            self._ranks.send(rank, (fn, args))
         limit = timeout_s or self.timeout_s
         deadline = time.monotonic() + limit
         done: dict[int, tuple[bool, Any]] = {}
         while len(done) < self.world_size:
-            try:
-                rank, ok, value = self._results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            got = self._ranks.receive(max(0.0, min(1.0, deadline - time.monotonic())))
+            if got is not None:
+                rank, ok, value = got
                 done[rank] = (ok, value)
                 if not ok:  # peers of a failed rank usually fail too, at their next deadline
                     deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
                 continue
-            except queue.Empty:
-                pass
-            dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in done]
+            dead = [r for r in range(self.world_size) if not self._ranks.alive(r) and r not in done]
             if dead:
                 deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
                 if len(done) + len(dead) == self.world_size:
@@ -179,7 +221,7 @@ class LocalWorld:
         missing = sorted(set(range(self.world_size)) - set(done))
         failures = {r: v for r, (ok, v) in done.items() if not ok}
         if failures or missing:
-            exited = [r for r in missing if not self._procs[r].is_alive()]
+            exited = [r for r in missing if not self._ranks.alive(r)]
             stuck = [r for r in missing if r not in exited]
             self.close(force=True)
             name = getattr(fn, "__name__", fn)
@@ -201,13 +243,7 @@ class LocalWorld:
         if self.closed:
             return
         self.closed = True
-        for q in self._tasks:
-            q.put(None)
-        for p in self._procs:
-            p.join(timeout=0 if force else 5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        self._ranks.stop(force)
         del self._store
 
     def __enter__(self) -> "LocalWorld":

@@ -1,0 +1,164 @@
+"""The ranks of a ``LocalWorld`` as one ``mpiexec`` job, so that MPI code runs in them.
+
+``mpiexec -n N python -c ...`` starts the ranks; each imports mpi4py (initialising MPI), connects
+back to the parent over an authenticated local socket (``multiprocessing.connection``), says which
+MPI rank and pid it is, and then serves ``launch.worker_loop`` with MPI rank r as torch rank r.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener, wait
+from pathlib import Path
+from typing import Any, Optional
+
+from ._native import native
+from .launch import worker_loop
+
+__all__ = ["MpiexecRanks", "find_mpiexec"]
+
+
+def find_mpiexec() -> str:
+    """The ``mpiexec`` beside this Python (where the ``mpich`` wheel puts it), else on PATH."""
+    found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError("LocalWorld(launcher='mpiexec'): no mpiexec beside this Python or on PATH; "
+                           "pip install 'moe-comm[mpi]' provides MPICH's")
+    return found
+
+
+# NOTES: Connection.send would pickle tensors as handles to shared memory that only processes of
+# one multiprocessing family can open; plain pickle sends their bytes.
+def _send(conn: Connection, item: Any) -> None:
+    conn.send_bytes(pickle.dumps(item))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+class _Link:
+    """``worker_loop``'s task source and result sink over one connection to the parent."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def get(self) -> Any:
+        try:
+            return _recv(self._conn)
+        except (EOFError, OSError):  # the parent is gone: leave like a stopped rank
+            return None
+
+    def put(self, item: Any) -> None:
+        _send(self._conn, item)
+
+
+def rank_main(address: tuple[str, int], key: str, store_port: int, backend: str, timeout_s: float,
+              threads: int) -> None:
+    """The body of one ``mpiexec`` rank (see the module docstring)."""
+    from mpi4py import MPI
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    conn = Client(address, authkey=bytes.fromhex(key))
+    _send(conn, (rank, os.getpid()))
+    worker_loop(rank, size, store_port, backend, timeout_s, threads, {}, _Link(conn), _Link(conn))
+    conn.close()
+
+
+class MpiexecRanks:
+    """``world_size`` ranks started by ``mpiexec`` (the interface of ``launch._SpawnedRanks``)."""
+
+    def __init__(self, world_size: int, store_port: int, backend: str, timeout_s: float, threads: int,
+                 environ: dict[str, str]) -> None:
+        key = secrets.token_bytes(16)
+        self._listener = Listener(("127.0.0.1", 0), backlog=world_size, authkey=key)
+        code = (f"from moe_comm.mpiexec import rank_main; rank_main({self._listener.address!r}, {key.hex()!r}, "
+                f"{store_port}, {backend!r}, {timeout_s!r}, {threads})")
+        # The ranks import the modules of the functions they are sent, as spawned children do.
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        env = {**os.environ, **environ, "PYTHONPATH": os.pathsep.join(paths),
+               "MOE_COMM_NUM_THREADS": environ.get("MOE_COMM_NUM_THREADS",
+                                                   os.environ.get("MOE_COMM_NUM_THREADS", str(threads)))}
+        # Without auto-cleanup a rank that exits leaves the others running, as spawned children do,
+        # so that they can report what they saw.
+        command = [find_mpiexec(), "-disable-auto-cleanup", "-n", str(world_size), sys.executable, "-c", code]
+        self._job = subprocess.Popen(command, env=env,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self._conns: list[Optional[Connection]] = [None] * world_size
+        self._pids = [0] * world_size
+        try:
+            self._accept(world_size, timeout_s)
+        except BaseException:
+            self.stop(force=True)
+            raise
+
+    def _accept(self, world_size: int, timeout_s: float) -> None:
+        """Takes each rank's connection, within ``timeout_s`` and while the job runs."""
+        accepted: list[Connection] = []
+        failure: list[BaseException] = []
+
+        def take() -> None:
+            try:
+                while len(accepted) < world_size:
+                    accepted.append(self._listener.accept())
+            except OSError as exc:  # the listener was closed: given up on
+                failure.append(exc)
+
+        taker = threading.Thread(target=take, daemon=True)
+        taker.start()
+        deadline = time.monotonic() + timeout_s
+        while taker.is_alive() and time.monotonic() < deadline and self._job.poll() is None:
+            taker.join(0.05)
+        if taker.is_alive() or failure:
+            self._listener.close()
+            state = "exited with code %s" % self._job.poll() if self._job.poll() is not None else \
+                f"did not connect within {timeout_s:g} s"
+            raise RuntimeError(f"LocalWorld(launcher='mpiexec'): {len(accepted)} of {world_size} ranks connected; "
+                               f"the mpiexec job {state}")
+        for conn in accepted:
+            rank, pid = _recv(conn)
+            self._conns[rank], self._pids[rank] = conn, pid
+
+    def send(self, rank: int, task: Any) -> None:
+        conn = self._conns[rank]
+        if conn is not None:
+            try:
+                _send(conn, task)
+            except OSError:  # the rank is gone; alive() says so
+                self._conns[rank] = None
+
+    def receive(self, timeout_s: float) -> Optional[tuple[int, bool, Any]]:
+        for conn in wait([c for c in self._conns if c is not None], timeout_s):
+            try:
+                return _recv(conn)
+            except (EOFError, OSError):
+                self._conns[self._conns.index(conn)] = None
+        return None
+
+    def alive(self, rank: int) -> bool:
+        return self._conns[rank] is not None and self._job.poll() is None and native().process_alive(self._pids[rank])
+
+    def stop(self, force: bool) -> None:
+        for rank in range(len(self._conns)):
+            self.send(rank, None)
+        try:
+            self._job.wait(timeout=0.1 if force else 10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._job.pid, signal.SIGKILL)
+            self._job.wait()
+        for conn in self._conns:
+            if conn is not None:
+                conn.close()
+        self._conns = [None] * len(self._conns)
+        self._listener.close()
+
+    @property
+    def returncode(self) -> Optional[int]:
+        """The mpiexec job's exit status, None while it runs."""
+        return self._job.poll()
