@@ -7,6 +7,7 @@ from typing import Callable
 import pytest
 
 from moe_comm.launch import LocalWorld
+from transports import NO_MPI, TRANSPORTS, local_world
 
 # Keep each rank single-threaded: several ranks share 2 cores.
 os.environ.setdefault("MOE_COMM_NUM_THREADS", "1")
@@ -31,11 +32,6 @@ def _seeded_rng():
     torch.manual_seed(int(os.environ.get("MOE_COMM_TEST_SEED", "0")))
 
 
-#: Every multi-rank test runs on each CPU transport; outputs must be identical (tests compare to
-#: the same references, and test_shm compares the transports directly).
-TRANSPORTS = ("shm", "collective")
-
-
 @pytest.fixture(scope="session")
 def _world_pool():
     pool: dict[tuple[int, str], LocalWorld] = {}
@@ -47,6 +43,8 @@ def _world_pool():
 @pytest.fixture(params=TRANSPORTS)
 def transport(request) -> str:
     """The transport ``Buffer(transport="auto")`` picks in the ranks of ``worlds``."""
+    if request.param == "mpi" and NO_MPI:
+        pytest.skip(NO_MPI)
     return request.param
 
 
@@ -58,8 +56,7 @@ def worlds(_world_pool, transport) -> Callable[[int], LocalWorld]:
     def get(n: int) -> LocalWorld:
         key = (n, transport)
         if key not in _world_pool or _world_pool[key].closed:
-            _world_pool[key] = LocalWorld(n, timeout_s=240, threads_per_rank=1,
-                                          env={"MOE_COMM_TRANSPORT": transport})
+            _world_pool[key] = local_world(n, transport, timeout_s=240, threads_per_rank=1)
         return _world_pool[key]
 
     return get

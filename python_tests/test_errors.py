@@ -60,8 +60,9 @@ EXPECTED = {
     "buffer_timeout_type": ("ValueError", r"Buffer: timeout_s must be a positive number of seconds, got str '5'"),
     "buffer_qps_negative": ("ValueError", r"Buffer: num_qps_per_rank must be >= 0, got -2"),
     "buffer_transport_type": ("TypeError", r"Buffer: transport must be a str, got NoneType None"),
-    "buffer_transport": ("ValueError", r"Buffer: transport must be 'auto' or one of \['collective', 'shm'\], got 'carrier-pigeon'"),
-    "buffer_comm": ("NotImplementedError", r"mpi4py communicator \(comm=...\) needs the MPI transport"),
+    "buffer_transport": ("ValueError", r"Buffer: transport must be 'auto' or one of \['collective', 'mpi', 'shm'\], got 'carrier-pigeon'"),
+    "buffer_comm": ("TypeError", r"Buffer: comm must be an mpi4py intra-communicator \(e.g. MPI.COMM_WORLD\), "
+                                 r"got object"),
     "mask_without_shrink": ("RuntimeError", r"low_latency_update_mask_buffer: needs a Buffer created with "
                                             r"enable_shrink=True"),
     "mask_rank_range": ("ValueError", r"low_latency_update_mask_buffer: rank_to_mask must be a rank in \[0, 1\), "

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_comm.launch import init_from_env, launcher_rank, spawn
+from moe_comm.launch import LocalWorld, init_from_env, launcher_rank, spawn
+from transports import NO_MPI
 
 SCRIPT = Path(__file__).with_name("launch_script.py")
 BIN = Path(sys.executable).parent
@@ -77,3 +78,20 @@ def test_mpirun_launch():
         pytest.skip("mpirun not found (pip install 'moe-comm[mpi]' provides MPICH's)")
     out = _run([mpirun, "-n", "2", sys.executable, str(SCRIPT)], {"OMP_NUM_THREADS": "1"})
     assert sorted(re.findall(r"rank \d/\d ok", out)) == ["rank 0/2 ok", "rank 1/2 ok"]
+
+
+def _mpi_rank(group):
+    import torch.distributed as dist
+    from mpi4py import MPI
+    return dist.get_rank(group), MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+@pytest.mark.skipif(NO_MPI is not None, reason=NO_MPI or "")
+def test_mpiexec_world_ranks_are_its_mpi_ranks():
+    with LocalWorld(3, launcher="mpiexec", timeout_s=120, threads_per_rank=1) as world:
+        assert world.run(_mpi_rank) == [(0, 0, 3), (1, 1, 3), (2, 2, 3)]
+
+
+def test_unknown_launcher_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"LocalWorld: launcher must be 'spawn' or 'mpiexec', got 'slurm'"):
+        LocalWorld(2, launcher="slurm")

@@ -12,6 +12,7 @@ from moe_comm.launch import LocalWorld
 from shm_cases import (both_transports, grow_with_many_in_flight, growth, killed_mid_run, many_in_flight,
                         masked_rank_survives, node_split, plant_stale_segment, rejoin_after_mask,
                         segments_after_setup)
+from transports import local_world
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -63,7 +64,7 @@ def test_stale_segment_of_a_dead_process_is_removed(worlds):
 
 @pytest.mark.parametrize("how", ["exit", "mask"])
 def test_masked_rank_is_skipped_by_low_latency_calls(transport, how):
-    with LocalWorld(3, timeout_s=60, threads_per_rank=1, env={"MOE_COMM_TRANSPORT": transport}) as world:
+    with local_world(3, transport, timeout_s=60, threads_per_rank=1) as world:
         if how == "exit":
             with pytest.raises(TimeoutError, match=r"ranks \[2\] exited") as info:
                 world.run(masked_rank_survives, 2, how)

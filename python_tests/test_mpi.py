@@ -1,0 +1,78 @@
+"""The mpi transport: a Buffer over an mpi4py communicator gives the collective transport's bits;
+subgroups, argument errors, deadlines and the abort after a timeout."""
+from __future__ import annotations
+
+import pytest
+
+from moe_comm import transport as transports
+from moe_comm.launch import LocalWorld
+from mpi_cases import (bad_arguments, comm_and_group, destroy_kept, mpi_transport_outside_mpiexec, subgroup,
+                       time_out_then_refuse)
+from transports import NO_MPI, local_world
+
+needs_mpi = pytest.mark.skipif(NO_MPI is not None, reason=NO_MPI or "")
+
+
+@needs_mpi
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_comm_buffer_gives_the_collective_transports_bits(world_size):
+    with local_world(world_size, "mpi", timeout_s=120, threads_per_rank=1) as world:
+        results = world.run(comm_and_group)
+    for rank, r in enumerate(results):
+        assert r["info"] == dict(group=None, rank=rank, size=world_size, transport="mpi"), r["info"]
+        assert r["comm"] == r["collective"] and r["mpi"] == r["collective"]
+    assert len({tuple(r["collective"]) for r in results}) == world_size  # the digests tell ranks apart
+
+
+@needs_mpi
+def test_subgroup_buffers_give_the_collective_transports_bits():
+    with local_world(4, "mpi", timeout_s=120, threads_per_rank=1) as world:
+        results = world.run(subgroup)
+    assert results[1] is None and results[3] is None
+    for r in (results[0], results[2]):
+        assert r["mpi"] == r["collective"] and r["comm"] == r["collective"]
+
+
+@needs_mpi
+def test_comm_misuse_is_a_clear_error():
+    with local_world(2, "mpi", timeout_s=60, threads_per_rank=1) as world:
+        results = world.run(bad_arguments)
+    for rank, r in enumerate(results):
+        assert r["shm_with_comm"] == ("ValueError", "Buffer: transport must be 'auto' or 'mpi' when comm (an "
+                                      "mpi4py communicator) is given, got 'shm'")
+        assert r["comm_null"] == ("ValueError", "Buffer: comm must be a valid communicator, got MPI.COMM_NULL")
+        assert r["ranks_differ"] == ("ValueError", f"Buffer: comm must be the same ranks as group (rank {rank} of "
+                                     f"2), got rank 0 of 1")
+
+
+@needs_mpi
+def test_mpi_transport_needs_ranks_launched_as_one_mpi_job():
+    with LocalWorld(2, timeout_s=60, threads_per_rank=1) as world:  # spawned: each rank is its own MPI world
+        results = world.run(mpi_transport_outside_mpiexec)
+    for rank, (kind, message) in enumerate(results):
+        assert kind == "RuntimeError", message
+        assert (f"transport 'mpi' on a torch.distributed group needs torch rank r to be MPI.COMM_WORLD rank r; "
+                f"got torch rank {rank} of 2, MPI rank 0 of 1") in message
+
+
+@needs_mpi
+def test_timed_out_buffer_refuses_work_and_aborts_the_job_when_destroyed():
+    with local_world(3, "mpi", timeout_s=60, threads_per_rank=1) as world:
+        results = world.run(time_out_then_refuse, 2.0)
+        assert results[2] == "skipped"
+        for rank in (0, 1):
+            (timeout, missing), refusal, seconds = results[rank]
+            assert f"dispatch: rank {rank} timed out after 2 s; ranks not heard from: [2]" in timeout
+            assert missing == [2]
+            assert (f"dispatch: rank {rank}: the mpi transport is unusable after a timeout in dispatch (MPI "
+                    f"cannot cancel a collective)") in refusal
+            assert seconds < 1.0, seconds
+        with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] exited"):
+            world.run(destroy_kept, timeout_s=30)
+
+
+def test_auto_picks_mpi_on_the_mpi_backend():
+    assert transports.auto("mpi") == "mpi"
+    assert transports.auto("gloo") == "shm"
+    assert transports.auto("nccl") == "collective"
+    assert "mpi" in transports.available()
