@@ -23,8 +23,8 @@ from moe_comm._native import cpu_threads
 from moe_comm.ops import per_token_cast_back
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import (TRANSPORTS, calc_diff, case_rows, floor_columns, format_table, gather_results, launch,
-                    launched_ranks, memcpy_bandwidth, require_all_ranks, time_cases, vs_transport, write_json)
+from common import (TRANSPORTS, calc_diff, case_rows, default_transports, floor_columns, format_table, gather_results,
+                    launch, launched_ranks, memcpy_bandwidth, require_all_ranks, time_cases, vs_transport, write_json)
 
 BYTE_RULE = ("DeepEP test_low_latency, per (token, selected expert != -1) on the sending rank: FP8 dispatch "
              "H + H/128*4 + 16 bytes; BF16 combine 2H bytes. BF16 dispatch (DeepEP benchmarks FP8 only) counts "
@@ -159,7 +159,7 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
                for name in cfg["transports"]]
     notes = [
         f"overlap (compute_only {by['compute_only']['median_us']:.0f} us): " + "; ".join(overlap),
-        "case names are <transport>_<op>; vs_collective = collective median / shm median for the same op",
+        "case names are <transport>_<op>; vs_collective = collective median / this row's median for the same op",
         f"memory-copy floor: the bytes of the op / single-thread memcpy bandwidth (the faster of libc memcpy and torch copy_) measured in this run with "
         f"every rank copying at once ({res['memcpy_GBps']['concurrent']:.2f} GB/s per rank; alone: "
         f"{res['memcpy_GBps']['alone']:.2f} GB/s)",
@@ -191,7 +191,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS,
+    p.add_argument("--transports", nargs="+", default=default_transports(), choices=TRANSPORTS,
                    help="transports compared side by side (the first one's outputs are the reference)")
     p.add_argument("--threads-per-rank", type=int, default=0, help="0: cpu_count // local ranks, at least 1")
     p.add_argument("--json", default=str(Path(__file__).resolve().parent / "out" / "bench_low_latency.json"))

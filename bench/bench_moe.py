@@ -30,8 +30,8 @@ from moe_comm._native import cpu_threads
 from moe_comm.moe import MODES, Experts, NormalStages, ep_moe, ep_moe_reference, schedules
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import (TRANSPORTS, case_rows, format_table, gather_results, launch, launched_ranks, percentile,
-                    require_all_ranks, time_cases, write_json)
+from common import (TRANSPORTS, case_rows, default_transports, format_table, gather_results, launch, launched_ranks,
+                    percentile, require_all_ranks, time_cases, write_json)
 
 
 def _inputs(cfg: dict[str, Any], ranks: int) -> tuple[Experts, list[torch.Tensor], list[torch.Tensor],
@@ -194,7 +194,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
+    p.add_argument("--transports", nargs="+", default=default_transports(), choices=TRANSPORTS)
     p.add_argument("--threads-per-rank", type=int, default=0, help="0: cpu_count // local ranks, at least 1")
     p.add_argument("--json", default=str(Path(__file__).resolve().parent / "out" / "bench_moe.json"))
     return p.parse_args(argv)

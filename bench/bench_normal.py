@@ -23,8 +23,8 @@ from moe_comm._native import cpu_threads
 from moe_comm.ops import per_token_cast_back, per_token_cast_to_fp8
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import (TRANSPORTS, calc_diff, case_rows, floor_columns, format_table, gather_results, launch,
-                    launched_ranks, memcpy_bandwidth, require_all_ranks, time_cases, vs_transport, write_json)
+from common import (TRANSPORTS, calc_diff, case_rows, default_transports, floor_columns, format_table, gather_results,
+                    launch, launched_ranks, memcpy_bandwidth, require_all_ranks, time_cases, vs_transport, write_json)
 
 BYTE_RULE = ("DeepEP test_intranode: dispatch BF16 bytes = recv_x.numel()*2 (rows received, own rank "
              "included, x H*2 bytes; top-k ids/weights not counted); FP8 = BF16 bytes*(1+4/128)/2; combine = "
@@ -169,8 +169,9 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
     for r in rows:
         r.pop("p10_p90")  # table only; JSON has the numbers
     notes = [
-        "case names are <transport>_<op>: the same Buffer API over the collective (gloo all_to_all_single) and "
-        "shm (shared memory) transports; vs_collective = collective median / shm median for the same op",
+        "case names are <transport>_<op>: the same Buffer API over the collective (gloo all_to_all_single), "
+        "shm (shared memory) and mpi (MPI Ialltoallv through mpi4py) transports; vs_collective = collective "
+        "median / this row's median for the same op",
         f"memory-copy floor: the bytes each rank must receive / single-thread memcpy bandwidth (the faster of libc memcpy and torch copy_) measured in "
         f"this run with every rank copying at once ({res['memcpy_GBps']['concurrent']:.2f} GB/s per rank; one "
         f"rank alone: {res['memcpy_GBps']['alone']:.2f} GB/s, see of_floor_alone in JSON); floor/median = 1.0 "
@@ -211,7 +212,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS,
+    p.add_argument("--transports", nargs="+", default=default_transports(), choices=TRANSPORTS,
                    help="transports compared side by side (the first one's outputs are the reference)")
     p.add_argument("--threads-per-rank", type=int, default=0, help="0: cpu_count // local ranks, at least 1")
     p.add_argument("--json", default=str(Path(__file__).resolve().parent / "out" / "bench_normal.json"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -166,8 +167,16 @@ def require_all_ranks(ok: bool, bench: str, rank: int, checks: dict[str, float],
                            f"{checks}; refusing to time broken ops")
 
 
-#: The CPU transports the benchmarks compare side by side.
-TRANSPORTS = ("collective", "shm")
+#: The CPU transports the benchmarks can compare side by side.
+TRANSPORTS = ("collective", "shm", "mpi")
+
+
+def default_transports() -> list[str]:
+    """Every CPU transport that can run in this launch: ``mpi`` needs mpi4py and ranks that are one
+    MPI job (mpirun, or the ``mpiexec`` local launch ``launch`` then uses), so not under torchrun."""
+    found = launcher_rank()
+    mpi = importlib.util.find_spec("mpi4py") is not None and (found is None or found[2].startswith("mpirun"))
+    return [t for t in TRANSPORTS if t != "mpi" or mpi]
 
 
 def floor_columns(rows: list[dict[str, Any]], bandwidth: dict[str, float], ops: Sequence[str]) -> None:
@@ -235,9 +244,10 @@ def launch(run_rank: Callable[[dist.ProcessGroup, dict[str, Any]], Optional[dict
     cfg["ranks"] = ranks
     command = " ".join([Path(sys.executable).name] + sys.argv)
     if found is None:
-        with LocalWorld(ranks, threads_per_rank=threads, timeout_s=1800) as world:
+        launcher = "mpiexec" if "mpi" in cfg.get("transports", ()) else "spawn"
+        with LocalWorld(ranks, threads_per_rank=threads, timeout_s=1800, launcher=launcher) as world:
             res = world.run(run_rank, cfg)[0]
-        report(res, cfg, command, "moe_comm.launch.LocalWorld (spawn)")
+        report(res, cfg, command, f"moe_comm.launch.LocalWorld ({launcher})")
         return
     # Under a launcher: cap the kernel and torch threads before any kernel runs (cpu_threads is cached).
     os.environ.setdefault("MOE_COMM_NUM_THREADS", str(threads))
