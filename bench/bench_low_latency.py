@@ -24,12 +24,14 @@ from moe_comm.ops import per_token_cast_back
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
 from common import (TRANSPORTS, calc_diff, case_rows, default_transports, floor_columns, format_table, gather_results,
-                    launch, launched_ranks, memcpy_bandwidth, require_all_ranks, time_cases, vs_transport, write_json)
+                    launch, launched_ranks, memcpy_bandwidth, mpi_all_to_all, require_all_ranks, time_cases, vs_transport,
+                    write_json)
 
 BYTE_RULE = ("DeepEP test_low_latency, per (token, selected expert != -1) on the sending rank: FP8 dispatch "
              "H + H/128*4 + 16 bytes; BF16 combine 2H bytes. BF16 dispatch (DeepEP benchmarks FP8 only) counts "
              "2H like the combine. Hooked cases count the bytes of the whole operation against send + recv time. "
-             "a2a_ceiling_fp8 moves exactly the FP8 dispatch bytes.")
+             "a2a_ceiling_fp8 (gloo all_to_all_single) and a2a_ceiling_fp8_mpi (MPI_Alltoallv) move exactly the FP8 "
+             "dispatch bytes.")
 BANDWIDTH_RULE = "GB/s per rank = (mean over ranks of that rank's bytes) / median iteration time / 1e9"
 
 
@@ -104,6 +106,8 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
         })
     cases.update({"compute_only": lambda: a @ b,
                   "a2a_ceiling_fp8": lambda: dist.all_to_all_single(a2a_out, a2a_in, rc, sc, group=group)})
+    if "mpi" in bufs:
+        cases["a2a_ceiling_fp8_mpi"] = mpi_all_to_all(a2a_out, a2a_in, rc, sc)
     times = time_cases(cases, group, cfg["warmup"], cfg["iters"])
 
     selections = int((topk_idx >= 0).sum())
@@ -113,7 +117,7 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
               "combine_bf16_hook_recv": bf16_bytes, "dispatch_fp8_then_compute": fp8_bytes,
               "dispatch_fp8_hook_overlap": fp8_bytes}
     mine_bytes = {f"{name}_{op}": n for name in bufs for op, n in per_op.items()}
-    mine_bytes.update({"compute_only": 0, "a2a_ceiling_fp8": fp8_bytes})
+    mine_bytes.update({"compute_only": 0, "a2a_ceiling_fp8": fp8_bytes, "a2a_ceiling_fp8_mpi": fp8_bytes})
     bandwidth = memcpy_bandwidth(group, max(bf16_bytes, 1 << 20))
     res = gather_results(times, mine_bytes, checks, group)
     if res is None:

@@ -24,7 +24,8 @@ from moe_comm.ops import per_token_cast_back, per_token_cast_to_fp8
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
 from common import (TRANSPORTS, calc_diff, case_rows, default_transports, floor_columns, format_table, gather_results,
-                    launch, launched_ranks, memcpy_bandwidth, require_all_ranks, time_cases, vs_transport, write_json)
+                    launch, launched_ranks, memcpy_bandwidth, mpi_all_to_all, require_all_ranks, time_cases, vs_transport,
+                    write_json)
 
 BYTE_RULE = ("DeepEP test_intranode: dispatch BF16 bytes = recv_x.numel()*2 (rows received, own rank "
              "included, x H*2 bytes; top-k ids/weights not counted); FP8 = BF16 bytes*(1+4/128)/2; combine = "
@@ -135,6 +136,9 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
                   "a2a_ceiling": lambda: dist.all_to_all_single(a2a_out, send_rows, rc, sc, group=group)})
     mine_bytes.update({"naive_dispatch": R * T * (2 * H + 8 * K + 4 * K), "naive_combine": R * T * H * 2,
                        "a2a_ceiling": bf16})
+    if "mpi" in bufs:
+        cases["a2a_ceiling_mpi"] = mpi_all_to_all(a2a_out, send_rows, rc, sc)
+        mine_bytes["a2a_ceiling_mpi"] = bf16
     times = time_cases(cases, group, cfg["warmup"], cfg["iters"])
     res = gather_results(times, mine_bytes, checks, group)
     if res is None:
@@ -185,7 +189,8 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
         "moe-comm dispatch is non-cached with top-k ids/weights and a precomputed get_dispatch_layout "
         "(the per-layer call of an MoE forward); it includes the blocking count handshake",
         "a2a_ceiling: one raw gloo all_to_all_single of the pre-gathered BF16 dispatch rows into a preallocated "
-        "buffer; GB/s_vs_a2a_ceiling = case GB/s / ceiling GB/s",
+        "buffer (a2a_ceiling_mpi: one blocking MPI_Alltoallv of the same bytes); GB/s_vs_a2a = case GB/s / "
+        "a2a_ceiling GB/s",
         f"{R} ranks share {os.cpu_count()} CPU cores ({res['threads_per_rank']} torch / "
         f"{res['kernel_threads_per_rank']} moe_comm._C thread(s) per rank); shared, noisy VM",
     ]

@@ -179,6 +179,22 @@ def default_transports() -> list[str]:
     return [t for t in TRANSPORTS if t != "mpi" or mpi]
 
 
+def mpi_all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+                   input_splits: Sequence[int]) -> Callable[[], None]:
+    """One raw blocking ``MPI_Alltoallv`` on MPI.COMM_WORLD of the rows of contiguous CPU ``input``
+    into ``output`` (as bytes; preallocated): the ceiling of the ``mpi`` transport."""
+    from mpi4py import MPI
+    row = output.element_size() * output[0].numel() if output.shape[0] else input.element_size() * input[0].numel()
+
+    def spec(t: torch.Tensor, splits: Sequence[int]) -> list:
+        counts = [int(n) * row for n in splits]
+        displs = [sum(counts[:i]) for i in range(len(counts))]
+        return [t.view(torch.uint8).numpy(), (counts, displs), MPI.BYTE]
+
+    send, recv = spec(input, input_splits), spec(output, output_splits)
+    return lambda: MPI.COMM_WORLD.Alltoallv(send, recv)
+
+
 def floor_columns(rows: list[dict[str, Any]], bandwidth: dict[str, float], ops: Sequence[str]) -> None:
     """Adds the memory-copy floor to the rows of moe-comm cases named ``<transport>_<op>`` for ``op``
     in ``ops``, whose bytes are what each rank must receive: ``floor_us`` = bytes / the single-thread memcpy bandwidth

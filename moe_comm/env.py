@@ -3,7 +3,8 @@
 the worker processes it starts.
 
 MOE_COMM_TRANSPORT   transport for ``Buffer(transport="auto")``: a name listed by
-                     ``moe_comm.transport.available()`` (unset: ``shm`` on gloo, else ``collective``).
+                     ``moe_comm.transport.available()`` (unset: ``shm`` on gloo, ``mpi`` on the mpi
+                     backend or with ``comm=``, else ``collective``).
 MOE_COMM_TIMEOUT_S   deadline in seconds for every wait (default 300); ``Buffer(timeout_s=...)``
                      overrides it.
 MOE_COMM_NUM_THREADS threads the CPU kernels of ``moe_comm._C`` may use (default: all cores).

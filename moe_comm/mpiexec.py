@@ -3,11 +3,14 @@
 ``mpiexec -n N python -c ...`` starts the ranks; each imports mpi4py (initialising MPI), connects
 back to the parent over an authenticated local socket (``multiprocessing.connection``), says which
 MPI rank and pid it is, and then serves ``launch.worker_loop`` with MPI rank r as torch rank r.
+Like multiprocessing's spawned children, each rank first loads the parent's main script as
+``__mp_main__``, so functions defined there can be sent.
 """
 from __future__ import annotations
 
 import os
 import pickle
+import runpy
 import secrets
 import shutil
 import signal
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 from typing import Any, Optional
@@ -60,10 +64,37 @@ class _Link:
         _send(self._conn, item)
 
 
+def _main_reference() -> Optional[tuple[str, str]]:
+    """How a rank can load this process's ``__main__`` (functions defined in a script pickle as
+    ``__main__.name``): ``("path", file)`` or ``("module", name)``, or None (interactive, or ``-m``
+    of a package's ``__main__``), as multiprocessing's spawn decides."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None:
+        return None if spec.name.endswith("__main__") else ("module", spec.name)
+    path = getattr(main, "__file__", None)
+    return ("path", os.path.abspath(path)) if path else None
+
+
+def _load_main(reference: Optional[tuple[str, str]]) -> None:
+    """Runs the parent's main script or module as ``__mp_main__`` (its ``if __name__ == "__main__"``
+    block stays off) and makes it this process's ``__main__``."""
+    if reference is None:
+        return
+    kind, target = reference
+    module = types.ModuleType("__mp_main__")
+    sys.modules["__mp_main__"] = module
+    content = runpy.run_path(target, run_name="__mp_main__") if kind == "path" else \
+        runpy.run_module(target, run_name="__mp_main__", alter_sys=True)
+    module.__dict__.update(content)
+    sys.modules["__main__"] = module
+
+
 def rank_main(address: tuple[str, int], key: str, store_port: int, backend: str, timeout_s: float,
-              threads: int) -> None:
+              threads: int, main: Optional[tuple[str, str]]) -> None:
     """The body of one ``mpiexec`` rank (see the module docstring)."""
     from mpi4py import MPI
+    _load_main(main)
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     conn = Client(address, authkey=bytes.fromhex(key))
     _send(conn, (rank, os.getpid()))
@@ -79,7 +110,7 @@ class MpiexecRanks:
         key = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), backlog=world_size, authkey=key)
         code = (f"from moe_comm.mpiexec import rank_main; rank_main({self._listener.address!r}, {key.hex()!r}, "
-                f"{store_port}, {backend!r}, {timeout_s!r}, {threads})")
+                f"{store_port}, {backend!r}, {timeout_s!r}, {threads}, {_main_reference()!r})")
         # The ranks import the modules of the functions they are sent, as spawned children do.
         paths = [p for p in sys.path if p and os.path.isdir(p)]
         env = {**os.environ, **environ, "PYTHONPATH": os.pathsep.join(paths),

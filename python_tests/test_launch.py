@@ -95,3 +95,28 @@ def test_mpiexec_world_ranks_are_its_mpi_ranks():
 def test_unknown_launcher_is_a_clear_error():
     with pytest.raises(ValueError, match=r"LocalWorld: launcher must be 'spawn' or 'mpiexec', got 'slurm'"):
         LocalWorld(2, launcher="slurm")
+
+
+MAIN_SCRIPT = '''
+from moe_comm.launch import LocalWorld
+
+
+def rank_and_size(group):
+    import torch.distributed as dist
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+if __name__ == "__main__":
+    with LocalWorld(2, launcher="{launcher}", timeout_s=120, threads_per_rank=1) as world:
+        print("results", world.run(rank_and_size))
+'''
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "mpiexec"])
+def test_functions_of_the_main_script_run_on_local_ranks(tmp_path, launcher):
+    if launcher == "mpiexec" and NO_MPI:
+        pytest.skip(NO_MPI)
+    script = tmp_path / "main_script.py"
+    script.write_text(MAIN_SCRIPT.replace("{launcher}", launcher))
+    out = _run([sys.executable, str(script)], {})
+    assert "results [(0, 2), (1, 2)]" in out, out
