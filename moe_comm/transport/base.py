@@ -12,7 +12,7 @@ import torch
 
 from ..workspace import Workspace
 
-__all__ = ["Exchange", "Pending", "Rows", "Transport", "own_counts", "prefix_sums"]
+__all__ = ["Exchange", "Pending", "Rows", "Transport", "own_counts", "peer_blocks", "prefix_sums"]
 
 #: What a rank sends in an exchange: ``pack(dest, first, out)`` writes the rows for rank ``dest`` into
 #: ``out`` (`[rows, record_bytes]` uint8, possibly another rank's memory); they are rows
@@ -111,6 +111,24 @@ def prefix_sums(counts: Sequence[int]) -> list[int]:
     for count in counts:
         starts.append(starts[-1] + int(count))
     return starts
+
+
+def peer_blocks(output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+                input_splits: Sequence[int], me: int, skip: frozenset[int]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """An all-to-all as point-to-point pieces: ``(peer, rows to send it, rows to receive from it)``
+    for every peer not in ``skip``, ascending; rank ``me``'s own block is copied here and left out.
+    Blocks of skipped ranks stay as they are."""
+    out_at, in_at = prefix_sums(output_splits), prefix_sums(input_splits)
+    blocks = []
+    for peer in range(len(input_splits)):
+        if peer in skip:
+            continue
+        send, recv = input[in_at[peer]:in_at[peer + 1]], output[out_at[peer]:out_at[peer + 1]]
+        if peer == me:
+            recv.copy_(send)
+        else:
+            blocks.append((peer, send, recv))
+    return blocks
 
 
 def own_counts(sent: Sequence[Sequence[int]], me: int, skip_self: bool) -> tuple[list[int], list[int]]:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommTimeoutError, CrossRankMismatchError
-from .base import Pending, Transport, prefix_sums
+from .base import Pending, Transport, peer_blocks
 
 __all__ = ["CollectiveTransport"]
 
@@ -192,15 +192,8 @@ class CollectiveTransport(Transport):
                         channel: Optional[dist.ProcessGroup]) -> list[dist.Work]:
         """The all-to-all as sends and receives between the ranks not in ``skip`` (a collective
         would wait for them). Blocks of skipped ranks stay as they are."""
-        out_at, in_at = prefix_sums(output_splits), prefix_sums(input_splits)
         works = []
-        for peer in range(self.num_ranks):
-            if peer in skip:
-                continue
-            send, recv = input[in_at[peer]:in_at[peer + 1]], output[out_at[peer]:out_at[peer + 1]]
-            if peer == self.rank:
-                recv.copy_(send)
-                continue
+        for peer, send, recv in peer_blocks(output, input, output_splits, input_splits, self.rank, skip):
             if channel is not None:  # the metadata group: its own ranks, tag 0
                 if send.shape[0]:
                     works.append(channel.send([_as_wire(send)], peer, 0))

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from .._native import native
 from ..checks import describe
 from ..errors import CommTimeoutError, PeerExitedError, bad_argument
-from .base import Pending, Transport, prefix_sums
+from .base import Pending, Transport, peer_blocks, prefix_sums
 from .host_counters import HostCounters
 
 __all__ = ["MpiTransport", "load_mpi", "as_comm"]
@@ -243,15 +243,8 @@ class MpiTransport(Transport):
                         output_splits: Sequence[int], input_splits: Sequence[int], skip: frozenset[int]) -> list:
         """The all-to-all as sends and receives between the ranks not in ``skip`` (a collective
         would wait for them). Blocks of skipped ranks stay as they are."""
-        out_at, in_at = prefix_sums(output_splits), prefix_sums(input_splits)
         requests = []
-        for peer in range(self.num_ranks):
-            if peer in skip:
-                continue
-            send, recv = input[in_at[peer]:in_at[peer + 1]], output[out_at[peer]:out_at[peer + 1]]
-            if peer == self.rank:
-                recv.copy_(send)
-                continue
+        for peer, send, recv in peer_blocks(output, input, output_splits, input_splits, self.rank, skip):
             if send.shape[0]:
                 requests.append(comm.Isend([_memory(send), send.shape[0], row], peer))
             if recv.shape[0]:
