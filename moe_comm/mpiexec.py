@@ -76,16 +76,24 @@ def _main_reference() -> Optional[tuple[str, str]]:
     return ("path", os.path.abspath(path)) if path else None
 
 
+_loading_main = False
+
+
 def _load_main(reference: Optional[tuple[str, str]]) -> None:
     """Runs the parent's main script or module as ``__mp_main__`` (its ``if __name__ == "__main__"``
     block stays off) and makes it this process's ``__main__``."""
+    global _loading_main
     if reference is None:
         return
     kind, target = reference
     module = types.ModuleType("__mp_main__")
     sys.modules["__mp_main__"] = module
-    content = runpy.run_path(target, run_name="__mp_main__") if kind == "path" else \
-        runpy.run_module(target, run_name="__mp_main__", alter_sys=True)
+    _loading_main = True
+    try:
+        content = runpy.run_path(target, run_name="__mp_main__") if kind == "path" else \
+            runpy.run_module(target, run_name="__mp_main__", alter_sys=True)
+    finally:
+        _loading_main = False
     module.__dict__.update(content)
     sys.modules["__main__"] = module
 
@@ -107,6 +115,9 @@ class MpiexecRanks:
 
     def __init__(self, world_size: int, store_port: int, backend: str, timeout_s: float, threads: int,
                  environ: dict[str, str]) -> None:
+        if _loading_main:  # the script starts ranks at import: each rank would start more, forever
+            raise RuntimeError("LocalWorld(launcher='mpiexec') was started while an mpiexec rank loaded the main "
+                               "script; start it under if __name__ == '__main__':")
         key = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), backlog=world_size, authkey=key)
         code = (f"from moe_comm.mpiexec import rank_main; rank_main({self._listener.address!r}, {key.hex()!r}, "

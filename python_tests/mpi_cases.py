@@ -103,3 +103,11 @@ def destroy_kept(group: dist.ProcessGroup) -> str:
     """Destroys the buffer kept by ``time_out_then_refuse``: after a timeout it aborts the job."""
     _KEPT.pop("buf").destroy()
     return "destroyed"
+
+
+def many_buffers(group: dist.ProcessGroup, count: int) -> int:
+    """Builds and drops ``count`` mpi buffers (more than MPI has communicator ids for, if they leaked);
+    returns how many were built."""
+    for _ in range(count):
+        moe_comm.Buffer(group, transport="mpi", timeout_s=30)
+    return count

@@ -120,3 +120,13 @@ def test_functions_of_the_main_script_run_on_local_ranks(tmp_path, launcher):
     script.write_text(MAIN_SCRIPT.replace("{launcher}", launcher))
     out = _run([sys.executable, str(script)], {})
     assert "results [(0, 2), (1, 2)]" in out, out
+
+
+def test_a_script_that_starts_mpiexec_ranks_unguarded_is_a_clear_error(tmp_path):
+    if NO_MPI:
+        pytest.skip(NO_MPI)
+    script = tmp_path / "unguarded.py"
+    script.write_text(MAIN_SCRIPT.replace("{launcher}", "mpiexec").replace('if __name__ == "__main__":', "if True:"))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0
+    assert "was started while an mpiexec rank loaded the main script" in done.stderr, done.stderr[-2000:]

@@ -6,8 +6,8 @@ import pytest
 
 from moe_comm import transport as transports
 from moe_comm.launch import LocalWorld
-from mpi_cases import (bad_arguments, comm_and_group, destroy_kept, mpi_transport_outside_mpiexec, subgroup,
-                       time_out_then_refuse)
+from mpi_cases import (bad_arguments, comm_and_group, destroy_kept, many_buffers, mpi_transport_outside_mpiexec,
+                       subgroup, time_out_then_refuse)
 from transports import NO_MPI, local_world
 
 needs_mpi = pytest.mark.skipif(NO_MPI is not None, reason=NO_MPI or "")
@@ -69,6 +69,13 @@ def test_timed_out_buffer_refuses_work_and_aborts_the_job_when_destroyed():
             assert seconds < 1.0, seconds
         with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] exited"):
             world.run(destroy_kept, timeout_s=30)
+
+
+@needs_mpi
+def test_dropped_buffers_free_their_communicators():
+    # MPICH has about 2000 communicator ids; each buffer takes two while it lives
+    with local_world(2, "mpi", timeout_s=120, threads_per_rank=1) as world:
+        assert world.run(many_buffers, 1500) == [1500, 1500]
 
 
 def test_auto_picks_mpi_on_the_mpi_backend():

@@ -13,9 +13,10 @@ and yield the core between polls, as MPI's own blocking waits spin.
 Faults: each rank counts the exchanges it has entered in a memory-mapped file of its host
 (``host_counters``), so a rank that misses the deadline names the host ranks that never arrived,
 and whether their process has exited. Construction duplicates the communicator with ``Idup``,
-polled like the exchanges, so a rank that never builds its buffer is a timeout too. MPI cannot cancel a collective: after a timeout the transport refuses further
-exchanges, and when the buffer is destroyed, or the interpreter exits, it aborts the job
-(``MPI_Abort`` on ``COMM_WORLD``) instead of leaving it to hang in ``MPI_Finalize``.
+polled like the exchanges, so a rank that never builds its buffer is a timeout too. MPI cannot
+cancel a collective: after a timeout the transport refuses further exchanges, and when the buffer
+is destroyed, or the interpreter exits, it aborts the job (``MPI_Abort`` on ``COMM_WORLD``) instead
+of leaving it to hang in ``MPI_Finalize``.
 """
 from __future__ import annotations
 
@@ -94,30 +95,35 @@ def _comm_of_group(group: dist.ProcessGroup, timeout_s: float) -> tuple[Any, boo
         members.Free()
 
 
+#: An exchange in flight: its MPI requests and the tensors they read and write.
+_Flight = tuple[list, tuple]
+
+
 class _MpiPending:
-    """An exchange's MPI requests and the tensors they read and write (kept alive until done)."""
+    """An exchange in flight (the transport keeps its tensors alive until its requests complete)."""
 
-    def __init__(self, transport: "MpiTransport", requests: list, keep: tuple, op: str) -> None:
-        self._transport, self.requests, self.keep, self._op = transport, requests, keep, op
-
-    def done(self) -> bool:
-        return load_mpi().Request.Testall(self.requests)
+    def __init__(self, transport: "MpiTransport", requests: list, op: str) -> None:
+        self._transport, self._requests, self._op = transport, requests, op
 
     def wait(self) -> None:
-        if self.requests:
-            self._transport.wait_for(self.requests, self._op)
-        self.requests, self.keep = [], ()
+        requests, self._requests = self._requests, []
+        if requests:
+            self._transport.wait_for(requests, self._op)
+
+
+def _done(flight: _Flight) -> bool:
+    return load_mpi().Request.Testall(flight[0])
 
 
 # Exchanges still in flight when their transport was garbage collected: their tensors must outlive
 # MPI's use of them, and nobody will wait for them any more.
-_ORPHANS: list[_MpiPending] = []
+_ORPHANS: list[_Flight] = []
 
 
-def _release(mpi: Any, comms: list, types: dict, inflight: list) -> None:
+def _release(mpi: Any, comms: list, types: dict, inflight: list[_Flight]) -> None:
     """Frees a transport's communicators and datatypes (local calls); keeps unfinished exchanges'
     tensors alive."""
-    _ORPHANS.extend(p for p in inflight if not p.done())
+    _ORPHANS.extend(f for f in inflight if not _done(f))
     inflight.clear()
     if mpi.Is_finalized():
         return
@@ -145,7 +151,9 @@ class MpiTransport(Transport):
         self.timeout_s = timeout_s
         self.device = torch.device("cpu")
         self._types: dict[int, Any] = {}
-        self._inflight: list[_MpiPending] = []
+        # NOTES: plain (requests, tensors) pairs: a pending object here would hold the transport in a
+        # cycle and delay the finalizer that frees its communicators.
+        self._inflight: list[_Flight] = []
         self._comms: list[Any] = []
         self._failed: Optional[str] = None
         self._counters: Optional[HostCounters] = None
@@ -221,9 +229,8 @@ class MpiTransport(Transport):
             requests = self._point_to_point(comm, row, output, input, output_splits, input_splits, skip)
         else:
             requests = [comm.Ialltoallv(_spec(input, input_splits, row), _spec(output, output_splits, row))]
-        pending = _MpiPending(self, requests, (output, input), op)
-        self._inflight[:] = [p for p in self._inflight if not p.done()] + [pending]
-        return pending
+        self._inflight[:] = [f for f in self._inflight if not _done(f)] + [(requests, (output, input))]
+        return _MpiPending(self, requests, op)
 
     def _row_type(self, output: torch.Tensor, input: torch.Tensor) -> Any:
         """The committed datatype of one row (bytes of ``input``'s trailing dimensions); None for
@@ -306,8 +313,8 @@ class MpiTransport(Transport):
     def close(self) -> None:
         if self._failed is not None:
             self._abort()
-        for pending in list(self._inflight):
-            pending.wait()
+        for requests, _ in list(self._inflight):
+            self.wait_for(requests, "Buffer.destroy")
         self._finalizer()
         self.workspace.clear()
 
