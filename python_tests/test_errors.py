@@ -144,6 +144,7 @@ def test_buffer_without_group_before_init_process_group():
     import moe_comm
 
     assert not dist.is_initialized()  # the test process itself never joins a group
-    with pytest.raises(ValueError, match=r"Buffer: group must be a torch.distributed ProcessGroup \(or None after "
-                                         r"init_process_group\), got None, and torch.distributed is not initialized"):
+    with pytest.raises(ValueError, match=r"Buffer: group must be a torch.distributed ProcessGroup, or None with comm= "
+                                         r"or after init_process_group, got None, and torch.distributed is not "
+                                         r"initialized"):
         moe_comm.Buffer()
