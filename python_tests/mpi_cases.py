@@ -111,3 +111,16 @@ def many_buffers(group: dist.ProcessGroup, count: int) -> int:
     for _ in range(count):
         moe_comm.Buffer(group, transport="mpi", timeout_s=30)
     return count
+
+
+def skip_construction(group: dist.ProcessGroup, timeout_s: float) -> Any:
+    """The last rank never builds its comm buffer; the others time out in the constructor."""
+    from mpi4py import MPI
+    if dist.get_rank(group) == dist.get_world_size(group) - 1:
+        return "skipped"
+    start = time.monotonic()
+    try:
+        moe_comm.Buffer(None, comm=MPI.COMM_WORLD, timeout_s=timeout_s)
+    except moe_comm.CommTimeoutError as exc:
+        return time.monotonic() - start, str(exc)
+    return "no timeout"

@@ -7,7 +7,7 @@ import pytest
 from moe_comm import transport as transports
 from moe_comm.launch import LocalWorld
 from mpi_cases import (bad_arguments, comm_and_group, destroy_kept, many_buffers, mpi_transport_outside_mpiexec,
-                       subgroup, time_out_then_refuse)
+                       skip_construction, subgroup, time_out_then_refuse)
 from transports import NO_MPI, local_world
 
 needs_mpi = pytest.mark.skipif(NO_MPI is not None, reason=NO_MPI or "")
@@ -69,6 +69,17 @@ def test_timed_out_buffer_refuses_work_and_aborts_the_job_when_destroyed():
             assert seconds < 1.0, seconds
         with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] exited"):
             world.run(destroy_kept, timeout_s=30)
+
+
+@needs_mpi
+def test_rank_that_never_builds_its_buffer_times_out_the_others():
+    with local_world(3, "mpi", timeout_s=60, threads_per_rank=1) as world:
+        results = world.run(skip_construction, 2.0)
+    assert results[2] == "skipped"
+    for rank in (0, 1):
+        seconds, message = results[rank]
+        assert 2.0 <= seconds < 10.0, seconds
+        assert message.startswith(f"Buffer(): rank {rank} timed out after 2 s; ranks not heard from: unknown"), message
 
 
 @needs_mpi
