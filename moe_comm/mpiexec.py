@@ -124,14 +124,11 @@ class MpiexecRanks:
                 f"{store_port}, {backend!r}, {timeout_s!r}, {threads}, {_main_reference()!r})")
         # The ranks import the modules of the functions they are sent, as spawned children do.
         paths = [p for p in sys.path if p and os.path.isdir(p)]
-        env = {**os.environ, **environ, "PYTHONPATH": os.pathsep.join(paths),
-               "MOE_COMM_NUM_THREADS": environ.get("MOE_COMM_NUM_THREADS",
-                                                   os.environ.get("MOE_COMM_NUM_THREADS", str(threads)))}
+        env = {**os.environ, **environ, "PYTHONPATH": os.pathsep.join(paths)}
         # Without auto-cleanup a rank that exits leaves the others running, as spawned children do,
         # so that they can report what they saw.
         command = [find_mpiexec(), "-disable-auto-cleanup", "-n", str(world_size), sys.executable, "-c", code]
-        self._job = subprocess.Popen(command, env=env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self._job = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         self._conns: list[Optional[Connection]] = [None] * world_size
         self._pids = [0] * world_size
         try:
@@ -159,8 +156,8 @@ class MpiexecRanks:
             taker.join(0.05)
         if taker.is_alive() or failure:
             self._listener.close()
-            state = "exited with code %s" % self._job.poll() if self._job.poll() is not None else \
-                f"did not connect within {timeout_s:g} s"
+            code = self._job.poll()
+            state = f"exited with code {code}" if code is not None else f"did not connect within {timeout_s:g} s"
             raise RuntimeError(f"LocalWorld(launcher='mpiexec'): {len(accepted)} of {world_size} ranks connected; "
                                f"the mpiexec job {state}")
         for conn in accepted:
@@ -199,8 +196,3 @@ class MpiexecRanks:
                 conn.close()
         self._conns = [None] * len(self._conns)
         self._listener.close()
-
-    @property
-    def returncode(self) -> Optional[int]:
-        """The mpiexec job's exit status, None while it runs."""
-        return self._job.poll()
