@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 import moe_comm
@@ -56,7 +57,14 @@ def subgroup(group: dist.ProcessGroup) -> Any:
 def bad_arguments(group: dist.ProcessGroup) -> dict[str, tuple[str, str]]:
     """(exception, message) of each misuse of ``comm``."""
     from mpi4py import MPI
+    runtime = moe_comm.Buffer(None, comm=MPI.COMM_WORLD).runtime
+    size = dist.get_world_size(group)
+    rows = torch.zeros(size, 4)
     cases = {
+        "not_cpu": lambda: runtime.all_to_all(rows, torch.zeros(size, 4, device="meta"), [1] * size, [1] * size,
+                                              op="all_to_all"),
+        "strided": lambda: runtime.all_to_all(rows, torch.zeros(4, size).t(), [1] * size, [1] * size,
+                                              op="all_to_all"),
         "shm_with_comm": lambda: moe_comm.Buffer(None, comm=MPI.COMM_WORLD, transport="shm"),
         "comm_null": lambda: moe_comm.Buffer(None, comm=MPI.COMM_NULL),
         "ranks_differ": lambda: moe_comm.Buffer(group, comm=MPI.COMM_SELF),

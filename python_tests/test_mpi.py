@@ -41,6 +41,11 @@ def test_comm_misuse_is_a_clear_error():
         assert r["shm_with_comm"] == ("ValueError", "Buffer: transport must be 'auto' or 'mpi' when comm (an "
                                       "mpi4py communicator) is given, got 'shm'")
         assert r["comm_null"] == ("ValueError", "Buffer: comm must be a valid communicator, got MPI.COMM_NULL")
+        for case, how in (("not_cpu", "on meta"), ("strided", "on cpu, not contiguous")):
+            kind, message = r[case]
+            assert kind == "ValueError" and message.startswith(
+                "all_to_all: the mpi transport moves contiguous CPU tensors; input is "), message
+            assert how in message, message
         assert r["ranks_differ"] == ("ValueError", f"Buffer: comm must be the same ranks as group (rank {rank} of "
                                      f"2), got rank 0 of 1")
 

@@ -217,8 +217,9 @@ class MpiTransport(Transport):
                                f"Buffer is destroyed or the process exits")
         for name, tensor in (("input", input), ("output", output)):
             if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                layout = "" if tensor.is_contiguous() else ", not contiguous"
                 raise ValueError(f"{op}: the mpi transport moves contiguous CPU tensors; {name} is "
-                                 f"{describe(tensor)}")
+                                 f"{describe(tensor)}{layout}")
         self._entered += 1
         if self._counters is not None:
             self._counters.store(self._entered)
