@@ -72,7 +72,8 @@ def test_timed_out_buffer_refuses_work_and_aborts_the_job_when_destroyed():
             assert (f"dispatch: rank {rank}: the mpi transport is unusable after a timeout in dispatch (MPI "
                     f"cannot cancel a collective)") in refusal
             assert seconds < 1.0, seconds
-        with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] exited"):
+        # MPI_Abort ends the whole job: rank 2 may be gone before it reports its own destroy
+        with pytest.raises(TimeoutError, match=r"ranks \[0, 1(, 2)?\] exited"):
             world.run(destroy_kept, timeout_s=30)
 
 
