@@ -6,13 +6,15 @@ and reports ranks that miss a deadline.
 from __future__ import annotations
 
 import abc
+import socket
+import zlib
 from typing import Callable, Protocol, Sequence
 
 import torch
 
 from ..workspace import Workspace
 
-__all__ = ["Exchange", "Pending", "Rows", "Transport", "own_counts", "peer_blocks", "prefix_sums"]
+__all__ = ["Exchange", "Pending", "Rows", "Transport", "host_id", "own_counts", "peer_blocks", "prefix_sums"]
 
 #: What a rank sends in an exchange: ``pack(dest, first, out)`` writes the rows for rank ``dest`` into
 #: ``out`` (`[rows, record_bytes]` uint8, possibly another rank's memory); they are rows
@@ -72,6 +74,19 @@ class Transport(abc.ABC):
         is ``all_to_all``. Ordered with the other bulk exchanges, not with ``all_to_all``."""
         return self.all_to_all(output, input, output_splits, input_splits, op=op, skip=skip)
 
+    def gather_rows(self, row: torch.Tensor, *, op: str) -> torch.Tensor:
+        """Every rank's ``row`` (1-D, the same size and dtype on every rank), stacked in rank order:
+        an all-gather through ``all_to_all``, with its deadline. Collective; blocks."""
+        ranks = self.num_ranks
+        got = torch.empty(ranks, row.numel(), dtype=row.dtype, device=row.device)
+        self.all_to_all(got, row.reshape(1, -1).expand(ranks, -1).contiguous(), [1] * ranks, [1] * ranks,
+                        op=op).wait()
+        return got
+
+    def barrier(self, *, op: str) -> None:
+        """Returns once every rank has called it (or raises at the deadline). Collective."""
+        self.gather_rows(torch.ones(1, dtype=torch.uint8, device=self.device), op=op)
+
     @abc.abstractmethod
     def exited_ranks(self) -> list[int]:
         """Ranks on this host whose process has exited (a dead peer, found without waiting)."""
@@ -102,6 +117,11 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Releases transport resources. Idempotent."""
+
+
+def host_id() -> int:
+    """This host's name as a number (crc32), to tell which ranks share a host."""
+    return zlib.crc32(socket.gethostname().encode())
 
 
 def prefix_sums(counts: Sequence[int]) -> list[int]:

@@ -20,16 +20,14 @@ from __future__ import annotations
 import collections
 import datetime
 import os
-import socket
 import time
-import zlib
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CommTimeoutError, CrossRankMismatchError
-from .base import Pending, Transport, peer_blocks
+from .base import Pending, Transport, host_id, peer_blocks
 
 __all__ = ["CollectiveTransport"]
 
@@ -115,7 +113,7 @@ class CollectiveTransport(Transport):
         # tensors) of the last few exchanges stay referenced here, so the last reference is always
         # dropped by Python on the main thread, long after the worker has moved on.
         self._recent: collections.deque = collections.deque(maxlen=_KEEP_RECENT)
-        self._host = zlib.crc32(socket.gethostname().encode())
+        self._host = host_id()
         # NOTES: a failure inside _meet reports liveness from _peers, so give it a placeholder first.
         self._peers = [(self._host, os.getpid())] * self.num_ranks
         self._metadata: Optional[dist.ProcessGroup] = None  # _meet runs on the group itself
@@ -137,10 +135,7 @@ class CollectiveTransport(Transport):
     def _meet(self, instance: int) -> list[tuple[int, int]]:
         """Exchanges (host, pid, instance) with every rank, with the deadline; checks the pairing."""
         mine = torch.tensor([self._host, os.getpid(), instance], dtype=torch.int64, device=self.device)
-        got = torch.empty(self.num_ranks, 3, dtype=torch.int64, device=self.device)
-        self.all_to_all(got, mine.expand(self.num_ranks, 3).contiguous(), [1] * self.num_ranks,
-                        [1] * self.num_ranks, op="Buffer()").wait()
-        rows = got.cpu().tolist()
+        rows = self.gather_rows(mine, op="Buffer()").cpu().tolist()
         instances = [r[2] for r in rows]
         if len(set(instances)) > 1:
             raise CrossRankMismatchError(

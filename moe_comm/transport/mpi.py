@@ -24,11 +24,9 @@ import atexit
 import datetime
 import os
 import secrets
-import socket
 import sys
 import time
 import weakref
-import zlib
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -37,7 +35,7 @@ import torch.distributed as dist
 from .._native import native
 from ..checks import describe
 from ..errors import CommTimeoutError, PeerExitedError, bad_argument
-from .base import Pending, Transport, peer_blocks, prefix_sums
+from .base import Pending, Transport, host_id, peer_blocks, prefix_sums
 from .host_counters import HostCounters
 
 __all__ = ["MpiTransport", "load_mpi", "as_comm"]
@@ -181,20 +179,14 @@ class MpiTransport(Transport):
     def _meet(self) -> None:
         """Swaps (host, pid, token) with every rank and maps this host's arrival counters (the
         file named by the host's first rank's token)."""
-        mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), os.getpid(), secrets.randbits(62)],
-                            dtype=torch.int64)
-        got = torch.empty(self.num_ranks, 3, dtype=torch.int64)
-        self.all_to_all(got, mine.expand(self.num_ranks, 3).contiguous(), [1] * self.num_ranks,
-                        [1] * self.num_ranks, op="Buffer()").wait()
-        rows = got.tolist()
+        mine = torch.tensor([host_id(), os.getpid(), secrets.randbits(62)], dtype=torch.int64)
+        rows = self.gather_rows(mine, op="Buffer()").tolist()
         self._host_ranks = [r for r, row in enumerate(rows) if row[0] == rows[self.rank][0]]
         self.pids = [row[1] for row in rows]
         counters = HostCounters(f"{rows[self._host_ranks[0]][2]:x}", len(self._host_ranks),
                                 self._host_ranks.index(self.rank))
         try:
-            ones = torch.ones(self.num_ranks, 1, dtype=torch.uint8)  # everyone has opened the file
-            self.all_to_all(torch.empty_like(ones), ones, [1] * self.num_ranks, [1] * self.num_ranks,
-                            op="Buffer()").wait()
+            self.barrier(op="Buffer()")  # everyone has opened the file
         finally:
             counters.unlink()
         self._counters = counters

@@ -206,7 +206,7 @@ class ShmTransport(Transport):
                     native().flag_store(mine.flag(layout.consumed(channel, slot)), next_seq[channel] - 1)
             names = self._gather_names(mine.name)
             segments = [mine if r == self.rank else Segment.open(names[r], layout) for r in self.local]
-            self._barrier("shm transport: mapping segments")
+            self._coll.barrier(op="shm transport: mapping segments")
         finally:
             mine.unlink()
         self._segments = segments
@@ -215,14 +215,8 @@ class ShmTransport(Transport):
         encoded = name.encode()
         row = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
         row[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-        got = torch.empty(self.num_ranks, _NAME_BYTES, dtype=torch.uint8)
-        self._coll.all_to_all(got, row.expand(self.num_ranks, _NAME_BYTES).contiguous(), [1] * self.num_ranks,
-                              [1] * self.num_ranks, op="shm transport: exchanging segment names").wait()
+        got = self._coll.gather_rows(row, op="shm transport: exchanging segment names")
         return [bytes(r).rstrip(b"\0").decode() for r in got.tolist()]
-
-    def _barrier(self, op: str) -> None:
-        ones = torch.ones(self.num_ranks, 1, dtype=torch.uint8)
-        self._coll.all_to_all(torch.empty_like(ones), ones, [1] * self.num_ranks, [1] * self.num_ranks, op=op).wait()
 
     @property
     def capacity(self) -> int:
