@@ -357,9 +357,9 @@ def test_build_info():
 
 
 def _segments(layout, tensors):
-    """The raw segment tuples of the native API: (ptr, row_stride_B, col_stride_B, elem_B, cols, offset)."""
+    """The raw segment tuples of the native API: (ptr, row_stride_B, col_stride_B, elem_B, cols, offset, rows)."""
     return [(t.data_ptr(), t.stride(0) * t.element_size(), t.stride(1) * t.element_size(), t.element_size(),
-             f.num_cols, f.offset) for f, t in zip(layout.fields, tensors) if f.num_cols]
+             f.num_cols, f.offset, t.shape[0]) for f, t in zip(layout.fields, tensors) if f.num_cols]
 
 
 def test_dispatch_layout_thread_count_independent():
@@ -413,7 +413,8 @@ def test_combine_reduce_thread_count_independent(dtype):
     for threads in (1, 2):
         out = torch.empty(num_tokens, hidden, dtype=dtype)
         w = torch.empty(num_tokens, num_topk)
-        native().combine_reduce(out.data_ptr(), w.data_ptr(), [records.data_ptr()] * num_ranks, send_pos.data_ptr(), 0,
+        native().combine_reduce(out.data_ptr(), w.data_ptr(), [records.data_ptr()] * num_ranks,
+                                [records.shape[0]] * num_ranks, send_pos.data_ptr(), 0,
                                 biases[0].data_ptr(), biases[1].data_ptr(), num_tokens, num_ranks, hidden,
                                 REDUCE_DTYPES[dtype], layout.record_bytes, layout.field("x").offset, w_field.offset,
                                 num_topk, threads)

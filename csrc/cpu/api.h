@@ -3,6 +3,13 @@
 // No torch or pybind11 types appear here: callers pass data pointers, sizes and a thread count, so
 // one build works with any torch version. Argument order: outputs, const inputs, sizes, knobs.
 // Errors are thrown as std::invalid_argument with the offending values in the message.
+//
+// NOTES: no input makes a kernel read or write out of bounds. Every entry point that takes an index
+// checks it against the size of the memory it indexes (passed beside it, from the tensor itself),
+// once per call, on the calling thread, before it touches memory; the message names the function,
+// the argument, the entry and its value ("combine_reduce: send_pos[5, 1] = 1073741824 is outside
+// [-1, 12) (rows of source 1)"). What the caller vouches for is the memory behind the pointers: that
+// each holds the rows and strides its sizes say.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +20,7 @@ namespace moe_comm::cpu {
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 // One field of a row record: `num_cols` elements of `elem_bytes` bytes at `data + row * row_stride
-// + col * col_stride`, stored contiguously at byte `offset` inside each record.
+// + col * col_stride` for row in [0, num_rows), stored contiguously at byte `offset` inside each record.
 struct Segment {
     uint8_t* data;
     int64_t row_stride;  // bytes between consecutive rows of the field
@@ -21,6 +28,7 @@ struct Segment {
     int64_t elem_bytes;
     int64_t num_cols;
     int64_t offset;      // byte offset of the field inside a record
+    int64_t num_rows;    // rows of the field's tensor: every row index must be below it
 };
 
 // Routing histograms of `topk_idx` (DeepEP's get_dispatch_layout). Entries of -1 are skipped; a
@@ -28,14 +36,16 @@ struct Segment {
 //   num_tokens_per_rank[r]   = #{t : some k has topk_idx[t,k] / (num_experts/num_ranks) == r}
 //   num_tokens_per_expert[e] = #{(t, k) : topk_idx[t,k] == e}
 //   is_token_in_rank[t * num_ranks + r] = token t goes to rank r
-// Requires num_experts % num_ranks == 0 and every id in [-1, num_experts).
+// Checks: num_experts a positive multiple of num_ranks, num_tokens and num_topk >= 0, and every id in
+// [-1, num_experts) (before anything is written).
 void dispatch_layout(int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert, bool* is_token_in_rank,
                      const int64_t* topk_idx,
                      int64_t num_tokens, int64_t num_topk, int64_t num_ranks, int64_t num_experts,
                      int num_threads);
 
 // Gathers source rows into records: record i (at records + i * record_bytes) receives, for every
-// segment, row src_rows[i] of that segment's field, or zeros where src_rows[i] < 0.
+// segment, row src_rows[i] of that segment's field, or zeros where src_rows[i] == -1.
+// Checks: every src_rows[i] in [-1, segment.num_rows) for every segment, and every segment inside a record.
 void pack_rows(uint8_t* records,
                const Segment* segments, int num_segments, const int64_t* src_rows,
                int64_t num_rows, int64_t record_bytes,
@@ -43,6 +53,8 @@ void pack_rows(uint8_t* records,
 
 // Scatters records into fields: row dst_rows[i] (row i when dst_rows is null) of every segment's
 // field receives its bytes of record i. Destination rows must be distinct.
+// Checks: every dst_rows[i] in [0, segment.num_rows) for every segment (without dst_rows: num_rows <=
+// every segment's num_rows), and every segment inside a record.
 void unpack_rows(const Segment* segments, int num_segments,
                  const uint8_t* records, const int64_t* dst_rows,
                  int64_t num_rows, int64_t record_bytes,
@@ -51,13 +63,15 @@ void unpack_rows(const Segment* segments, int num_segments,
 // Combine reduction, in a fixed order so results are bitwise reproducible:
 //   acc = 0; for j in 0..num_sources-1: if send_pos[t, j] >= 0: acc += scale[t, j] * x(record send_pos[t, j] of source j)
 //   out[t] = dtype(acc + bias0[t] + bias1[t])        (each bias optional, fp32 adds)
-// A source j is a rank (normal mode) or a top-k slot (low-latency mode); its records start at
-// sources[j] and are record_bytes apart. Without `scale` (null) rows are added unscaled. x is
+// A source j is a rank (normal mode) or a top-k slot (low-latency mode); its source_rows[j] records
+// start at sources[j] and are record_bytes apart. Without `scale` (null) rows are added unscaled. x is
 // `hidden` elements of `dtype` at byte `x_offset` of each record. When out_weights is non-null it
 // receives the unscaled sum (no bias) of the `num_topk` fp32 weights at `weights_offset`. The
 // multiply and the add are separate roundings (no FMA).
+// Checks: every send_pos[t, j] in [-1, source_rows[j]), and x (and the weights, when read) inside a record.
 void combine_reduce(void* out, float* out_weights,
-                    const uint8_t* const* sources, const int32_t* send_pos, const float* scale,
+                    const uint8_t* const* sources, const int64_t* source_rows, const int32_t* send_pos,
+                    const float* scale,
                     const void* bias0, const void* bias1,
                     int64_t num_tokens, int64_t num_sources, int64_t hidden, DType dtype,
                     int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
@@ -80,10 +94,12 @@ enum class QuantFormat : int { kE4M3 = 0, kE5M2 = 1, kInt8 = 2 };
 //         E4M3 saturates at +-448, E5M2 overflows to Inf, NaN stays NaN); scales [rows, hidden / 128]
 //         fp32 scale_inv, or with ue8m0 one exponent byte of scale_inv per group ([rows, hidden / 128] bytes).
 //   INT8: amax over the row, s = 127 / amax, out = clamp(rne(x * s), -127, 127), scales [rows] fp32 1 / s.
-// hidden must be a multiple of 128 for FP8.
+// hidden must be a multiple of 128 for FP8. `x` has x_rows rows.
+// Checks: every source[r] in [-1, x_rows * source_div), so source[r] / source_div < x_rows (without
+// source: num_rows <= x_rows); source_div > 0.
 void quantize_rows(uint8_t* out, uint8_t* scales,
                    const void* x, const int64_t* source,
-                   int64_t num_rows, int64_t hidden, int64_t source_div, DType in_dtype, QuantFormat format,
+                   int64_t num_rows, int64_t x_rows, int64_t hidden, int64_t source_div, DType in_dtype, QuantFormat format,
                    bool round_scale, bool ue8m0, int num_threads);
 
 // The inverse: out[r] (out_dtype) = code * scale in fp32, rounded to nearest even, for `q` [rows, hidden]
@@ -101,16 +117,20 @@ void set_quantize_rows_isa_cap(int level);
 // (-1 skipped), sorted by expert id, then by t * num_topk + k (a stable counting sort). Writes msg[i]
 // = t * num_topk + k and experts[i] for each message i, send_counts[r] = messages to rank
 // r = expert / (num_experts / num_ranks); returns the number of messages.
+// Checks: num_experts a non-negative multiple of num_ranks, and every id in [-1, num_experts).
 int64_t low_latency_send_order(int64_t* msg, int64_t* experts, int64_t* send_counts,
                                const int64_t* topk_idx,
                                int64_t num_tokens, int64_t num_topk, int64_t num_experts, int64_t num_ranks);
 
 // Rows a low-latency combine returns, in send order: for each source rank s, each local expert e,
 // rows [begin, begin + count) of e (layout_range[e * num_ranks + s] = begin << 32 | count) as flat
-// row indices e * rows_per_expert + row. Returns the number of rows written to `rows`.
+// row indices e * rows_per_expert + row. Returns the number of rows written to `rows`, which has room
+// for max_rows. Checks (before writing): every range has begin >= 0 and begin + count <=
+// rows_per_expert, and the counts sum to at most max_rows (overlapping ranges could exceed it).
 int64_t low_latency_combine_rows(int64_t* rows,
                                  const int64_t* layout_range,
-                                 int64_t num_local_experts, int64_t num_ranks, int64_t rows_per_expert);
+                                 int64_t num_local_experts, int64_t num_ranks, int64_t rows_per_expert,
+                                 int64_t max_rows);
 
 // Low-latency receive. The records of one low-latency dispatch arrive grouped by source rank
 // (recv_counts[s] records from rank s), each source's records ordered by local expert, then token.
@@ -123,11 +143,13 @@ int64_t low_latency_combine_rows(int64_t* rows,
 //   src_info[e * rows_per_expert + r]                      <- the int32 at src_offset
 //   recv_count[e] = sum over s of count[e, s];  layout_range[e * num_ranks + s] = begin << 32 | count
 // The int32 at expert_offset is the record's local expert. Rows past recv_count are not written.
-// Throws if an expert id is out of range or an expert receives more than rows_per_expert records.
+// `records` holds num_records records. Checks (before writing anything but the outputs' counts):
+// every recv_counts[s] >= 0 and their sum == num_records, every field inside a record, every record's
+// expert in [0, num_local_experts), and no expert receiving more than rows_per_expert records.
 void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int32_t* recv_count,
                         int64_t* layout_range,
                         const uint8_t* records, const int64_t* recv_counts,
-                        int64_t num_ranks, int64_t num_local_experts, int64_t rows_per_expert,
+                        int64_t num_records, int64_t num_ranks, int64_t num_local_experts, int64_t rows_per_expert,
                         int64_t record_bytes, int64_t x_offset, int64_t x_bytes,
                         int64_t scales_offset, int64_t num_scales, int64_t scale_bytes,
                         int64_t scales_expert_stride, int64_t scales_row_stride, int64_t scales_col_stride,

@@ -2,6 +2,7 @@
 #include <vector>
 
 #include "api.h"
+#include "bounds.h"
 #include "check.h"
 #include "parallel.h"
 
@@ -14,6 +15,11 @@ void dispatch_layout(int32_t* num_tokens_per_rank, int32_t* num_tokens_per_exper
     MC_CHECK(num_ranks > 0 && num_experts > 0 && num_experts % num_ranks == 0,
              "dispatch_layout: num_experts must be a positive multiple of num_ranks, got num_experts="
                  << num_experts << " num_ranks=" << num_ranks);
+    MC_CHECK(num_tokens >= 0 && num_topk >= 0,
+             "dispatch_layout: num_tokens and num_topk must be >= 0, got " << num_tokens << ", " << num_topk);
+    // NOTES: before the histograms (an id past num_experts would write past them), on this thread.
+    check_indices("dispatch_layout", "topk_idx", topk_idx, num_tokens * num_topk, num_topk, -1, num_experts,
+                  "expert ids of " + std::to_string(num_experts) + " experts");
     const int64_t experts_per_rank = num_experts / num_ranks;
     std::memset(is_token_in_rank, 0, static_cast<size_t>(num_tokens * num_ranks));
 

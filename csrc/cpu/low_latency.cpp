@@ -2,6 +2,7 @@
 #include <vector>
 
 #include "api.h"
+#include "bounds.h"
 #include "check.h"
 #include "parallel.h"
 
@@ -10,8 +11,11 @@ namespace moe_comm::cpu {
 int64_t low_latency_send_order(int64_t* msg, int64_t* experts, int64_t* send_counts,
                                const int64_t* topk_idx,
                                int64_t num_tokens, int64_t num_topk, int64_t num_experts, int64_t num_ranks) {
-    MC_CHECK(num_ranks > 0 && num_experts % num_ranks == 0,
-             "low_latency_send_order: num_experts " << num_experts << " is not a multiple of num_ranks " << num_ranks);
+    MC_CHECK(num_ranks > 0 && num_experts >= 0 && num_experts % num_ranks == 0,
+             "low_latency_send_order: num_experts " << num_experts << " is not a non-negative multiple of num_ranks "
+                                                    << num_ranks);
+    MC_CHECK(num_tokens >= 0 && num_topk >= 0, "low_latency_send_order: num_tokens and num_topk must be >= 0, got "
+                                                   << num_tokens << ", " << num_topk);
     std::vector<int64_t> start(static_cast<size_t>(num_experts) + 1, 0);
     const int64_t n = num_tokens * num_topk;
     for (int64_t i = 0; i < n; ++i) {
@@ -37,15 +41,29 @@ int64_t low_latency_send_order(int64_t* msg, int64_t* experts, int64_t* send_cou
 
 int64_t low_latency_combine_rows(int64_t* rows,
                                  const int64_t* layout_range,
-                                 int64_t num_local_experts, int64_t num_ranks, int64_t rows_per_expert) {
+                                 int64_t num_local_experts, int64_t num_ranks, int64_t rows_per_expert,
+                                 int64_t max_rows) {
+    MC_CHECK(num_local_experts >= 0 && num_ranks >= 0 && rows_per_expert >= 0 && max_rows >= 0,
+             "low_latency_combine_rows: num_local_experts, num_ranks, rows_per_expert and max_rows must be >= 0, got "
+                 << num_local_experts << ", " << num_ranks << ", " << rows_per_expert << ", " << max_rows);
+    // Pre-pass: every range inside its expert's rows, and all of them inside `rows`.
+    int64_t total = 0;
+    for (int64_t i = 0; i < num_local_experts * num_ranks; ++i) {
+        const int64_t range = layout_range[i];
+        const int64_t begin = range >> 32, count = range & 0xFFFFFFFF;
+        MC_CHECK(begin >= 0 && begin + count <= rows_per_expert,
+                 "low_latency_combine_rows: layout_range[" << i / num_ranks << ", " << i % num_ranks << "] = " << range
+                     << " (begin " << begin << ", count " << count << ") spans rows [" << begin << ", "
+                     << begin + count << "), outside [0, " << rows_per_expert << ") (rows_per_expert)");
+        total += count;  // count < 2^32 and total <= max_rows at every step: no overflow
+        MC_CHECK(total <= max_rows, "low_latency_combine_rows: layout_range counts sum to more than max_rows="
+                                        << max_rows << " (the room in rows; overlapping ranges?)");
+    }
     int64_t n = 0;
     for (int64_t s = 0; s < num_ranks; ++s)
         for (int64_t e = 0; e < num_local_experts; ++e) {
             const int64_t range = layout_range[e * num_ranks + s];
             const int64_t begin = range >> 32, count = range & 0xFFFFFFFF;
-            MC_CHECK(begin + count <= rows_per_expert, "low_latency_combine_rows: layout_range[" << e << ", " << s
-                                                           << "] spans rows [" << begin << ", " << begin + count
-                                                           << "), past " << rows_per_expert);
             for (int64_t i = 0; i < count; ++i) rows[n++] = e * rows_per_expert + begin + i;
         }
     return n;
@@ -54,16 +72,32 @@ int64_t low_latency_combine_rows(int64_t* rows,
 void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int32_t* recv_count,
                         int64_t* layout_range,
                         const uint8_t* records, const int64_t* recv_counts,
-                        int64_t num_ranks, int64_t num_local_experts, int64_t rows_per_expert,
+                        int64_t num_records, int64_t num_ranks, int64_t num_local_experts, int64_t rows_per_expert,
                         int64_t record_bytes, int64_t x_offset, int64_t x_bytes,
                         int64_t scales_offset, int64_t num_scales, int64_t scale_bytes,
                         int64_t scales_expert_stride, int64_t scales_row_stride, int64_t scales_col_stride,
                         int64_t src_offset, int64_t expert_offset,
                         int num_threads) {
     const int64_t E = num_local_experts, R = num_ranks;
+    const char* fn = "low_latency_unpack";
+    MC_CHECK(num_records >= 0 && R >= 0 && E >= 0 && rows_per_expert >= 0 && record_bytes >= 0,
+             fn << ": num_records, num_ranks, num_local_experts, rows_per_expert and record_bytes must be >= 0, got "
+                << num_records << ", " << R << ", " << E << ", " << rows_per_expert << ", " << record_bytes);
+    // The records read: recv_counts must add up to what `records` holds (each partial sum bounded, so no overflow).
+    int64_t counted = 0;
+    for (int64_t s = 0; s < R; ++s) {
+        MC_CHECK(recv_counts[s] >= 0 && recv_counts[s] <= num_records - counted,
+                 fn << ": recv_counts[" << s << "] = " << recv_counts[s] << " is outside [0, "
+                    << num_records - counted << "] (records left of num_records=" << num_records << ")");
+        counted += recv_counts[s];
+    }
+    MC_CHECK(counted == num_records,
+             fn << ": recv_counts sum to " << counted << ", but records holds num_records=" << num_records);
+    check_in_record(fn, "field x", x_offset, 1, x_bytes, record_bytes);
+    check_in_record(fn, "field src", src_offset, 1, sizeof(int32_t), record_bytes);
+    check_in_record(fn, "field expert", expert_offset, 1, sizeof(int32_t), record_bytes);
+    if (scales != nullptr) check_in_record(fn, "field scales", scales_offset, num_scales, scale_bytes, record_bytes);
     // Pass 1 (sequential, 4 bytes per record): counts per (expert, source) and each record's expert.
-    int64_t num_records = 0;
-    for (int64_t s = 0; s < R; ++s) num_records += recv_counts[s];
     std::vector<int64_t> counts(static_cast<size_t>(E * R), 0);
     std::vector<int32_t> expert_of(static_cast<size_t>(num_records));
     for (int64_t s = 0, j = 0; s < R; ++s) {

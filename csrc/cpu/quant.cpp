@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "api.h"
+#include "bounds.h"
 #include "check.h"
 #include "elem.h"
 #include "parallel.h"
@@ -252,8 +253,18 @@ int64_t scale_bytes(QuantFormat format, int64_t hidden, bool ue8m0) {
 
 void quantize_rows(uint8_t* out, uint8_t* scales,
                    const void* x, const int64_t* source,
-                   int64_t num_rows, int64_t hidden, int64_t source_div, DType in_dtype, QuantFormat format,
-                   bool round_scale, bool ue8m0, int num_threads) {
+                   int64_t num_rows, int64_t x_rows, int64_t hidden, int64_t source_div, DType in_dtype,
+                   QuantFormat format, bool round_scale, bool ue8m0, int num_threads) {
+    MC_CHECK(num_rows >= 0 && x_rows >= 0 && hidden >= 0, "quantize_rows: num_rows, x_rows and hidden must be >= 0, got "
+                                                              << num_rows << ", " << x_rows << ", " << hidden);
+    MC_CHECK(source_div > 0, "quantize_rows: source_div must be positive, got " << source_div);
+    if (source == nullptr)
+        MC_CHECK(num_rows <= x_rows, "quantize_rows: num_rows = " << num_rows << " (without source) is more than the "
+                                                                  << x_rows << " rows of x");
+    else  // source[r] < x_rows * source_div  <=>  source[r] / source_div < x_rows (for source[r] >= 0)
+        check_indices("quantize_rows", "source", source, num_rows, 0, -1, saturating_mul(x_rows, source_div),
+                      "source / source_div indexes the " + std::to_string(x_rows) + " rows of x, source_div=" +
+                          std::to_string(source_div));
     run({false, out, scales, const_cast<void*>(x), source, hidden, source_div, scale_bytes(format, hidden, ue8m0),
          in_dtype, format, round_scale, ue8m0},
         num_rows, num_threads);

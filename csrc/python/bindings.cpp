@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -20,14 +21,14 @@ T* ptr(std::uintptr_t address) {
     return reinterpret_cast<T*>(address);
 }
 
-// (data_ptr, row_stride_bytes, col_stride_bytes, elem_bytes, num_cols, offset_bytes)
-using SegmentTuple = std::tuple<std::uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+// (data_ptr, row_stride_bytes, col_stride_bytes, elem_bytes, num_cols, offset_bytes, num_rows)
+using SegmentTuple = std::tuple<std::uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
 std::vector<cpu::Segment> to_segments(const std::vector<SegmentTuple>& tuples) {
     std::vector<cpu::Segment> segments;
     segments.reserve(tuples.size());
-    for (const auto& [data, row_stride, col_stride, elem_bytes, num_cols, offset] : tuples)
-        segments.push_back({ptr<uint8_t>(data), row_stride, col_stride, elem_bytes, num_cols, offset});
+    for (const auto& [data, row_stride, col_stride, elem_bytes, num_cols, offset, num_rows] : tuples)
+        segments.push_back({ptr<uint8_t>(data), row_stride, col_stride, elem_bytes, num_cols, offset, num_rows});
     return segments;
 }
 
@@ -91,20 +92,24 @@ PYBIND11_MODULE(_C, m) {
     m.def(
         "combine_reduce",
         [](std::uintptr_t out, std::uintptr_t out_weights, const std::vector<std::uintptr_t>& sources,
-           std::uintptr_t send_pos, std::uintptr_t scale, std::uintptr_t bias0, std::uintptr_t bias1,
-           int64_t num_tokens, int64_t num_sources, int64_t hidden, int dtype, int64_t record_bytes, int64_t x_offset,
-           int64_t weights_offset, int64_t num_topk, int num_threads) {
-            if (static_cast<int64_t>(sources.size()) != num_sources)
-                throw std::invalid_argument("combine_reduce: need one records base per source");
+           const std::vector<int64_t>& source_rows, std::uintptr_t send_pos, std::uintptr_t scale,
+           std::uintptr_t bias0, std::uintptr_t bias1, int64_t num_tokens, int64_t num_sources, int64_t hidden,
+           int dtype, int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
+           int num_threads) {
+            if (static_cast<int64_t>(sources.size()) != num_sources || source_rows.size() != sources.size())
+                throw std::invalid_argument("combine_reduce: need one records base and one row count per source (" +
+                                            std::to_string(num_sources) + "), got " + std::to_string(sources.size()) +
+                                            " and " + std::to_string(source_rows.size()));
             std::vector<const uint8_t*> bases(sources.size());
             for (size_t j = 0; j < sources.size(); ++j) bases[j] = ptr<const uint8_t>(sources[j]);
             py::gil_scoped_release release;
-            cpu::combine_reduce(ptr<void>(out), ptr<float>(out_weights), bases.data(),
+            cpu::combine_reduce(ptr<void>(out), ptr<float>(out_weights), bases.data(), source_rows.data(),
                                 ptr<const int32_t>(send_pos), ptr<const float>(scale), ptr<const void>(bias0),
                                 ptr<const void>(bias1), num_tokens, num_sources, hidden, static_cast<cpu::DType>(dtype), record_bytes,
                                 x_offset, weights_offset, num_topk, num_threads);
         },
-        py::arg("out"), py::arg("out_weights"), py::arg("sources"), py::arg("send_pos"), py::arg("scale"),
+        py::arg("out"), py::arg("out_weights"), py::arg("sources"), py::arg("source_rows"), py::arg("send_pos"),
+        py::arg("scale"),
         py::arg("bias0"), py::arg("bias1"), py::arg("num_tokens"), py::arg("num_sources"), py::arg("hidden"), py::arg("dtype"),
         py::arg("record_bytes"), py::arg("x_offset"), py::arg("weights_offset"), py::arg("num_topk"),
         py::arg("num_threads"));
@@ -124,32 +129,34 @@ PYBIND11_MODULE(_C, m) {
     m.def(
         "low_latency_combine_rows",
         [](std::uintptr_t rows, std::uintptr_t layout_range, int64_t num_local_experts, int64_t num_ranks,
-           int64_t rows_per_expert) {
+           int64_t rows_per_expert, int64_t max_rows) {
             py::gil_scoped_release release;
             return cpu::low_latency_combine_rows(ptr<int64_t>(rows), ptr<const int64_t>(layout_range),
-                                                 num_local_experts, num_ranks, rows_per_expert);
+                                                 num_local_experts, num_ranks, rows_per_expert, max_rows);
         },
         py::arg("rows"), py::arg("layout_range"), py::arg("num_local_experts"), py::arg("num_ranks"),
-        py::arg("rows_per_expert"));
+        py::arg("rows_per_expert"), py::arg("max_rows"));
 
     m.def(
         "low_latency_unpack",
         [](std::uintptr_t recv_x, std::uintptr_t scales, std::uintptr_t src_info, std::uintptr_t recv_count,
-           std::uintptr_t layout_range, std::uintptr_t records, std::uintptr_t recv_counts, int64_t num_ranks,
-           int64_t num_local_experts, int64_t rows_per_expert, int64_t record_bytes, int64_t x_offset,
+           std::uintptr_t layout_range, std::uintptr_t records, std::uintptr_t recv_counts, int64_t num_records,
+           int64_t num_ranks, int64_t num_local_experts, int64_t rows_per_expert, int64_t record_bytes, int64_t x_offset,
            int64_t x_bytes, int64_t scales_offset, int64_t num_scales, int64_t scale_bytes,
            int64_t scales_expert_stride, int64_t scales_row_stride, int64_t scales_col_stride, int64_t src_offset,
            int64_t expert_offset, int num_threads) {
             py::gil_scoped_release release;
             cpu::low_latency_unpack(ptr<uint8_t>(recv_x), ptr<uint8_t>(scales), ptr<int32_t>(src_info),
                                     ptr<int32_t>(recv_count), ptr<int64_t>(layout_range), ptr<const uint8_t>(records),
-                                    ptr<const int64_t>(recv_counts), num_ranks, num_local_experts, rows_per_expert,
+                                    ptr<const int64_t>(recv_counts), num_records, num_ranks, num_local_experts,
+                                    rows_per_expert,
                                     record_bytes, x_offset, x_bytes, scales_offset, num_scales, scale_bytes,
                                     scales_expert_stride, scales_row_stride, scales_col_stride, src_offset,
                                     expert_offset, num_threads);
         },
         py::arg("recv_x"), py::arg("scales"), py::arg("src_info"), py::arg("recv_count"), py::arg("layout_range"),
-        py::arg("records"), py::arg("recv_counts"), py::arg("num_ranks"), py::arg("num_local_experts"),
+        py::arg("records"), py::arg("recv_counts"), py::arg("num_records"), py::arg("num_ranks"),
+        py::arg("num_local_experts"),
         py::arg("rows_per_expert"), py::arg("record_bytes"), py::arg("x_offset"), py::arg("x_bytes"),
         py::arg("scales_offset"), py::arg("num_scales"), py::arg("scale_bytes"), py::arg("scales_expert_stride"),
         py::arg("scales_row_stride"), py::arg("scales_col_stride"), py::arg("src_offset"), py::arg("expert_offset"),
@@ -158,15 +165,15 @@ PYBIND11_MODULE(_C, m) {
     m.def(
         "quantize_rows",
         [](std::uintptr_t out, std::uintptr_t scales, std::uintptr_t x, std::uintptr_t source, int64_t num_rows,
-           int64_t hidden, int64_t source_div, int in_dtype, int format, bool round_scale, bool ue8m0,
+           int64_t x_rows, int64_t hidden, int64_t source_div, int in_dtype, int format, bool round_scale, bool ue8m0,
            int num_threads) {
             py::gil_scoped_release release;
             cpu::quantize_rows(ptr<uint8_t>(out), ptr<uint8_t>(scales), ptr<const void>(x), ptr<const int64_t>(source),
-                               num_rows, hidden, source_div, static_cast<cpu::DType>(in_dtype),
+                               num_rows, x_rows, hidden, source_div, static_cast<cpu::DType>(in_dtype),
                                static_cast<cpu::QuantFormat>(format), round_scale, ue8m0, num_threads);
         },
-        py::arg("out"), py::arg("scales"), py::arg("x"), py::arg("source"), py::arg("num_rows"), py::arg("hidden"),
-        py::arg("source_div"), py::arg("in_dtype"), py::arg("format"), py::arg("round_scale"), py::arg("ue8m0"),
+        py::arg("out"), py::arg("scales"), py::arg("x"), py::arg("source"), py::arg("num_rows"), py::arg("x_rows"),
+        py::arg("hidden"), py::arg("source_div"), py::arg("in_dtype"), py::arg("format"), py::arg("round_scale"), py::arg("ue8m0"),
         py::arg("num_threads"));
 
     m.def(

@@ -8,6 +8,7 @@ import torch
 
 from .._native import cpu_threads, native
 from .backend import kernels, next_pow2, resolve
+from .records import check_index
 
 __all__ = ["DispatchLayout", "dispatch_layout", "dispatch_layout_reference"]
 
@@ -36,7 +37,8 @@ def dispatch_layout(topk_idx: torch.Tensor, num_ranks: int, num_experts: int, *,
     """Histograms of ``topk_idx``. Local; no communication.
 
     Args:
-        topk_idx: `[num_tokens, num_topk]` int64, contiguous, ids in [0, num_experts) or -1 (skipped).
+        topk_idx: `[num_tokens, num_topk]` int64, contiguous, ids in [0, num_experts) or -1 (skipped);
+            on the ``_C`` and torch paths another id is a ValueError naming it.
         num_ranks: ranks of the group; ``num_experts % num_ranks == 0``.
     Returns:
         DispatchLayout on ``topk_idx``'s device; counts are exact (a token counts once per rank).
@@ -48,6 +50,8 @@ def dispatch_layout(topk_idx: torch.Tensor, num_ranks: int, num_experts: int, *,
         return _layout_triton(topk_idx, num_ranks, num_experts)
     if topk_idx.device.type != "cpu":
         return dispatch_layout_reference(topk_idx, num_ranks, num_experts)
+    if topk_idx.dtype != torch.int64:
+        raise ValueError(f"dispatch_layout: topk_idx must be int64, got {topk_idx.dtype}")
     topk_idx = topk_idx.contiguous()
     per_rank = torch.empty(num_ranks, dtype=torch.int32)
     per_expert = torch.empty(num_experts, dtype=torch.int32)
@@ -73,6 +77,7 @@ def _layout_triton(topk_idx: torch.Tensor, num_ranks: int, num_experts: int) -> 
 
 def dispatch_layout_reference(topk_idx: torch.Tensor, num_ranks: int, num_experts: int) -> DispatchLayout:
     """Plain-torch specification of ``dispatch_layout``; also the path for non-CPU devices."""
+    check_index("dispatch_layout", "topk_idx", topk_idx, -1, num_experts, f"expert ids of {num_experts} experts")
     num_tokens = topk_idx.shape[0]
     valid = topk_idx >= 0
     experts = topk_idx[valid]

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._native import cpu_threads, native
-from .records import RecordLayout, unpack_rows
+from .records import RecordLayout, check_index, check_records, unpack_rows
 
 __all__ = ["send_order", "send_order_reference", "combine_rows", "combine_rows_reference", "low_latency_unpack",
            "low_latency_unpack_reference"]
@@ -17,9 +17,12 @@ def send_order(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
                ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """The messages of ``topk_idx`` `[T, K]` int64 (-1 = none) in send order: by expert id (so by
     destination rank, then local expert), then token. Returns (``t * K + k`` `[S]` int64, expert
-    `[S]` int64, messages per destination rank). Reference: ``send_order_reference``."""
+    `[S]` int64, messages per destination rank). An id outside [-1, num_experts) is a ValueError naming it.
+    Reference: ``send_order_reference``."""
     if topk_idx.device.type != "cpu":
         return send_order_reference(topk_idx, num_experts, num_ranks)
+    if topk_idx.dim() != 2 or topk_idx.dtype != torch.int64:
+        raise ValueError(f"send_order: topk_idx must be [T, K] int64, got {list(topk_idx.shape)} {topk_idx.dtype}")
     topk_idx = topk_idx.contiguous()
     msg = torch.empty(topk_idx.numel(), dtype=torch.int64)
     experts = torch.empty_like(msg)
@@ -32,6 +35,7 @@ def send_order(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
 def send_order_reference(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
                          ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Plain-torch specification of ``send_order``; also the path for non-CPU devices."""
+    check_index("low_latency_send_order", "topk_idx", topk_idx, -1, num_experts, f"expert ids of {num_experts} experts")
     flat = topk_idx.reshape(-1)
     msg = torch.nonzero(flat >= 0).reshape(-1)
     experts, order = torch.sort(flat[msg], stable=True)
@@ -42,13 +46,18 @@ def send_order_reference(topk_idx: torch.Tensor, num_experts: int, num_ranks: in
 def combine_rows(layout_range: torch.Tensor, rows_per_expert: int) -> torch.Tensor:
     """Flat rows ``e * rows_per_expert + row`` a low-latency combine returns, in send order: by
     source rank, then local expert, then row. ``layout_range`` `[E_loc, R]` int64 (begin << 32 |
-    count). Reference: ``combine_rows_reference``."""
+    count): every range inside ``[0, rows_per_expert)`` and at most ``E_loc * rows_per_expert`` rows in all,
+    else ValueError. Reference: ``combine_rows_reference``."""
     if layout_range.device.type != "cpu":
         return combine_rows_reference(layout_range, rows_per_expert)
+    if layout_range.dim() != 2 or layout_range.dtype != torch.int64:
+        raise ValueError(f"combine_rows: layout_range must be [E_loc, R] int64, got {list(layout_range.shape)} "
+                         f"{layout_range.dtype}")
     local, num_ranks = layout_range.shape
     layout_range = layout_range.contiguous()
     rows = torch.empty(local * rows_per_expert, dtype=torch.int64)
-    n = native().low_latency_combine_rows(rows.data_ptr(), layout_range.data_ptr(), local, num_ranks, rows_per_expert)
+    n = native().low_latency_combine_rows(rows.data_ptr(), layout_range.data_ptr(), local, num_ranks, rows_per_expert,
+                                          rows.shape[0])
     return rows[:n]
 
 
@@ -57,6 +66,17 @@ def combine_rows_reference(layout_range: torch.Tensor, rows_per_expert: int) -> 
     local, num_ranks = layout_range.shape
     device = layout_range.device
     counts, begins = (layout_range & 0xFFFFFFFF).t().reshape(-1), (layout_range >> 32).t().reshape(-1)  # (s, e)
+    ends = begins + counts
+    bad = (begins < 0) | (ends > rows_per_expert)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        s, e = divmod(i, local)
+        raise ValueError(f"low_latency_combine_rows: layout_range[{e}, {s}] = {int(layout_range[e, s])} (begin "
+                         f"{int(begins[i])}, count {int(counts[i])}) spans rows [{int(begins[i])}, {int(ends[i])}), "
+                         f"outside [0, {rows_per_expert}) (rows_per_expert)")
+    if int(counts.sum()) > local * rows_per_expert:
+        raise ValueError(f"low_latency_combine_rows: layout_range counts sum to more than max_rows="
+                         f"{local * rows_per_expert} (the room in rows; overlapping ranges?)")
     block = torch.repeat_interleave(torch.arange(num_ranks * local, device=device), counts)
     within = torch.arange(block.shape[0], device=device) - (counts.cumsum(0) - counts)[block]
     return (block % local) * rows_per_expert + begins[block] + within
@@ -75,12 +95,15 @@ def low_latency_unpack(layout: RecordLayout, records: torch.Tensor, recv_counts:
         recv_scales: `[E_loc, rows, S]` any strides (DeepEP's column-major view), or None.
         src_info: `[E_loc, rows]` int32 contiguous; layout_range `[E_loc, R]` int64; recv_count `[E_loc]` int32.
     Row ``begin[e, s] + j`` of expert e holds record j of source s's block for e, blocks by source
-    rank ascending; ``layout_range[e, s] = begin << 32 | count``.
+    rank ascending; ``layout_range[e, s] = begin << 32 | count``. ValueError when ``recv_counts`` has a
+    negative entry or does not sum to ``N``, a record names an expert outside ``[0, E_loc)``, or an
+    expert receives more than ``rows`` records.
     Reference: ``low_latency_unpack_reference``.
     """
     if records.device.type != "cpu":
         return low_latency_unpack_reference(layout, records, recv_counts, recv_x, recv_scales, src_info,
                                             layout_range, recv_count)
+    _check_unpack_outputs(layout, records, len(recv_counts), recv_x, recv_scales, src_info, layout_range, recv_count)
     local, rows, _ = recv_x.shape
     x, src, expert = layout.field("x"), layout.field("src"), layout.field("expert")
     scales_ptr = scales_offset = num_scales = scale_bytes = 0
@@ -91,9 +114,50 @@ def low_latency_unpack(layout: RecordLayout, records: torch.Tensor, recv_counts:
         strides = tuple(s * recv_scales.element_size() for s in recv_scales.stride())
     counts = torch.tensor(list(recv_counts), dtype=torch.int64)
     native().low_latency_unpack(recv_x.data_ptr(), scales_ptr, src_info.data_ptr(), recv_count.data_ptr(),
-                                layout_range.data_ptr(), records.data_ptr(), counts.data_ptr(), len(recv_counts),
-                                local, rows, layout.record_bytes, x.offset, x.nbytes, scales_offset, num_scales,
+                                layout_range.data_ptr(), records.data_ptr(), counts.data_ptr(), records.shape[0],
+                                len(recv_counts), local, rows, layout.record_bytes, x.offset, x.nbytes, scales_offset, num_scales,
                                 scale_bytes, *strides, src.offset, expert.offset, cpu_threads())
+
+
+def _check_unpack_outputs(layout: RecordLayout, records: torch.Tensor, num_ranks: int, recv_x: torch.Tensor,
+                          recv_scales: Optional[torch.Tensor], src_info: torch.Tensor, layout_range: torch.Tensor,
+                          recv_count: torch.Tensor) -> None:
+    """What the native kernel trusts about the memory behind its pointers (it checks the counts and ids itself)."""
+    op = "low_latency_unpack"
+    check_records(op, "records", records, layout.record_bytes)
+    x = layout.field("x")
+    if recv_x.dim() != 3 or recv_x.shape[2] * recv_x.element_size() != x.nbytes or not recv_x.is_contiguous():
+        raise ValueError(f"{op}: recv_x must be a contiguous [E_loc, rows, H] tensor of {x.nbytes}-byte rows, got "
+                         f"{list(recv_x.shape)} {recv_x.dtype} strides {recv_x.stride()}")
+    local, rows = recv_x.shape[:2]
+    expected = [("src_info", src_info, (local, rows), torch.int32), ("layout_range", layout_range, (local, num_ranks),
+                                                                      torch.int64),
+                ("recv_count", recv_count, (local,), torch.int32)]
+    for name, t, shape, dtype in expected:
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be a contiguous {list(shape)} {dtype}, got {list(t.shape)} {t.dtype} "
+                             f"strides {t.stride()}")
+    for name in ("src", "expert"):
+        if layout.field(name).nbytes != 4:
+            raise ValueError(f"{op}: field {name} must be one int32, got {layout.field(name)}")
+    if recv_scales is not None:
+        f = layout.field("scales")
+        if (tuple(recv_scales.shape) != (local, rows, f.num_cols) or recv_scales.element_size() != f.dtype.itemsize
+                or min(recv_scales.stride(), default=0) < 0):
+            raise ValueError(f"{op}: recv_scales must be [{local}, {rows}, {f.num_cols}] of {f.dtype.itemsize}-byte "
+                             f"elements, got {list(recv_scales.shape)} {recv_scales.dtype}")
+
+
+def _check_recv_counts(recv_counts: Sequence[int], num_records: int) -> None:
+    counted = 0
+    for s, n in enumerate(recv_counts):
+        if n < 0 or n > num_records - counted:
+            raise ValueError(f"low_latency_unpack: recv_counts[{s}] = {n} is outside [0, {num_records - counted}] "
+                             f"(records left of num_records={num_records})")
+        counted += n
+    if counted != num_records:
+        raise ValueError(f"low_latency_unpack: recv_counts sum to {counted}, but records holds num_records="
+                         f"{num_records}")
 
 
 def low_latency_unpack_reference(layout: RecordLayout, records: torch.Tensor, recv_counts: Sequence[int],
@@ -103,14 +167,20 @@ def low_latency_unpack_reference(layout: RecordLayout, records: torch.Tensor, re
     num_ranks, device = len(recv_counts), records.device
     local, rows, hidden = recv_x.shape
     num = records.shape[0]
+    _check_recv_counts(recv_counts, num)
     source = torch.repeat_interleave(torch.arange(num_ranks, device=device),
                                      torch.tensor(list(recv_counts), device=device))
     expert = layout.view(records, "expert")[:, 0].to(torch.int64)
-    if num and (int(expert.min()) < 0 or int(expert.max()) >= local):
-        raise ValueError(f"low_latency_unpack: records name local experts outside [0, {local})")
+    bad = (expert < 0) | (expert >= local)
+    if bool(bad.any()):
+        j = int(torch.nonzero(bad)[0])
+        raise ValueError(f"low_latency_unpack: record {j} from rank {int(source[j])} names local expert "
+                         f"{int(expert[j])}, outside [0, {local})")
     counts = torch.bincount(expert * num_ranks + source, minlength=local * num_ranks).view(local, num_ranks)
-    if int(counts.sum(1).max()) > rows:
-        raise ValueError(f"low_latency_unpack: an expert receives more than its {rows} rows")
+    per_expert = counts.sum(1)
+    if bool((per_expert > rows).any()):
+        e = int(torch.nonzero(per_expert > rows)[0])
+        raise ValueError(f"low_latency_unpack: local expert {e} receives {int(per_expert[e])} rows, more than its {rows}")
     begins = counts.cumsum(1) - counts
     arrival = counts.t().reshape(-1)  # blocks in arrival order (s, e)
     block_start = arrival.cumsum(0) - arrival

@@ -53,7 +53,12 @@ def _check(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, alignment:
         raise ValueError(f"permute: num_experts must be a positive int, got {num_experts!r}")
     if not isinstance(alignment, int) or alignment <= 0:
         raise ValueError(f"permute: alignment must be a positive int, got {alignment!r}")
-    if topk_idx.device.type == "cpu" and topk_idx.numel():
+    if topk_idx.device.type == "cpu":  # elsewhere it would cost a host sync
+        _check_ids(topk_idx, num_experts)
+
+
+def _check_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+    if topk_idx.numel():
         low, high = int(topk_idx.min()), int(topk_idx.max())
         if low < -1 or high >= num_experts:
             raise ValueError(f"permute: topk_idx entries must be -1 or in [0, {num_experts}), got values in "
@@ -138,6 +143,7 @@ def permute_reference(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
                       quant: Optional[str] = None, round_scale: bool = False, use_ue8m0: bool = False,
                       num_rows: Optional[int] = None) -> Permutation:
     """Plain specification of ``permute``: one expert at a time, in flat (t, k) order."""
+    _check_ids(topk_idx, num_experts)
     num_tokens, num_topk = topk_idx.shape
     flat = topk_idx.reshape(-1).tolist()
     sources, experts, row_of = [], [], [-1] * len(flat)

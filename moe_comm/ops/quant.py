@@ -80,13 +80,17 @@ def _row_outputs(x: torch.Tensor, num_rows: int, fmt: Optional[str], use_ue8m0: 
 def native_rows(x: torch.Tensor, num_rows: int, fmt: str, round_scale: bool, use_ue8m0: bool,
                 source: Optional[torch.Tensor] = None, source_div: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``launch_rows`` (with a format) for CPU tensors, in ``moe_comm._C``: the same rows, codes and scales as
-    ``quantize_reference`` bit for bit, in one pass."""
+    ``quantize_reference`` bit for bit, in one pass. ``source`` `[num_rows]` int64 entries must be -1 or below
+    ``x.shape[0] * source_div`` (without ``source``, ``num_rows <= x.shape[0]``), else ValueError."""
+    if source is not None and (source.dim() != 1 or source.shape[0] != num_rows or source.dtype != torch.int64):
+        raise ValueError(f"quantize_rows: source must be [{num_rows}] int64, got {list(source.shape)} {source.dtype}")
     x = x.contiguous()
     out, scales = _row_outputs(x, num_rows, fmt, use_ue8m0)
     source = None if source is None else source.contiguous()
     if num_rows and x.shape[1]:
         native().quantize_rows(out.data_ptr(), scales.data_ptr(), x.data_ptr(),
-                               0 if source is None else source.data_ptr(), num_rows, x.shape[1], source_div,
+                               0 if source is None else source.data_ptr(), num_rows, x.shape[0], x.shape[1],
+                               source_div,
                                REDUCE_DTYPES[x.dtype], _NATIVE_FORMATS[fmt], round_scale, use_ue8m0, cpu_threads())
     return out, scales
 

@@ -6,7 +6,7 @@ source index); each field starts at an 8-byte-aligned offset so it can be viewed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -58,14 +58,52 @@ class RecordLayout:
         return records[:, f.offset:f.offset + f.nbytes].view(f.dtype)
 
 
+def check_index(op: str, name: str, index: torch.Tensor, low: int, high: Union[int, torch.Tensor],
+                where: Union[str, Callable[[tuple[int, ...]], str]]) -> None:
+    """Raises ValueError unless every entry of ``index`` is in ``[low, high)``, naming the first bad one in the
+    words of the native checks: ``"{op}: {name}[i, j] = v is outside [low, high) ({where})"``. ``high`` may be
+    a tensor broadcast against ``index`` (a bound per column); ``where`` may be a function of the position.
+    The plain-torch references run it before they index (one host sync on a device)."""
+    if index.numel() == 0:
+        return
+    high_t = torch.as_tensor(high, device=index.device)
+    bad = (index < low) | (index >= high_t)
+    if not bool(bad.any()):
+        return
+    pos = tuple(int(p) for p in torch.nonzero(bad)[0])
+    bound = int(high_t.expand(index.shape)[pos]) if high_t.dim() else int(high_t)
+    text = where(pos) if callable(where) else where
+    raise ValueError(f"{op}: {name}[{', '.join(map(str, pos))}] = {int(index[pos])} is outside [{low}, {bound}) "
+                     f"({text})")
+
+
+def check_records(op: str, name: str, records: torch.Tensor, record_bytes: int) -> None:
+    """Raises ValueError unless ``records`` is `[rows, record_bytes]` uint8 with contiguous rows (what the
+    native kernels read: record i at byte ``i * record_bytes``)."""
+    if (not isinstance(records, torch.Tensor) or records.dim() != 2 or records.dtype != torch.uint8
+            or records.shape[1] != record_bytes or (records.shape[1] > 1 and records.stride(1) != 1)
+            or (records.shape[0] > 1 and records.stride(0) != record_bytes)):
+        got = (f"{list(records.shape)} {records.dtype} strides {records.stride()}" if isinstance(records, torch.Tensor)
+               else type(records).__name__)
+        raise ValueError(f"{op}: {name} must be [rows, {record_bytes}] uint8 with contiguous rows, got {got}")
+
+
+def _check_rows_index(op: str, name: str, rows: torch.Tensor, num_rows: int) -> None:
+    """The native path reads ``rows[i]`` for i < num_rows as int64: it must be `[num_rows]` int64."""
+    if rows.dim() != 1 or rows.shape[0] != num_rows or rows.dtype != torch.int64:
+        raise ValueError(f"{op}: {name} must be [{num_rows}] int64, got {list(rows.shape)} {rows.dtype}")
+
+
 def _segments(layout: RecordLayout, tensors: Sequence[Optional[torch.Tensor]]
-              ) -> list[tuple[int, int, int, int, int, int]]:
+              ) -> list[tuple[int, int, int, int, int, int, int]]:
+    """The native API's segment tuples: (data_ptr, row_stride_B, col_stride_B, elem_B, num_cols, offset_B,
+    num_rows); num_rows is the tensor's own row count, which the kernels check every row index against."""
     segs = []
     for f, t in zip(layout.fields, tensors):
         if f.num_cols == 0 or t is None:
             continue
         item = t.element_size()
-        segs.append((t.data_ptr(), t.stride(0) * item, t.stride(1) * item, item, f.num_cols, f.offset))
+        segs.append((t.data_ptr(), t.stride(0) * item, t.stride(1) * item, item, f.num_cols, f.offset, t.shape[0]))
     return segs
 
 
@@ -90,7 +128,8 @@ def pack_rows(layout: RecordLayout, fields: Sequence[Optional[torch.Tensor]], sr
             leaves that field's bytes unwritten (for a per-record value the caller writes through
             ``layout.view``).
         src_rows: `[num_records]` int64, the source row of each record (any order, repeats allowed);
-            -1 writes zeros to the record's fields.
+            -1 writes zeros to the record's fields. Every entry must be -1 or a row of every field
+            (ValueError naming the entry otherwise).
         out: optional `[num_records, record_bytes]` uint8 with contiguous rows to write into.
     Returns:
         `[num_records, record_bytes]` uint8 (``out`` when given); bytes between fields are unspecified.
@@ -105,6 +144,7 @@ def pack_rows(layout: RecordLayout, fields: Sequence[Optional[torch.Tensor]], sr
     if src_rows.device.type != "cpu":
         records = pack_rows_reference(layout, fields, src_rows)
         return records if out is None else out.copy_(records)
+    _check_rows_index("pack_rows", "src_rows", src_rows, num_rows)
     records = torch.empty(num_rows, layout.record_bytes, dtype=torch.uint8) if out is None else out
     src_rows = src_rows.contiguous()
     native().pack_rows(records.data_ptr(), _segments(layout, fields), src_rows.data_ptr(), num_rows,
@@ -115,6 +155,9 @@ def pack_rows(layout: RecordLayout, fields: Sequence[Optional[torch.Tensor]], sr
 def pack_rows_reference(layout: RecordLayout, fields: Sequence[Optional[torch.Tensor]],
                         src_rows: torch.Tensor) -> torch.Tensor:
     """Plain-torch specification of ``pack_rows``; also the path for non-CPU devices."""
+    for f, t in zip(layout.fields, fields):
+        if f.num_cols and t is not None:
+            check_index("pack_rows", "src_rows", src_rows, -1, t.shape[0], f"rows of field {f.name}")
     records = torch.zeros(src_rows.shape[0], layout.record_bytes, dtype=torch.uint8, device=src_rows.device)
     for f, t in zip(layout.fields, fields):
         if f.num_cols and t is not None:
@@ -132,14 +175,18 @@ def unpack_rows(layout: RecordLayout, records: torch.Tensor, outputs: Sequence[O
     Args:
         records: `[num_records, record_bytes]` uint8, rows contiguous.
         outputs: one 2-D tensor (any strides) per layout field, written in place; None skips a field.
-        dst_rows: optional `[num_records]` int64 of distinct rows inside every output.
+            Without ``dst_rows`` each needs at least num_records rows.
+        dst_rows: optional `[num_records]` int64 of distinct rows inside every output (ValueError naming
+            the entry otherwise).
     Reference: ``unpack_rows_reference``.
     """
     _check(layout, outputs, "unpack_rows")
+    check_records("unpack_rows", "records", records, layout.record_bytes)
     if records.device.type != "cpu":
         return unpack_rows_reference(layout, records, outputs, dst_rows)
     num_rows = records.shape[0]
     if dst_rows is not None:
+        _check_rows_index("unpack_rows", "dst_rows", dst_rows, num_rows)
         dst_rows = dst_rows.contiguous()
     native().unpack_rows(_segments(layout, outputs), records.data_ptr(), 0 if dst_rows is None else dst_rows.data_ptr(),
                          num_rows, layout.record_bytes, cpu_threads())
@@ -149,6 +196,14 @@ def unpack_rows_reference(layout: RecordLayout, records: torch.Tensor, outputs: 
                           dst_rows: Optional[torch.Tensor] = None) -> None:
     """Plain-torch specification of ``unpack_rows``; also the path for non-CPU devices."""
     num_rows = records.shape[0]
+    for f, out in zip(layout.fields, outputs):
+        if not f.num_cols or out is None:
+            continue
+        if dst_rows is not None:
+            check_index("unpack_rows", "dst_rows", dst_rows, 0, out.shape[0], f"rows of field {f.name}")
+        elif num_rows > out.shape[0]:
+            raise ValueError(f"unpack_rows: num_rows = {num_rows} (without dst_rows) is more than the {out.shape[0]} "
+                             f"rows of field {f.name}")
     for f, out in zip(layout.fields, outputs):
         if f.num_cols and out is not None:
             values = layout.view(records, f.name).view(out.dtype)
@@ -160,8 +215,9 @@ def unpack_rows_reference(layout: RecordLayout, records: torch.Tensor, outputs: 
 
 def gather_rows(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
     """``out[i] = src[rows[i]]``, zeros where ``rows[i] == -1``: 2-D tensors of one element size, ``out`` with
-    contiguous rows, ``src`` any strides, ``rows`` `[out.shape[0]]` int64. Local. (On CPU the native row copy, whose
-    large copies bypass the cache; ``torch.index_select`` does not.)
+    contiguous rows, ``src`` any strides, ``rows`` `[out.shape[0]]` int64 in [-1, src.shape[0]) (ValueError naming
+    the entry otherwise). Local. (On CPU the native row copy, whose large copies bypass the cache;
+    ``torch.index_select`` does not.)
     Reference: ``gather_rows_reference``."""
     if (out.dim() != 2 or src.dim() != 2 or out.shape[1] != src.shape[1] or out.element_size() != src.element_size()
             or rows.shape != (out.shape[0],) or out.stride(1) != 1):
@@ -169,14 +225,21 @@ def gather_rows(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> Non
                          f"{list(src.shape)} {src.dtype} and rows {list(rows.shape)} do not fit")
     if out.device.type != "cpu":
         return gather_rows_reference(out, src, rows)
+    _check_rows_index("gather_rows", "rows", rows, out.shape[0])
     item = src.element_size()
     rows = rows.contiguous()
-    segment = (src.data_ptr(), src.stride(0) * item, src.stride(1) * item, item, src.shape[1], 0)
-    native().pack_rows(out.data_ptr(), [segment], rows.data_ptr(), rows.shape[0], out.stride(0) * item,
-                       cpu_threads())
+    segment = (src.data_ptr(), src.stride(0) * item, src.stride(1) * item, item, src.shape[1], 0, src.shape[0])
+    # A one-row out may have any stride(0); its record is then its one row.
+    record_bytes = (out.stride(0) if out.shape[0] > 1 else out.shape[1]) * item
+    try:
+        native().pack_rows(out.data_ptr(), [segment], rows.data_ptr(), rows.shape[0], record_bytes, cpu_threads())
+    except ValueError as exc:  # worded for pack_rows, whose one segment here is src
+        raise ValueError(str(exc).replace("pack_rows: src_rows", "gather_rows: rows", 1)
+                         .replace("rows of segment 0", "rows of src")) from None
 
 
 def gather_rows_reference(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
     """Plain-torch specification of ``gather_rows``; also the path for non-CPU devices."""
+    check_index("gather_rows", "rows", rows, -1, src.shape[0], "rows of src")
     out.copy_(src.index_select(0, rows.clamp(min=0)).view(out.dtype))
     out.view(torch.uint8)[rows < 0] = 0

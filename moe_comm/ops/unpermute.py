@@ -28,7 +28,12 @@ def _check(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor) ->
     if row_of.device != y.device or topk_weights.device != y.device:
         raise ValueError(f"unpermute_reduce: row_of and topk_weights must be on y's device {y.device}, got "
                          f"{row_of.device} and {topk_weights.device}")
-    if y.device.type == "cpu" and row_of.numel():
+    if y.device.type == "cpu":  # elsewhere it would cost a host sync
+        _check_rows(y, row_of)
+
+
+def _check_rows(y: torch.Tensor, row_of: torch.Tensor) -> None:
+    if row_of.numel():
         low, high = int(row_of.min()), int(row_of.max())
         if low < -1 or high >= y.shape[0]:
             raise ValueError(f"unpermute_reduce: row_of entries must be -1 or in [0, {y.shape[0]}) (y's rows), "
@@ -69,6 +74,7 @@ def unpermute_reduce(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.
 
 def unpermute_reduce_reference(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """fp64 specification of ``unpermute_reduce`` (returns float64 `[T, H]`)."""
+    _check_rows(y, row_of)
     out = torch.zeros(row_of.shape[0], y.shape[1], dtype=torch.float64, device=y.device)
     for t in range(row_of.shape[0]):
         for k in range(row_of.shape[1]):
