@@ -10,6 +10,7 @@ import torch
 from .checks import check_int, check_tensor, describe
 from .errors import bad_argument
 from .handle import LowLatencyHandle
+from .limits import MAX_INT32, check_count, check_fits
 from .normal_args import check_topk_idx
 from .ops.fp8 import GROUP
 
@@ -34,9 +35,13 @@ def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int,
 def check_ll_counts(op: str, num_max_dispatch_tokens_per_rank: Any, num_experts: Any, num_ranks: int) -> None:
     """M >= 1 and the experts a positive multiple of the group size."""
     check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+    check_count(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank,
+                f"the num_ranks * M = {num_ranks} * M rows of an expert's block are numbered with int32",
+                limit=MAX_INT32 // num_ranks)
     check_int(op, "num_experts", num_experts, minimum=1)
     if num_experts % num_ranks:
         bad_argument(op, "num_experts", f"a multiple of the group size {num_ranks}", num_experts)
+    check_count(op, "num_experts", num_experts, "experts are numbered with int32 in counts and records")
 
 
 def check_rdma_bytes(op: str, m: int, hidden: int, num_experts: int, num_ranks: int, num_rdma_bytes: int) -> None:
@@ -102,6 +107,11 @@ def check_ll_dispatch(op: str, x: Any, topk_idx: Any, m: int, num_experts: int, 
     if x.shape[0] > m:
         bad_argument(op, "x", f"at most num_max_dispatch_tokens_per_rank = {m} rows", describe(x))
     topk_idx = _check_ll_topk(op, topk_idx, num_experts, m, x.shape[0], x.device)
+    local, rows = num_experts // num_ranks, num_ranks * m
+    # recv_x (bf16, or fp8 plus fp32 scales) and src_info (int32) for every row of every local expert
+    row_bytes = (hidden + 4 * (hidden // GROUP) if use_fp8 else 2 * hidden) + 4
+    check_fits(op, "num_max_dispatch_tokens_per_rank", m, local * rows * row_bytes, x.device,
+               f"the [{local}, {rows}, {hidden}] receive buffer")
     _check_stats(op, "cumulative_local_expert_recv_stats", recv_stats, num_experts // num_ranks, torch.int32,
                  x.device)
     _check_stats(op, "dispatch_wait_recv_cost_stats", wait_stats, num_ranks, torch.int64, x.device)

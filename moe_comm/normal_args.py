@@ -9,6 +9,7 @@ import torch
 from .checks import check_int, check_tensor, describe
 from .errors import bad_argument
 from .handle import NormalHandle
+from .limits import check_count, check_fits
 from .ops import DispatchLayout, dispatch_layout
 from .ops.combine_reduce import REDUCE_DTYPES
 
@@ -64,7 +65,9 @@ def check_dispatch_routing(op: str, x: torch.Tensor, num_ranks: int, num_tokens_
     layout is computed here from ``topk_idx`` and ``num_experts`` (as ``get_dispatch_layout``)."""
     num_tokens, device = x.shape[0], x.device
     check_int(op, "expert_alignment", expert_alignment, minimum=1)
+    check_count(op, "expert_alignment", expert_alignment, "per-expert counts are int32")
     check_int(op, "num_worst_tokens", num_worst_tokens, minimum=0)
+    check_count(op, "num_worst_tokens", num_worst_tokens, "received rows are numbered with int32 (handle[3])")
     if (topk_idx is None) != (topk_weights is None):
         bad_argument(op, "topk_idx and topk_weights", "given together or both None",
                      f"topk_idx={describe(topk_idx)}, topk_weights={describe(topk_weights)}")
@@ -77,7 +80,7 @@ def check_dispatch_routing(op: str, x: torch.Tensor, num_ranks: int, num_tokens_
             bad_argument(op, "num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert",
                          "given (from get_dispatch_layout), or topk_idx and num_experts given to compute them",
                          f"all None, with topk_idx={describe(topk_idx)}, num_experts={num_experts!r}")
-        check_num_experts(op, num_experts, num_ranks)
+        check_num_experts(op, num_experts, num_ranks, device)
         topk_idx = check_topk_idx(op, topk_idx, num_experts, num_tokens, device)
         layout = dispatch_layout(topk_idx, num_ranks, num_experts)
     elif not all(given):
@@ -88,7 +91,7 @@ def check_dispatch_routing(op: str, x: torch.Tensor, num_ranks: int, num_tokens_
         if num_experts is not None and num_experts != num_tokens_per_expert.shape[0]:
             bad_argument(op, "num_experts", f"len(num_tokens_per_expert) = {num_tokens_per_expert.shape[0]}",
                          num_experts)
-        num_experts = check_num_experts(op, num_tokens_per_expert.shape[0], num_ranks)
+        num_experts = check_num_experts(op, num_tokens_per_expert.shape[0], num_ranks, device)
         if topk_idx is not None:
             topk_idx = check_topk_idx(op, topk_idx, num_experts, num_tokens, device)
         check_tensor(op, "num_tokens_per_rank", num_tokens_per_rank, shape=(num_ranks,), dtype=torch.int32)
@@ -103,14 +106,21 @@ def check_dispatch_routing(op: str, x: torch.Tensor, num_ranks: int, num_tokens_
         check_tensor(op, "topk_weights", topk_weights, shape=tuple(topk_idx.shape), dtype=torch.float32,
                      device=device)
         topk_weights = topk_weights.contiguous()
+        # recv_x, recv_topk_idx (int64), recv_topk_weights (float32) and recv_src_idx (int32) per padded row
+        row_bytes = x.shape[1] * x.element_size() + 12 * topk_idx.shape[1] + 4
+        check_fits(op, "num_worst_tokens", num_worst_tokens, num_worst_tokens * row_bytes, device,
+                   f"{num_worst_tokens} padded rows of outputs")
     return DispatchRouting(layout, topk_idx, topk_weights)
 
 
-def check_num_experts(op: str, num_experts: Any, num_ranks: int) -> int:
-    """``num_experts``: a positive multiple of the group size."""
+def check_num_experts(op: str, num_experts: Any, num_ranks: int, device: torch.device = torch.device("cpu")) -> int:
+    """``num_experts``: a positive multiple of the group size whose per-expert counts (on ``device``)
+    fit."""
     check_int(op, "num_experts", num_experts, minimum=1)
     if num_experts % num_ranks:
         bad_argument(op, "num_experts", f"a multiple of the number of ranks ({num_ranks})", num_experts)
+    check_count(op, "num_experts", num_experts, "experts are numbered with int32 in counts and records")
+    check_fits(op, "num_experts", num_experts, 16 * num_experts, device, "the per-expert counts")
     return num_experts
 
 
