@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import env, transport as transports
+from .agreement import CallAgreement, collective
 from .checks import check_bools, check_int, describe
 from .config import Config
 from .configs import combine_config, dispatch_config
@@ -32,6 +33,7 @@ __all__ = ["Buffer"]
 # NOTES: DeepEP's size hints cover every expert's worst case (GBs at DeepSeek shapes); the shm
 # transport's compact layout needs far less, so it preallocates at most this and grows on demand.
 _PREALLOCATE_MAX = 512 << 20
+_LOW_LATENCY_OPS = ("low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer")
 
 
 class Buffer(LowLatencyAPI):
@@ -49,6 +51,13 @@ class Buffer(LowLatencyAPI):
     ``comm`` (an mpi4py intra-communicator, e.g. ``MPI.COMM_WORLD``) may replace ``group``, as in
     DeepEP: the buffer then runs on the ``mpi`` transport and needs no torch.distributed group
     (``group`` stays None; a group given as well must have the same ranks).
+
+    Faults (``agreement.py``): every collective call is numbered and its handshake carries the
+    number, so ranks agree on which call they are in. A rank that rejects its own arguments still
+    meets the others, which then raise the same ``CrossRankMismatchError`` naming it (the buffer
+    stays usable). After a failure that may leave ranks out of step (a timeout, an exited peer, a
+    failure in the middle of a call, ranks on different calls) the buffer refuses every further
+    call, hook and event wait with ``BufferUnusableError``: build a new one on every rank.
 
     Args (besides DeepEP's):
         transport: ``"auto"`` (default; env ``MOE_COMM_TRANSPORT`` may name one) or a name from
@@ -103,8 +112,13 @@ class Buffer(LowLatencyAPI):
             self.transport_name, group, self.timeout_s, min(max(num_nvl_bytes, num_rdma_bytes), _PREALLOCATE_MAX),
             comm=comm)
         self.rank, self.group_size = self.runtime.rank, self.runtime.num_ranks
-        self._normal = NormalMode(self.runtime)
-        self._low_latency = LowLatencyMode(self.runtime, shrink=enable_shrink)
+        self._agreement = CallAgreement(self.runtime, self._skipped_by)
+        self._normal = NormalMode(self.runtime, self._agreement)
+        self._low_latency = LowLatencyMode(self.runtime, self._agreement, shrink=enable_shrink)
+
+    def _skipped_by(self, op: str) -> frozenset[int]:
+        """The ranks a call of ``op`` leaves out: masked ranks, for low-latency calls."""
+        return self._low_latency.skip() if op in _LOW_LATENCY_OPS else frozenset()
 
     # ------------------------------------------------------------------ static helpers
     @staticmethod
@@ -156,6 +170,7 @@ class Buffer(LowLatencyAPI):
             raise RuntimeError("Buffer.destroy: needs Buffer(..., explicitly_destroy=True); otherwise the buffer "
                                "is released when it is garbage collected")
         if self.runtime is not None:
+            self._agreement.destroyed = True
             self.runtime.close()
             self.runtime = None
 
@@ -173,8 +188,8 @@ class Buffer(LowLatencyAPI):
                                   "clean_low_latency_buffer() resets the low-latency state instead")
 
     def _alive(self, op: str) -> None:
-        if self.runtime is None:
-            raise RuntimeError(f"{op}: this Buffer was destroyed")
+        """Raises unless the buffer is usable (not destroyed, not broken)."""
+        self._agreement.refuse(op)
 
     # ------------------------------------------------------------------ async plumbing
     @staticmethod
@@ -215,12 +230,14 @@ class Buffer(LowLatencyAPI):
         op = "get_dispatch_layout"
         self._alive(op)
         self._begin(op, previous_event, async_finish, allocate_on_comm_stream)
-        check_num_experts(op, num_experts, self.group_size)
+        check_num_experts(op, num_experts, self.group_size,
+                          topk_idx.device if isinstance(topk_idx, torch.Tensor) else torch.device("cpu"))
         topk_idx = check_topk_idx(op, topk_idx, num_experts, None, None)
         layout = dispatch_layout(topk_idx, self.group_size, num_experts)
         event = EventOverlap(EventHandle()) if async_finish else EventOverlap()
         return layout.num_tokens_per_rank, None, layout.num_tokens_per_expert, layout.is_token_in_rank, event
 
+    @collective("dispatch")
     def dispatch(self, x: XType, handle: Optional[tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -256,7 +273,6 @@ class Buffer(LowLatencyAPI):
             the source token of each row, ``handle[4]`` ``is_token_in_rank``.
         """
         op = "dispatch"
-        self._alive(op)
         config = self._config(op, config, Buffer.get_dispatch_config)
         data, scales = split_x(op, x)
         if handle is not None:
@@ -283,6 +299,7 @@ class Buffer(LowLatencyAPI):
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
                 handle_out, event)
 
+    @collective("combine")
     def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -303,7 +320,6 @@ class Buffer(LowLatencyAPI):
             every add in fp32, rounded once: bitwise reproducible.
         """
         op = "combine"
-        self._alive(op)
         self._config(op, config, Buffer.get_combine_config)
         if not isinstance(x, torch.Tensor):
             bad_argument(op, "x", "a tensor", describe(x), kind=TypeError)

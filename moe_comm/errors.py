@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn, Sequence
 
-__all__ = ["CommTimeoutError", "CrossRankMismatchError", "PeerExitedError", "bad_argument"]
+__all__ = ["BufferUnusableError", "CommTimeoutError", "CrossRankMismatchError", "PeerExitedError", "bad_argument"]
 
 
 class CommTimeoutError(TimeoutError):
@@ -37,10 +37,28 @@ class PeerExitedError(RuntimeError):
 
 
 class CrossRankMismatchError(ValueError):
-    """Ranks called the same collective operation with inconsistent arguments.
+    """Ranks called a collective operation with inconsistent arguments, or one rank rejected its own.
 
-    Every rank of the group raises it with the same message.
+    Every rank of the group raises it with the same message (a rank that rejected its own arguments
+    raises its own ``ValueError``/``TypeError`` instead), and the buffer stays usable: the ranks
+    agreed to fail this call together, so they are still in step.
     """
+
+
+class BufferUnusableError(RuntimeError):
+    """A ``Buffer`` refuses a call because an earlier failure may have left its ranks out of step
+    (a missed deadline, an exited peer, a failure on one rank in the middle of a call, ranks found
+    on different calls). Build a new ``Buffer`` on every rank.
+
+    Attributes:
+        op: the refused operation; rank: the rank that raised; reason: the failure that broke the buffer.
+    """
+
+    def __init__(self, op: str, rank: int, reason: str) -> None:
+        self.op, self.rank, self.reason = op, rank, reason
+        super().__init__(f"{op}: rank {rank}: this Buffer is unusable since {reason}. Its ranks may be out of "
+                         f"step, so it refuses every further call, hook and event wait: build a new Buffer on "
+                         f"every rank")
 
 
 def bad_argument(op: str, name: str, expected: str, got: Any, *, kind: type = ValueError) -> NoReturn:

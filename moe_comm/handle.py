@@ -1,15 +1,46 @@
-"""Dispatch handles: DeepEP's normal-mode 6-tuple and low-latency 5-tuple, named inside the library."""
+"""Dispatch handles: DeepEP's normal-mode 6-tuple and low-latency 5-tuple, named inside the library.
+
+A handle comes back from the caller, who may have changed it. ``from_tuple`` checks every index it
+carries against what it indexes before any byte moves, and the fields that follow from others
+(``send_head`` from ``is_token_in_rank``, ``layout_range``'s begins from its counts) are checked to
+be exactly what they follow to. What only the peer can know (which tokens a block of rows
+carries) is checked by the handshake's digests, on every rank at once.
+"""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .checks import check_int, check_tensor
+from .checks import check_int, check_tensor, describe
 from .errors import bad_argument
 
-__all__ = ["NormalHandle", "LowLatencyHandle"]
+__all__ = ["NormalHandle", "LowLatencyHandle", "SendPlan", "plan_sends"]
+
+
+@dataclass(frozen=True)
+class SendPlan:
+    """Send order of one dispatch: grouped by destination rank ascending, then token ascending."""
+
+    # send_rows[i] = source token of send row i                                          [S] int64
+    send_rows: torch.Tensor
+    # send_counts[r] = rows sent to rank r
+    send_counts: list[int]
+    # send_pos[t, r] = send row carrying token t to rank r, or -1                        [T, R] int32
+    send_pos: torch.Tensor
+
+
+def plan_sends(is_token_in_rank: torch.Tensor) -> SendPlan:
+    """The send order for ``is_token_in_rank`` `[T, R]` bool."""
+    num_tokens, num_ranks = is_token_in_rank.shape
+    pairs = is_token_in_rank.t().nonzero()  # (rank, token), rank-major, tokens ascending
+    send_rows = pairs[:, 1].contiguous()
+    send_pos = torch.full((num_tokens, num_ranks), -1, dtype=torch.int32, device=is_token_in_rank.device)
+    send_pos[pairs[:, 1], pairs[:, 0]] = torch.arange(pairs.shape[0], dtype=torch.int32, device=send_pos.device)
+    counts = is_token_in_rank.sum(0).tolist()
+    return SendPlan(send_rows, counts, send_pos)
 
 
 @dataclass(frozen=True)
@@ -41,6 +72,11 @@ class NormalHandle:
         return (self.rank_prefix_matrix, self.channel_prefix_matrix, self.recv_channel_prefix_matrix,
                 self.recv_src_idx, self.is_token_in_rank, self.send_head)
 
+    @functools.cached_property
+    def plan(self) -> SendPlan:
+        """This rank's send order of the handle's dispatch (``send_head`` is its ``send_pos``)."""
+        return plan_sends(self.is_token_in_rank)
+
     def recv_counts(self, rank: int) -> list[int]:
         """Rows ``rank`` received from each source rank: the column's steps of the prefix matrix."""
         column = self.rank_prefix_matrix[:, rank].cpu().to(torch.int64)
@@ -62,15 +98,25 @@ class NormalHandle:
                      device=device)
         check_tensor(op, "handle[1] (channel_prefix_matrix)", chan, shape=(num_ranks, None), dtype=torch.int32)
         check_tensor(op, "handle[2] (recv_channel_prefix_matrix)", recv_chan, shape=(num_ranks, None), dtype=torch.int32)
-        check_tensor(op, "handle[3] (recv_src_idx)", src_idx, shape=(None,), dtype=torch.int32)
+        check_tensor(op, "handle[3] (recv_src_idx)", src_idx, shape=(None,), dtype=torch.int32, device=device)
         check_tensor(op, "handle[4] (is_token_in_rank)", in_rank, shape=(None, num_ranks), dtype=torch.bool,
                      device=device)
         check_tensor(op, "handle[5] (send_head)", send_head, shape=(in_rank.shape[0], num_ranks), dtype=torch.int32,
                      device=device)
+        steps = prefix.to(torch.int64).diff(dim=0, prepend=torch.zeros(1, num_ranks, dtype=torch.int64,
+                                                                        device=device))
+        if bool((steps < 0).any()):
+            bad_argument(op, "handle[0] (rank_prefix_matrix)", "an inclusive prefix sum down each column (entries "
+                         ">= 0, non-decreasing)", prefix.tolist())
         handle = NormalHandle(prefix, chan, recv_chan, src_idx, in_rank, send_head)
         if handle.num_recv_rows(rank) > src_idx.shape[0]:
             bad_argument(op, "handle[3] (recv_src_idx)", f"at least rank_prefix_matrix[-1, {rank}] = "
                          f"{handle.num_recv_rows(rank)} rows", list(src_idx.shape))
+        if not torch.equal(handle.plan.send_pos, send_head):
+            wrong = (handle.plan.send_pos != send_head).nonzero()[0].tolist()
+            bad_argument(op, "handle[5] (send_head)", f"the send positions of handle[4] (is_token_in_rank) "
+                         f"(first difference at [{wrong[0]}, {wrong[1]}]: "
+                         f"{int(handle.plan.send_pos[wrong[0], wrong[1]])})", int(send_head[wrong[0], wrong[1]]))
         return handle
 
 
@@ -122,9 +168,13 @@ class LowLatencyHandle:
         check_tensor(op, "handle[1] (layout_range)", layout_range, shape=(local, num_ranks), dtype=torch.int64,
                      device=device)
         parsed = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts)
-        begins = parsed.begins()
-        ends = begins + parsed.counts()
+        begins, counts = parsed.begins(), parsed.counts()
+        ends = begins + counts
         if bool((layout_range < 0).any()) or bool((ends > num_ranks * m).any()):
             bad_argument(op, "handle[1] (layout_range)", f"begin << 32 | count ranges inside [0, {num_ranks * m})",
-                         f"begins {begins.tolist()}, counts {parsed.counts().tolist()}")
+                         f"begins {begins.tolist()}, counts {counts.tolist()}")
+        if not torch.equal(begins, counts.cumsum(1) - counts):
+            bad_argument(op, "handle[1] (layout_range)", "blocks by source rank ascending, each beginning where the "
+                         "one before ends (begin[e, s] = count[e, 0] + ... + count[e, s - 1])",
+                         f"begins {begins.tolist()}, counts {counts.tolist()}")
         return parsed

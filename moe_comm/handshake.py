@@ -1,27 +1,39 @@
-"""The metadata exchange that opens every collective operation.
+"""The metadata vector that opens every collective call, and the checks every rank runs on it.
 
-Before any payload moves, each rank sends every other rank one small int64 vector: its arguments
-(hidden size, dtypes, top-k, number of experts, ...), the rows it will send to each rank and the rows
-it expects from each rank. Every rank then holds every rank's vector, so argument mismatches and
-count mismatches are found before any payload moves, and every rank raises the same error.
+Before any payload moves, each rank sends every other rank one small int64 vector: which call of
+the Buffer this is (its number and operation), whether this rank rejected its own arguments, its
+arguments (hidden size, dtypes, top-k, number of experts, ...), the rows it will send to each rank
+and the rows it expects from each rank, and digests of which tokens those rows carry. Every rank
+then holds every rank's vector, so ranks out of step, one-sided rejections, argument and count
+mismatches, and handles that disagree with a peer's routing are all found before any payload
+moves, and every rank reaches the same verdict. ``agreement.CallAgreement`` runs the exchange.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from .errors import CrossRankMismatchError
-from .transport import Transport
 
-__all__ = ["Handshake", "handshake", "dtype_code", "FP8_FORMATS"]
+__all__ = ["FIELDS", "OPS", "OP_CODES", "FP8_FORMATS", "UNKNOWN", "Handshake", "dtype_code", "digests", "vector",
+           "per_rank", "check"]
 
-# Fields of the vector, in order. Unused fields hold -1.
-FIELDS = ("op", "hidden", "x_dtype", "num_scales", "scales_dtype", "num_topk", "num_experts",
-          "num_channels", "has_weights", "num_worst_tokens", "num_max_dispatch_tokens_per_rank", "fp8_format")
+# Scalar fields of the vector, in order; unused fields hold UNKNOWN. "call" is the Buffer's call
+# number (every collective call advances it, rejected ones included); "rejected" is 1 when this
+# rank rejected its own arguments (it then sends no rows); "prefix_digest" is the digest of a
+# normal handle's rank prefix matrix, which is the same matrix on every rank.
+FIELDS = ("op", "call", "rejected", "hidden", "x_dtype", "num_scales", "scales_dtype", "num_topk", "num_experts",
+          "num_channels", "has_weights", "num_worst_tokens", "num_max_dispatch_tokens_per_rank", "fp8_format",
+          "prefix_digest")
+UNKNOWN = -1
 OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "low_latency_dispatch", 5: "low_latency_combine",
        6: "clean_low_latency_buffer"}
+#: the code a rejection carries for each public operation
+OP_CODES = {"dispatch": 1, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5,
+            "clean_low_latency_buffer": 6}
 # fp8_format values (low-latency dispatch)
 FP8_FORMATS = {0: "bf16", 1: "fp8", 2: "fp8 round_scale", 3: "fp8 ue8m0"}
 _DTYPES = [getattr(torch, n) for n in (
@@ -31,8 +43,92 @@ _DTYPE_FIELDS = ("x_dtype", "scales_dtype")
 
 
 def dtype_code(dtype: Optional[torch.dtype]) -> int:
-    """Small int naming ``dtype`` on the wire (-1 for None)."""
-    return -1 if dtype is None else _DTYPES.index(dtype)
+    """Small int naming ``dtype`` on the wire (UNKNOWN for None)."""
+    return UNKNOWN if dtype is None else _DTYPES.index(dtype)
+
+
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 lanes (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX[0]
+    z = (z ^ (z >> np.uint64(27))) * _MIX[1]
+    return z ^ (z >> np.uint64(31))
+
+
+def digests(keys: torch.Tensor, counts: Sequence[int]) -> list[int]:
+    """Digests in [0, 2^62) of consecutive blocks of a 1-D integer sequence (any device), block j
+    holding the next ``counts[j]`` keys: ``sum over i of mix(mix(block[i]) + i)`` mod 2^64, top 62
+    bits. Two sides that hold the same block get the same value; a changed, moved, added or dropped
+    key changes it (but for collisions of probability about 2^-62)."""
+    lanes = keys.detach().to("cpu", torch.int64).contiguous().numpy().view(np.uint64)
+    counts = np.asarray(counts, dtype=np.int64)
+    if int(counts.sum()) != lanes.size:
+        raise ValueError(f"digests: {lanes.size} keys for blocks of {counts.tolist()}")
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    within = np.arange(lanes.size, dtype=np.int64) - np.repeat(starts[:-1], counts)
+    with np.errstate(over="ignore"):
+        mixed = _mix(_mix(lanes) + within.astype(np.uint64))
+        running = np.concatenate([np.zeros(1, dtype=np.uint64), np.cumsum(mixed, dtype=np.uint64)])
+        sums = running[starts[1:]] - running[starts[:-1]]  # wraps like the sum itself
+    return [int(v) >> 2 for v in sums]
+
+
+def vector(fields: Mapping[str, int], send_counts: Sequence[int], expected: Optional[Sequence[int]],
+           sent_digests: Optional[Sequence[int]], expected_digests: Optional[Sequence[int]],
+           num_ranks: int) -> list[int]:
+    """One rank's vector: FIELDS, then rows sent to each rank, rows expected from each rank, digests
+    of the rows sent, digests of the rows expected (UNKNOWN where this rank cannot know)."""
+    unknown = [name for name in fields if name not in FIELDS]
+    if unknown:
+        raise KeyError(f"handshake: unknown fields {unknown}; known: {FIELDS}")
+    none = [UNKNOWN] * num_ranks
+    row = [int(fields.get(name, UNKNOWN)) for name in FIELDS]
+    for part in (send_counts, expected, sent_digests, expected_digests):
+        row += none if part is None else [int(v) for v in part]
+    return row
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """Every rank's vector, as received by this rank (identical on all ranks). Plain lists: the
+    checks on a few ranks' small vectors are cheaper in Python than as tensor ops."""
+
+    # rows[r] = rank r's vector (see ``vector``)
+    rows: list[list[int]]
+
+    def field(self, name: str) -> list[int]:
+        """Every rank's value of field ``name``."""
+        f = FIELDS.index(name)
+        return [row[f] for row in self.rows]
+
+    def _part(self, index: int) -> list[list[int]]:
+        start = len(FIELDS) + index * len(self.rows)
+        return [row[start:start + len(self.rows)] for row in self.rows]
+
+    @property
+    def matrix(self) -> list[list[int]]:
+        """``[R][R]``: matrix[i][j] = rows rank i sends to rank j."""
+        return self._part(0)
+
+    @property
+    def sent(self) -> torch.Tensor:
+        """``[R, R]`` int64: sent[i, j] = rows rank i sends to rank j."""
+        return torch.tensor(self.matrix, dtype=torch.int64)
+
+    def recv_counts(self, rank: int) -> list[int]:
+        """Rows ``rank`` receives from each rank: ``sent[:, rank]``."""
+        return [row[rank] for row in self.matrix]
+
+    def expected(self) -> list[list[int]]:
+        """``[R][R]``: rows rank i expects from rank j, or UNKNOWN."""
+        return self._part(1)
+
+    def digests(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(``sent[i][j]``: digest of the rows rank i sends to rank j, ``expected[i][j]``: of those
+        rank i expects from rank j), UNKNOWN where not given."""
+        return self._part(2), self._part(3)
 
 
 def _show(field: str, value: int) -> str:
@@ -45,89 +141,45 @@ def _show(field: str, value: int) -> str:
     return "none" if value < 0 else str(value)
 
 
-@dataclass(frozen=True)
-class Handshake:
-    """Every rank's vector, as received by this rank (identical on all ranks). Plain lists: the
-    checks on a few ranks' small vectors are cheaper in Python than as tensor ops."""
-
-    # rows[r] = rank r's vector: FIELDS values, then rows sent to each rank, then rows expected
-    # from each rank (-1 where it cannot know)
-    rows: list[list[int]]
-
-    def field(self, name: str) -> list[int]:
-        """Every rank's value of field ``name``."""
-        f = FIELDS.index(name)
-        return [row[f] for row in self.rows]
-
-    @property
-    def sent(self) -> torch.Tensor:
-        """``[R, R]`` int64: sent[i, j] = rows rank i sends to rank j."""
-        return torch.tensor(self.matrix, dtype=torch.int64)
-
-    @property
-    def matrix(self) -> list[list[int]]:
-        """``[R][R]``: matrix[i][j] = rows rank i sends to rank j."""
-        F, R = len(FIELDS), len(self.rows)
-        return [row[F:F + R] for row in self.rows]
-
-    def recv_counts(self, rank: int) -> list[int]:
-        """Rows ``rank`` receives from each rank: ``sent[:, rank]``."""
-        return [row[len(FIELDS) + rank] for row in self.rows]
-
-
-def handshake(transport: Transport, op: str, fields: Mapping[str, int], send_counts: Sequence[int],
-              expected: Optional[Sequence[int]], compare: Sequence[str], device: torch.device,
-              skip: frozenset[int] = frozenset()) -> Handshake:
-    """Exchanges this rank's vector with all ranks and checks them. Collective; blocks the host.
-
-    Args:
-        fields: values for names in FIELDS (missing ones are sent as -1); must include "op".
-        send_counts: rows this rank will send to each rank.
-        expected: rows this rank expects from each rank, or None when unknown before the exchange.
-        compare: fields that must be equal on every rank.
-        device: where the vectors travel (the payload's device: NCCL moves CUDA tensors only).
-        skip: masked ranks, left out; their vectors read as this rank's fields with no rows sent
-            or expected (this rank must send them nothing).
-    Raises:
-        CrossRankMismatchError, the same on every rank, when ops, compared fields or counts disagree.
-        CommTimeoutError when a rank does not take part before the deadline.
-    """
-    R = transport.num_ranks
-    unknown = [name for name in fields if name not in FIELDS]
-    if unknown:
-        raise KeyError(f"handshake: unknown fields {unknown}; known: {FIELDS}")
-    row = [int(fields.get(name, -1)) for name in FIELDS] + [int(c) for c in send_counts]
-    row += [int(c) for c in expected] if expected is not None else [-1] * R
-    mine = torch.tensor(row, dtype=torch.int64, device=device).expand(R, len(row)).contiguous()
-    got = torch.empty_like(mine)
-    transport.all_to_all(got, mine, [1] * R, [1] * R, op=op, skip=skip).wait()
-    rows = got.cpu().tolist()
-    for r in skip:
-        rows[r] = row[:len(FIELDS)] + [0] * R + [-1] * R
-    shake = Handshake(rows)
-    _check(shake, op, compare)
-    return shake
-
-
-def _per_rank(shake: Handshake, name: str) -> str:
+def per_rank(shake: Handshake, name: str) -> str:
+    """``"rank 0: v0, rank 1: v1, ..."`` for field ``name``."""
     return ", ".join(f"rank {r}: {_show(name, v)}" for r, v in enumerate(shake.field(name)))
 
 
-def _check(shake: Handshake, op: str, compare: Sequence[str]) -> None:
+def _listed(pairs: list[tuple[int, int]], word: Callable[[int, int], str]) -> str:
+    shown = "; ".join(word(i, j) for i, j in pairs[:4])
+    return shown + (f" (and {len(pairs) - 4} more)" if len(pairs) > 4 else "")
+
+
+def check(shake: Handshake, op: str, compare: Sequence[str]) -> None:
+    """The verdict on agreed vectors (after call numbers and rejections): operations, the
+    ``compare`` fields, row counts and row digests must agree. Raises the same
+    CrossRankMismatchError on every rank."""
     hint = ("every rank must call the same operation with the same hidden size, dtypes, top-k, number of "
             "experts and config")
     if len(set(shake.field("op"))) > 1:  # no local prefix: every rank must word it the same
-        raise CrossRankMismatchError(f"ranks called different operations: {_per_rank(shake, 'op')}; {hint}")
+        raise CrossRankMismatchError(f"ranks called different operations: {per_rank(shake, 'op')}; {hint}")
     for name in compare:
-        if len(set(shake.field(name))) > 1:
-            raise CrossRankMismatchError(f"{op}: ranks disagree on {name}: {_per_rank(shake, name)}; {hint}")
-    F, R = len(FIELDS), len(shake.rows)
-    sent = [row[F:F + R] for row in shake.rows]
-    expected = [row[F + R:] for row in shake.rows]
+        values = shake.field(name)
+        if len(set(values)) > 1 and name == "prefix_digest":
+            odd = [r for r, v in enumerate(values) if v != values[0]]
+            raise CrossRankMismatchError(f"{op}: the handles' rank prefix matrices (handle[0]) differ across ranks "
+                                         f"(ranks {odd} differ from rank 0's); every rank must pass the unmodified "
+                                         f"handle of the same dispatch")
+        if len(set(values)) > 1:
+            raise CrossRankMismatchError(f"{op}: ranks disagree on {name}: {per_rank(shake, name)}; {hint}")
+    R, sent, expected = len(shake.rows), shake.matrix, shake.expected()
     bad = [(i, j) for i in range(R) for j in range(R) if 0 <= expected[i][j] != sent[j][i]]
     if bad:
-        shown = "; ".join(f"rank {i} expects {expected[i][j]} rows from rank {j}, which sends {sent[j][i]}"
-                          for i, j in bad[:4])
-        more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
-        raise CrossRankMismatchError(f"{op}: row counts disagree: {shown}{more}; every rank must pass the handle "
+        shown = _listed(bad, lambda i, j: f"rank {i} expects {expected[i][j]} rows from rank {j}, which sends "
+                                          f"{sent[j][i]}")
+        raise CrossRankMismatchError(f"{op}: row counts disagree: {shown}; every rank must pass the handle "
                                      f"of the same dispatch")
+    sent_digest, expected_digest = shake.digests()
+    bad = [(i, j) for i in range(R) for j in range(R)
+           if expected_digest[i][j] != UNKNOWN and sent_digest[j][i] != UNKNOWN
+           and expected_digest[i][j] != sent_digest[j][i]]
+    if bad:
+        shown = _listed(bad, lambda i, j: f"rank {i} expects other tokens from rank {j} than rank {j} sends")
+        raise CrossRankMismatchError(f"{op}: the handles disagree on which tokens travel: {shown}; every rank "
+                                     f"must pass the unmodified handle of the same dispatch")

@@ -26,10 +26,11 @@ from typing import Callable, Optional
 
 import torch
 
+from .agreement import CallAgreement
 from .alloc import empty, zeros
 from .errors import PeerExitedError
 from .handle import LowLatencyHandle
-from .handshake import handshake
+from .handshake import Handshake, digests
 from .ops import (RecordLayout, combine_reduce, combine_rows, low_latency_unpack, pack_rows, quantize,
                   send_order)
 from .ops.fp8 import FP8_DTYPE
@@ -82,8 +83,8 @@ class LowLatencyDispatch:
 class LowLatencyMode:
     """Low-latency operations of one ``Buffer`` over its transport."""
 
-    def __init__(self, transport: Transport, shrink: bool = False) -> None:
-        self.transport = transport
+    def __init__(self, transport: Transport, agreement: CallAgreement, shrink: bool = False) -> None:
+        self.transport, self.agreement = transport, agreement
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
         #: DeepEP's enable_shrink: ranks found dead at the start of a call are masked automatically
         self.shrink = shrink
@@ -115,17 +116,18 @@ class LowLatencyMode:
         slot.receive.complete()
 
     # ------------------------------------------------------------------ masked ranks
-    def _skip(self) -> frozenset[int]:
+    def skip(self) -> frozenset[int]:
         """The ranks this call leaves out: the masked ones, plus (with shrink) peers that have exited."""
         if self.shrink:
             self.masked.update(self.transport.exited_ranks())
         return frozenset(self.masked)
 
-    def _shake(self, op: str, fields: dict, send_counts: list[int], expected: Optional[list[int]],
-               compare: tuple, device: torch.device, skip: frozenset[int]):
-        """The handshake; with shrink, a peer that exits meanwhile is masked before the error propagates."""
+    def _shake(self, op: str, code: int, fields: dict, send_counts: list[int], expected: Optional[list[int]],
+               compare: tuple, device: torch.device, skip: frozenset[int], **digests: list[int]) -> Handshake:
+        """The handshake; with shrink, a peer that exits meanwhile is masked (for a new Buffer's
+        sake: the error breaks this one)."""
         try:
-            return handshake(self.transport, op, fields, send_counts, expected, compare, device, skip)
+            return self.agreement.handshake(op, code, fields, send_counts, expected, compare, device, skip, **digests)
         except PeerExitedError as exc:
             if self.shrink:
                 self.masked.add(exc.peer)
@@ -155,11 +157,11 @@ class LowLatencyMode:
         R, device, hidden = self.num_ranks, x.device, x.shape[1]
         local = num_experts // R
         slot = self._acquire(op)
-        skip = self._skip()
+        skip = self.skip()
         msg, experts, send_counts = send_order(self._routable(topk_idx, num_experts, skip), num_experts, R)
         start = time.perf_counter_ns()
-        shake = self._shake(op, dict(op=_DISPATCH, hidden=hidden, num_experts=num_experts,
-                                     num_max_dispatch_tokens_per_rank=m, fp8_format=fp8_format),
+        shake = self._shake(op, _DISPATCH, dict(hidden=hidden, num_experts=num_experts,
+                                                num_max_dispatch_tokens_per_rank=m, fp8_format=fp8_format),
                             send_counts, None, _COMPARED + ("fp8_format",), device, skip)
         waited = time.perf_counter_ns() - start
         recv_counts = shake.recv_counts(self.rank)
@@ -193,6 +195,7 @@ class LowLatencyMode:
         layout_range = torch.empty(local, R, dtype=torch.int64, device=device)
         recv_count = torch.empty(local, dtype=torch.int32, device=device)
 
+        @self.agreement.deferred(op)
         def finish() -> None:
             begin = time.perf_counter_ns()
             try:
@@ -229,20 +232,24 @@ class LowLatencyMode:
         R, device = self.num_ranks, x.device
         local, rows, hidden = x.shape
         slot = self._acquire(op, zero_copy)
-        skip = self._skip()
-        msg, _, expected = send_order(self._routable(topk_idx, handle.num_experts, skip), handle.num_experts, R)
+        skip = self.skip()
+        msg, experts, expected = send_order(self._routable(topk_idx, handle.num_experts, skip), handle.num_experts, R)
         if skip:  # nothing goes back to masked sources
             layout_range = handle.layout_range.clone()
             layout_range[:, list(skip)] = 0
             handle = dataclasses.replace(handle, layout_range=layout_range)
         return_counts = handle.counts().sum(0).tolist()  # rows going back to each source rank
+        send_rows = combine_rows(handle.layout_range, rows)  # by source rank, then local expert, then row
+        # Which (local expert, token) each returned row answers, as both sides see it.
+        returned = (send_rows // rows) << 32 | handle.src_info.reshape(-1)[send_rows].to(torch.int64)
+        asked = (experts % local) << 32 | msg // max(topk_idx.shape[1], 1)
         start = time.perf_counter_ns()
-        shake = self._shake(op, dict(op=_COMBINE, hidden=hidden, num_experts=handle.num_experts,
-                                     num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank),
-                            return_counts, expected, _COMPARED, device, skip)
+        shake = self._shake(op, _COMBINE, dict(hidden=hidden, num_experts=handle.num_experts,
+                                               num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank),
+                            return_counts, expected, _COMPARED, device, skip,
+                            sent_digests=digests(returned, return_counts), expected_digests=digests(asked, expected))
         waited = time.perf_counter_ns() - start
 
-        send_rows = combine_rows(handle.layout_range, rows)  # by source rank, then local expert, then row
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
         source = [source.reshape(local * rows, hidden)]
         records = RecordLayout.build([("x", torch.bfloat16, hidden)])
@@ -259,6 +266,7 @@ class LowLatencyMode:
         if out is None:
             out = empty((num_tokens, hidden), torch.bfloat16, device)
 
+        @self.agreement.deferred(op)
         def finish() -> None:
             begin = time.perf_counter_ns()
             try:
@@ -279,5 +287,5 @@ class LowLatencyMode:
             self._settle(op, slot)
         self._lent = None
         zeros = [0] * self.num_ranks
-        self._shake(op, dict(op=_CLEAN, hidden=hidden, num_experts=num_experts, num_max_dispatch_tokens_per_rank=m),
-                    zeros, zeros, _COMPARED, device, self._skip())
+        self._shake(op, _CLEAN, dict(hidden=hidden, num_experts=num_experts, num_max_dispatch_tokens_per_rank=m),
+                    zeros, zeros, _COMPARED, device, self.skip())

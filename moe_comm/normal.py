@@ -14,10 +14,11 @@ from typing import Callable, Optional
 
 import torch
 
+from .agreement import CallAgreement
 from .alloc import empty
 from .errors import CrossRankMismatchError
-from .handle import NormalHandle
-from .handshake import dtype_code, handshake
+from .handle import NormalHandle, SendPlan, plan_sends
+from .handshake import Handshake, digests, dtype_code
 from .ops import DispatchLayout, RecordLayout, combine_reduce, gather_rows, pack_rows, unpack_rows
 from .transport import Transport
 from .transport.base import prefix_sums
@@ -25,29 +26,6 @@ from .transport.base import prefix_sums
 __all__ = ["NormalMode", "DispatchResult", "SendPlan", "plan_sends"]
 
 _DISPATCH, _CACHED, _COMBINE = 1, 2, 3
-
-
-@dataclass(frozen=True)
-class SendPlan:
-    """Send order of one dispatch: grouped by destination rank ascending, then token ascending."""
-
-    # send_rows[i] = source token of send row i                                          [S] int64
-    send_rows: torch.Tensor
-    # send_counts[r] = rows sent to rank r
-    send_counts: list[int]
-    # send_pos[t, r] = send row carrying token t to rank r, or -1                        [T, R] int32
-    send_pos: torch.Tensor
-
-
-def plan_sends(is_token_in_rank: torch.Tensor) -> SendPlan:
-    """The send order for ``is_token_in_rank`` `[T, R]` bool."""
-    num_tokens, num_ranks = is_token_in_rank.shape
-    pairs = is_token_in_rank.t().nonzero()  # (rank, token), rank-major, tokens ascending
-    send_rows = pairs[:, 1].contiguous()
-    send_pos = torch.full((num_tokens, num_ranks), -1, dtype=torch.int32, device=is_token_in_rank.device)
-    send_pos[pairs[:, 1], pairs[:, 0]] = torch.arange(pairs.shape[0], dtype=torch.int32, device=send_pos.device)
-    counts = is_token_in_rank.sum(0).tolist()
-    return SendPlan(send_rows, counts, send_pos)
 
 
 def channel_prefix(is_token_in_rank: torch.Tensor, num_channels: int) -> torch.Tensor:
@@ -94,10 +72,10 @@ def _unpack_around(records_layout: RecordLayout, received: torch.Tensor, outputs
 
 
 class NormalMode:
-    """Normal-mode operations of one ``Buffer`` over its transport."""
+    """Normal-mode operations of one ``Buffer`` over its transport, in calls of its agreement."""
 
-    def __init__(self, transport: Transport) -> None:
-        self.transport = transport
+    def __init__(self, transport: Transport, agreement: CallAgreement) -> None:
+        self.transport, self.agreement = transport, agreement
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
 
     def _exchange(self, op: str, records_layout: RecordLayout, fields: list[torch.Tensor], src_rows: torch.Tensor,
@@ -120,6 +98,13 @@ class NormalMode:
                 exchange.release()
 
         return complete
+
+    def _received_blocks(self, handle: NormalHandle) -> tuple[list[int], list[int], int]:
+        """(rows this rank received from each rank in the handle's dispatch, digests of the source
+        tokens they carry, digest of the rank prefix matrix)."""
+        counts = handle.recv_counts(self.rank)
+        return (counts, digests(handle.recv_src_idx[:sum(counts)], counts),
+                digests(handle.rank_prefix_matrix.reshape(-1), [handle.rank_prefix_matrix.numel()])[0])
 
     def _deliver(self, complete: Callable[[Callable[[torch.Tensor], None]], None], records_layout: RecordLayout,
                  fields: list[torch.Tensor], plan: SendPlan, recv_counts: list[int],
@@ -145,17 +130,16 @@ class NormalMode:
         num_experts = layout.num_tokens_per_expert.numel()
         experts_per_rank = num_experts // R
         plan = plan_sends(layout.is_token_in_rank)
-        fields = dict(op=_DISPATCH, hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
+        fields = dict(hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
                       num_scales=-1 if scales is None else scales.shape[1],
                       scales_dtype=dtype_code(None if scales is None else scales.dtype),
                       num_topk=-1 if topk_idx is None else topk_idx.shape[1], num_experts=num_experts,
                       num_channels=num_channels, num_worst_tokens=num_worst_tokens)
-        shake = handshake(self.transport, "dispatch", fields, plan.send_counts, None,
-                          ("hidden", "x_dtype", "num_scales", "scales_dtype", "num_topk", "num_experts",
-                           "num_channels"), device)
+        shake = self.agreement.handshake("dispatch", _DISPATCH, fields, plan.send_counts, None,
+                                         ("hidden", "x_dtype", "num_scales", "scales_dtype", "num_topk",
+                                          "num_experts", "num_channels"), device, verdict=_check_worst)
         recv_counts = shake.recv_counts(me)
         num_recv = sum(recv_counts)
-        self._check_worst(shake)
         rank_prefix = shake.sent.cumsum(0).to(torch.int32).to(device)
 
         # Expert counts and channel prefixes per destination (the width is now known to agree),
@@ -201,6 +185,7 @@ class NormalMode:
 
         deliver = self._deliver(complete, records_layout, fields_in, plan, recv_counts, outputs)
 
+        @self.agreement.deferred("dispatch")
         def finish() -> None:
             deliver()
             if recv_topk_idx is not None:
@@ -217,26 +202,19 @@ class NormalMode:
         expert_list = [] if num_worst_tokens > 0 else per_expert.tolist()
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_list, handle, finish)
 
-    def _check_worst(self, shake) -> None:
-        worst = shake.field("num_worst_tokens")
-        received = shake.sent.sum(0).tolist()
-        over = [(r, received[r], w) for r, w in enumerate(worst) if 0 < w < received[r]]
-        if over:
-            shown = "; ".join(f"rank {r} receives {n} rows but num_worst_tokens={w}" for r, n, w in over)
-            raise CrossRankMismatchError(f"dispatch: {shown}; num_worst_tokens must be at least the rows a rank "
-                                         f"receives (num_tokens * num_ranks is always enough)")
-
     def cached_dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor],
                         handle: NormalHandle) -> DispatchResult:
         """Dispatch that reuses the routing of ``handle`` (see ``Buffer.dispatch``)."""
-        me, device = self.rank, x.device
-        plan = plan_sends(handle.is_token_in_rank)
-        expected = handle.recv_counts(me)
-        fields = dict(op=_CACHED, hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
+        device = x.device
+        plan = handle.plan
+        expected, expected_digests, prefix_digest = self._received_blocks(handle)
+        fields = dict(hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
                       num_scales=-1 if scales is None else scales.shape[1],
-                      scales_dtype=dtype_code(None if scales is None else scales.dtype))
-        shake = handshake(self.transport, "dispatch", fields, plan.send_counts, expected,
-                          ("hidden", "x_dtype", "num_scales", "scales_dtype"), device)
+                      scales_dtype=dtype_code(None if scales is None else scales.dtype), prefix_digest=prefix_digest)
+        shake = self.agreement.handshake("dispatch", _CACHED, fields, plan.send_counts, expected,
+                                         ("hidden", "x_dtype", "num_scales", "scales_dtype", "prefix_digest"), device,
+                                         sent_digests=digests(plan.send_rows, plan.send_counts),
+                                         expected_digests=expected_digests)
         num_recv = sum(expected)
         specs = [("x", x.dtype, x.shape[1])] + ([] if scales is None else [("scales", scales.dtype, scales.shape[1])])
         records_layout = RecordLayout.build(specs)
@@ -248,6 +226,7 @@ class NormalMode:
         outputs = [recv_x] if recv_scales is None else [recv_x, recv_scales]
         deliver = self._deliver(complete, records_layout, fields_in, plan, expected, outputs)
 
+        @self.agreement.deferred("dispatch")
         def finish() -> None:
             deliver()
             _fill_padding([recv_x, recv_scales], [0, 0], num_recv)
@@ -260,14 +239,18 @@ class NormalMode:
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Callable[[], None]]:
         """Combine of checked arguments (see ``Buffer.combine``): returns (out, out_weights, finish)."""
         me, device = self.rank, x.device
-        return_counts = handle.recv_counts(me)  # each received row goes back to its source
+        # each received row goes back to its source; the rows each rank returns are the ones this rank sent it
+        return_counts, return_digests, prefix_digest = self._received_blocks(handle)
         num_return = sum(return_counts)
-        expected = handle.is_token_in_rank.sum(0).tolist()
-        fields = dict(op=_COMBINE, hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
+        plan = handle.plan
+        expected = plan.send_counts
+        fields = dict(hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
                       num_topk=-1 if topk_weights is None else topk_weights.shape[1],
-                      has_weights=int(topk_weights is not None))
-        shake = handshake(self.transport, "combine", fields, return_counts, expected,
-                          ("hidden", "x_dtype", "num_topk", "has_weights"), device)
+                      has_weights=int(topk_weights is not None), prefix_digest=prefix_digest)
+        shake = self.agreement.handshake("combine", _COMBINE, fields, return_counts, expected,
+                                         ("hidden", "x_dtype", "num_topk", "has_weights", "prefix_digest"), device,
+                                         sent_digests=return_digests,
+                                         expected_digests=digests(plan.send_rows, expected))
 
         specs = [("x", x.dtype, x.shape[1])]
         if topk_weights is not None:
@@ -304,8 +287,20 @@ class NormalMode:
         if topk_weights is not None:
             out_weights = torch.empty(num_tokens, topk_weights.shape[1], dtype=torch.float32, device=device)
 
+        @self.agreement.deferred("combine")
         def finish() -> None:
             complete(lambda received: combine_reduce(records_layout, sources(received) if direct else received,
                                                      send_pos, bias0, bias1, out, out_weights))
 
         return out, out_weights, finish
+
+
+def _check_worst(shake: Handshake) -> None:
+    """Every rank's ``num_worst_tokens`` (when set) holds the rows it receives."""
+    worst = shake.field("num_worst_tokens")
+    received = shake.sent.sum(0).tolist()
+    over = [(r, received[r], w) for r, w in enumerate(worst) if 0 < w < received[r]]
+    if over:
+        shown = "; ".join(f"rank {r} receives {n} rows but num_worst_tokens={w}" for r, n, w in over)
+        raise CrossRankMismatchError(f"dispatch: {shown}; num_worst_tokens must be at least the rows a rank "
+                                     f"receives (num_tokens * num_ranks is always enough)")

@@ -1,0 +1,216 @@
+"""Call agreement: every rank of a Buffer agrees on which call it is in, or every rank fails it.
+
+Every collective call of a ``Buffer`` takes the next number of the buffer's call sequence, rejected
+calls included, and its handshake (``handshake.py``) carries that number, the operation and whether
+this rank rejected its own arguments:
+
+* a rank that rejects its arguments (a bad tensor, a bad handle, a double-buffering conflict, even a
+  wrong number of positional arguments) still takes part in the call's handshake, carrying the
+  rejection and its message: it raises its own error, every other rank raises the same
+  ``CrossRankMismatchError`` naming it, and all stay in step, so the buffer stays usable;
+* ranks whose handshakes carry different call numbers are out of step (a rank skipped a call, or
+  failed one before this protocol could see it): every rank that sees it breaks the buffer;
+* any other failure once a call has started communicating (a missed deadline, an exited peer, an
+  error on one rank in the middle of a call, an interrupt), and any failure of a pending hook or
+  event, breaks the buffer: its transport may be out of step with its peers'.
+
+A broken buffer refuses every later call, hook and event wait with ``BufferUnusableError`` saying
+why; it never returns stale or shifted rows. Its peers find out at their next wait on it: at once
+when their wait sees this rank's process exit, else at their deadline.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+
+import torch
+
+from .errors import BufferUnusableError, CrossRankMismatchError
+from .handshake import FIELDS, OP_CODES, OPS, Handshake, check, vector
+from .transport import Transport
+
+__all__ = ["CallAgreement", "collective"]
+
+_MESSAGE_BYTES = 1024  # a rejection's message on the wire, truncated to fit
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass
+class _Call:
+    op: str
+    number: int
+    started: bool = False  # its handshake was posted: from here a failure may leave ranks out of step
+    rejection: Optional[str] = None  # this rank's rejection message, while it takes part with it
+    agreed: Optional[BaseException] = None  # the error every rank raised from the same vectors
+
+
+class CallAgreement:
+    """The call protocol of one Buffer over its transport (see the module docstring).
+
+    Args:
+        transport: the Buffer's transport.
+        skip_for: the ranks a call of operation ``op`` leaves out (masked ranks of low-latency calls),
+            so that a rejection meets the same ranks the call would have.
+    """
+
+    def __init__(self, transport: Transport, skip_for: Callable[[str], frozenset[int]]) -> None:
+        self.transport, self.rank, self.num_ranks = transport, transport.rank, transport.num_ranks
+        self._skip_for = skip_for
+        self.calls = 0  # collective calls begun, rejected ones included
+        self.broken: Optional[str] = None  # why this buffer refuses further use
+        self.destroyed = False
+        self._current: Optional[_Call] = None
+
+    # ------------------------------------------------------------------ state
+    def refuse(self, op: str) -> None:
+        """Raises if the buffer was destroyed or is broken."""
+        if self.destroyed:
+            raise RuntimeError(f"{op}: this Buffer was destroyed")
+        if self.broken is not None:
+            raise BufferUnusableError(op, self.rank, self.broken)
+
+    def breaks(self, reason: str) -> None:
+        """Marks the buffer unusable; the first reason is kept."""
+        if self.broken is None:
+            self.broken = reason
+
+    # ------------------------------------------------------------------ calls
+    def call(self, op: str, body: Callable[[], Any]) -> Any:
+        """Runs ``body`` as the next collective call ``op`` (see the module docstring)."""
+        self.refuse(op)
+        self.calls += 1
+        call = self._current = _Call(op, self.calls)
+        try:
+            return body()
+        except BaseException as exc:
+            self._failed(call, exc)
+            raise
+        finally:
+            self._current = None
+
+    def _failed(self, call: _Call, exc: BaseException) -> None:
+        if self.broken is not None or exc is call.agreed:
+            return
+        if call.started:
+            self.breaks(f"{type(exc).__name__} in {call.op} (call {call.number}) on rank {self.rank}: {exc}")
+            return
+        # Nothing of this call has moved: meet the other ranks' handshake with the rejection, so
+        # that they fail this call too instead of pairing with this rank's next one.
+        call.rejection = f"{type(exc).__name__}: {exc}"
+        try:
+            self.handshake(call.op, OP_CODES[call.op], {}, [0] * self.num_ranks, [0] * self.num_ranks, (),
+                           self.transport.device, self._skip_for(call.op))
+        except BaseException as failure:  # the rejection could not be delivered: ranks may wait for it
+            self.breaks(f"{type(failure).__name__} while rank {self.rank} reported its rejected {call.op} "
+                        f"(call {call.number}): {failure}")
+            if not isinstance(failure, Exception):  # an interrupt goes on up
+                raise
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"moe-comm: the other ranks could not be told ({failure}); this Buffer is unusable")
+
+    def deferred(self, op: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+        """Decorates ``finish``, the pending half of call ``op`` (a hook, an event wait): refused once
+        the buffer is broken, and breaking it when it fails."""
+        def wrap(finish: Callable[[], None]) -> Callable[[], None]:
+            def complete() -> None:
+                self.refuse(op)
+                try:
+                    finish()
+                except BaseException as exc:
+                    self.breaks(f"{type(exc).__name__} while completing {op} on rank {self.rank}: {exc}")
+                    raise
+            return complete
+        return wrap
+
+    # ------------------------------------------------------------------ the handshake
+    def handshake(self, op: str, code: int, fields: Mapping[str, int], send_counts: Sequence[int],
+                  expected: Optional[Sequence[int]], compare: Sequence[str], device: torch.device,
+                  skip: frozenset[int] = frozenset(), sent_digests: Optional[Sequence[int]] = None,
+                  expected_digests: Optional[Sequence[int]] = None,
+                  verdict: Optional[Callable[[Handshake], None]] = None) -> Handshake:
+        """Exchanges this rank's vector with every rank and judges them. Collective; blocks the host.
+
+        Args:
+            code: the operation's code (``handshake.OPS``).
+            fields: values for names in ``handshake.FIELDS`` (the call's number and rejection are added).
+            send_counts: rows this rank will send to each rank.
+            expected: rows this rank expects from each rank, or None when unknown before the exchange.
+            compare: fields that must be equal on every rank.
+            device: where the vectors travel (the payload's device: NCCL moves CUDA tensors only).
+            skip: masked ranks, left out; their vectors read as this rank's fields with no rows sent
+                or expected (this rank must send them nothing).
+            sent_digests, expected_digests: ``handshake.digests`` of the token keys of the rows sent
+                to / expected from each rank, where this rank knows them.
+            verdict: a further check on the vectors, raising CrossRankMismatchError (on every rank alike).
+        Raises:
+            BufferUnusableError when ranks are on different calls; CrossRankMismatchError, the same on
+            every rank, when a rank rejected its arguments or ops, fields, counts or digests disagree;
+            CommTimeoutError / PeerExitedError from the transport.
+        """
+        call = self._current
+        R = self.num_ranks
+        row = vector(dict(fields, op=code, call=call.number, rejected=int(call.rejection is not None)),
+                     send_counts, expected, sent_digests, expected_digests, R)
+        mine = torch.tensor(row, dtype=torch.int64, device=device).expand(R, len(row)).contiguous()
+        got = torch.empty_like(mine)
+        call.started = True
+        self.transport.all_to_all(got, mine, [1] * R, [1] * R, op=op, skip=skip).wait()
+        rows = got.cpu().tolist()
+        F = len(FIELDS)
+        for r in skip:
+            rows[r] = row[:F] + [0] * R + [-1] * (3 * R)
+        shake = Handshake(rows)
+        self._judge(call, shake, op, compare, device, skip, verdict)
+        return shake
+
+    def _judge(self, call: _Call, shake: Handshake, op: str, compare: Sequence[str], device: torch.device,
+               skip: frozenset[int], verdict: Optional[Callable[[Handshake], None]]) -> None:
+        if len(set(shake.field("call"))) > 1:
+            ops = shake.field("op")
+            calls = ", ".join(f"rank {r}: call {n} ({OPS.get(ops[r], ops[r])})"
+                              for r, n in enumerate(shake.field("call")))
+            self.breaks(f"its ranks were found on different calls ({calls}): a rank skipped a call, or failed "
+                        f"one alone")
+            raise BufferUnusableError(op, self.rank, self.broken)
+        try:
+            rejected = [r for r, flag in enumerate(shake.field("rejected")) if flag > 0]
+            if rejected:
+                self._rejected(call, op, rejected, device, skip)
+            else:
+                check(shake, op, compare)
+                if verdict is not None:
+                    verdict(shake)
+        except CrossRankMismatchError as exc:
+            call.agreed = exc
+            raise
+
+    def _rejected(self, call: _Call, op: str, rejected: list[int], device: torch.device,
+                  skip: frozenset[int]) -> None:
+        """Every rank learns the rejecting ranks' messages; those ranks return (they raise their own
+        errors), the others raise one CrossRankMismatchError naming them."""
+        R = self.num_ranks
+        text = (call.rejection or "").encode()[:_MESSAGE_BYTES]
+        mine = torch.zeros(R, _MESSAGE_BYTES, dtype=torch.uint8, device=device)
+        mine[:, :len(text)] = torch.tensor(list(text), dtype=torch.uint8, device=device)
+        got = torch.zeros_like(mine)
+        self.transport.all_to_all(got, mine, [1] * R, [1] * R, op=op, skip=skip).wait()
+        if call.rejection is not None:
+            return
+        texts = got.cpu()
+        said = "; ".join(f"rank {r} rejected its arguments ({bytes(texts[r].tolist()).rstrip(bytes(1)).decode(errors='replace')})"
+                         for r in rejected)
+        raise CrossRankMismatchError(f"{op}: {said}; every rank fails this call, and the Buffer stays usable")
+
+
+def collective(op: str) -> Callable[[F], F]:
+    """Makes a ``Buffer`` method one collective call ``op`` of the buffer's ``CallAgreement``
+    (``self._agreement``): numbered, refused once the buffer is broken, and a rejection of its
+    arguments (even a wrong signature) reported to every rank."""
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return self._agreement.call(op, lambda: method(self, *args, **kwargs))
+        return run  # type: ignore[return-value]
+    return wrap
