@@ -11,23 +11,29 @@ behind a 16 MB one took 6.8 ms instead of 0.4 ms here), and with it any overlap 
 Payloads (``bulk_all_to_all``) run on the group itself.
 
 Deadlines: every exchange is posted asynchronously and waited with the buffer's deadline. Before
-posting, each rank records in the process group's store how many exchanges it has entered, so a
-rank that times out can name the ranks that never arrived, and say whether a peer on this host has
-exited (ranks swap host and pid when the transport is built).
+posting, each rank records how many exchanges it has entered, so a rank that times out can name the
+ranks that never arrived, and say whether a peer on this host has exited (ranks swap host and pid
+when the transport is built). Ranks of one host count in a shared counters file, read without any
+communication; ranks on other hosts count in the process group's store, which is only read on a
+helper thread with a bounded wait: a store whose host is stopped never answers, and a dead one
+raises, and neither may hold up or replace the error that names the late rank.
 """
 from __future__ import annotations
 
 import collections
 import datetime
 import os
+import secrets
+import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CommTimeoutError, CrossRankMismatchError
 from .base import Pending, Transport, host_id, peer_blocks
+from .host_counters import HostCounters
 
 __all__ = ["CollectiveTransport"]
 
@@ -46,29 +52,88 @@ def _as_wire(tensor: torch.Tensor) -> torch.Tensor:
 _KEEP_RECENT = 6  # exchanges whose tensors stay referenced: two operations' worth
 
 
-class _ArrivalBook:
-    """Per-rank counters in the process group's store: how many exchanges each rank has entered."""
+#: longest wait for the rendezvous store on an error path (what it adds to the buffer's deadline)
+STORE_WAIT_S = 1.0
 
-    def __init__(self, store: Optional[dist.Store], prefix: str, rank: int, num_ranks: int) -> None:
-        self._store, self._prefix, self._rank, self._num_ranks = store, prefix, rank, num_ranks
+T = TypeVar("T")
+
+
+def bounded(call: Callable[[], T], timeout_s: float, what: str) -> T:
+    """``call()`` (a store operation) on a helper thread, waited for at most ``timeout_s``: a TCP
+    store whose host is stopped never answers, whatever its own timeout. Raises TimeoutError naming
+    ``what`` past it (the thread is left to finish or fail on its own)."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # handed to the waiting thread
+            box["error"] = exc
+
+    helper = threading.Thread(target=run, name="moe-comm store", daemon=True)
+    helper.start()
+    helper.join(timeout_s)
+    if helper.is_alive():
+        raise TimeoutError(f"{what}: the rendezvous store did not answer within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
+
+class _ArrivalBook:
+    """How many exchanges each rank has entered: host ranks in a shared counters file, ranks on other
+    hosts in the store (written without waiting for an answer, read with a bounded wait)."""
+
+    def __init__(self, rank: int, num_ranks: int) -> None:
+        self._rank, self._num_ranks = rank, num_ranks
+        self._host_ranks: list[int] = [rank]
+        self._counters: Optional[HostCounters] = None
+        self._store: Optional[dist.Store] = None
+        self._prefix = ""
+        self.store_trouble = ""  # why the store stopped being used, if it did
         self.entered = 0
+
+    def attach(self, host_ranks: list[int], counters: HostCounters, store: Optional[dist.Store],
+               prefix: str) -> None:
+        """Starts counting: ``counters`` for ``host_ranks``, ``store`` (when some rank runs on another
+        host) for the rest."""
+        self._host_ranks, self._counters = host_ranks, counters
+        self._store = store if len(host_ranks) < self._num_ranks else None
+        self._prefix = prefix
 
     def enter(self) -> None:
         self.entered += 1
+        if self._counters is not None:
+            self._counters.store(self.entered)
         if self._store is not None:
-            self._store.set(f"{self._prefix}/{self._rank}", str(self.entered))
+            try:
+                self._store.set(f"{self._prefix}/{self._rank}", str(self.entered))
+            except RuntimeError as exc:  # the store's host is gone: the exchange itself will say who
+                self._store, self.store_trouble = None, f"the rendezvous store failed ({exc})"
 
-    def missing(self) -> Optional[list[int]]:
-        """Ranks that have entered fewer exchanges than this one, or None without a store."""
-        if self._store is None:
-            return None
-        late = []
-        for peer in range(self._num_ranks):
-            key = f"{self._prefix}/{peer}"
-            seen = int(self._store.get(key)) if self._store.check([key]) else 0
-            if seen < self.entered:
-                late.append(peer)
-        return late
+    def missing(self) -> tuple[Optional[list[int]], str]:
+        """(ranks that have entered fewer exchanges than this one, or None when some could not be
+        read; a note on what could not be read). Blocks at most STORE_WAIT_S."""
+        if self._counters is None:  # still meeting: nobody can tell
+            return None, ""
+        counts = dict(zip(self._host_ranks, self._counters.values.tolist()))
+        others = [r for r in range(self._num_ranks) if r not in counts]
+        note = self.store_trouble
+        if others and self._store is not None:
+            store, keys = self._store, [f"{self._prefix}/{r}" for r in others]
+
+            def read() -> list[int]:
+                return [int(store.get(k)) if store.check([k]) else 0 for k in keys]
+            try:
+                counts.update(zip(others, bounded(read, STORE_WAIT_S, "counting late ranks")))
+            except (TimeoutError, RuntimeError) as exc:
+                note = f"ranks on other hosts could not be checked ({exc})"
+        elif others:
+            note = note or "ranks on other hosts could not be checked (no rendezvous store)"
+        if len(counts) < self._num_ranks:
+            late = sorted(r for r, n in counts.items() if n < self.entered)
+            return None, f"late on this host: {late}; {note}"
+        return sorted(r for r, n in counts.items() if n < self.entered), note
 
 
 class _CollectivePending:
@@ -105,8 +170,14 @@ class CollectiveTransport(Transport):
             else torch.device("cpu")
         store = _default_store()
         scope = f"moe_comm/{getattr(group, 'group_name', 'default')}"
-        instance = store.add(f"{scope}/instances/{self.rank}", 1) if store is not None else 0
-        self._book = _ArrivalBook(store, f"{scope}/arrivals/{instance}", self.rank, self.num_ranks)
+        instance = 0
+        if store is not None:
+            try:
+                instance = bounded(lambda: store.add(f"{scope}/instances/{self.rank}", 1), timeout_s,
+                                   "Buffer(): numbering this buffer")
+            except (TimeoutError, RuntimeError) as exc:
+                raise CommTimeoutError("Buffer()", self.rank, timeout_s, None, str(exc)) from exc
+        self._book = _ArrivalBook(self.rank, self.num_ranks)
         # NOTES: gloo's worker thread drops its reference to a finished exchange shortly *after* the
         # waiter wakes up. If that is the last reference, the worker frees the work and its tensors,
         # which takes the GIL, and that aborts the process during interpreter exit. The works (and
@@ -117,7 +188,7 @@ class CollectiveTransport(Transport):
         # NOTES: a failure inside _meet reports liveness from _peers, so give it a placeholder first.
         self._peers = [(self._host, os.getpid())] * self.num_ranks
         self._metadata: Optional[dist.ProcessGroup] = None  # _meet runs on the group itself
-        self._peers = self._meet(instance)
+        self._peers = self._meet(instance, store, f"{scope}/arrivals/{instance}")
         self._metadata = self._metadata_channel(store, f"{scope}/metadata/{instance}")
 
     def _metadata_channel(self, store: Optional[dist.Store], prefix: str) -> Optional[dist.ProcessGroup]:
@@ -127,14 +198,17 @@ class CollectiveTransport(Transport):
         if self._backend != "gloo" or self.num_ranks == 1 or store is None:
             return None
         try:
-            return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), self.rank, self.num_ranks,
-                                         datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:
+            return bounded(lambda: dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), self.rank, self.num_ranks,
+                                                         datetime.timedelta(seconds=self.timeout_s)),
+                           self.timeout_s + STORE_WAIT_S, "Buffer(): connecting the metadata group")
+        except (TimeoutError, RuntimeError) as exc:
             self.raise_failure("Buffer()", exc)
 
-    def _meet(self, instance: int) -> list[tuple[int, int]]:
-        """Exchanges (host, pid, instance) with every rank, with the deadline; checks the pairing."""
-        mine = torch.tensor([self._host, os.getpid(), instance], dtype=torch.int64, device=self.device)
+    def _meet(self, instance: int, store: Optional[dist.Store], prefix: str) -> list[tuple[int, int]]:
+        """Exchanges (host, pid, instance, token) with every rank, with the deadline; checks the
+        pairing; starts the arrival book (host counters named by the host's first rank's token)."""
+        mine = torch.tensor([self._host, os.getpid(), instance, secrets.randbits(62)], dtype=torch.int64,
+                            device=self.device)
         rows = self.gather_rows(mine, op="Buffer()").cpu().tolist()
         instances = [r[2] for r in rows]
         if len(set(instances)) > 1:
@@ -142,7 +216,14 @@ class CollectiveTransport(Transport):
                 f"Buffer(): ranks have created different numbers of buffers on this group "
                 f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(instances))}); create buffers collectively, "
                 f"in the same order on every rank")
-        return [(host, pid) for host, pid, _ in rows]
+        host_ranks = [r for r, row in enumerate(rows) if row[0] == self._host]
+        counters = HostCounters(f"{rows[host_ranks[0]][3]:x}", len(host_ranks), host_ranks.index(self.rank))
+        try:
+            self.barrier(op="Buffer()")  # every host rank has opened the file
+        finally:
+            counters.unlink()
+        self._book.attach(host_ranks, counters, store, prefix)
+        return [(host, pid) for host, pid, _, _ in rows]
 
     @property
     def peers(self) -> list[tuple[int, int]]:
@@ -202,11 +283,13 @@ class CollectiveTransport(Transport):
                 works.append(dist.irecv(_as_wire(recv), dst, group=self.group))
         return works
 
-    def raise_failure(self, op: str, exc: RuntimeError) -> None:
-        """Re-raises a backend error as CommTimeoutError (deadline) or RuntimeError naming ranks."""
-        missing = self._book.missing()
-        detail = self._liveness([r for r in range(self.num_ranks) if r != self.rank])
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+    def raise_failure(self, op: str, exc: Exception) -> None:
+        """Re-raises a backend error as CommTimeoutError (deadline) or RuntimeError naming ranks;
+        blocks at most STORE_WAIT_S."""
+        missing, note = self._book.missing()
+        detail = ", ".join(part for part in (self._liveness([r for r in range(self.num_ranks) if r != self.rank]),
+                                             note) if part)
+        if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
             raise CommTimeoutError(op, self.rank, self.timeout_s, missing, detail) from exc
         who = "unknown" if missing is None else str(missing)
         raise RuntimeError(f"{op}: rank {self.rank}: {self._backend} exchange failed ({exc}); "
@@ -229,7 +312,7 @@ class CollectiveTransport(Transport):
         return ", ".join(dead)
 
     def close(self) -> None:
-        self._book = _ArrivalBook(None, "", self.rank, self.num_ranks)
+        self._book = _ArrivalBook(self.rank, self.num_ranks)
         self._recent.clear()
         self._metadata = None
         self.workspace.clear()
