@@ -28,18 +28,22 @@ inline void copy_field(uint8_t* dst, int64_t dst_col_stride, const uint8_t* src,
         std::memcpy(dst + c * dst_col_stride, src + c * src_col_stride, static_cast<size_t>(elem_bytes));
 }
 
-// Checks the sizes and that every segment fits in a record (pack_rows and unpack_rows).
-void check_segments(const char* fn, const Segment* segments, int num_segments, int64_t num_rows,
-                    int64_t record_bytes) {
+// Checks the sizes and that every segment fits in a record (pack_rows and unpack_rows); returns the
+// segment with the fewest rows (the bound of every row index), or -1 when there is none.
+int check_segments(const char* fn, const Segment* segments, int num_segments, int64_t num_rows,
+                   int64_t record_bytes) {
     MC_CHECK(num_rows >= 0 && record_bytes >= 0 && num_segments >= 0,
              fn << ": num_rows, record_bytes and num_segments must be >= 0, got " << num_rows << ", " << record_bytes
                 << ", " << num_segments);
+    int fewest = -1;
     for (int s = 0; s < num_segments; ++s) {
         const Segment& seg = segments[s];
         MC_CHECK(seg.num_rows >= 0, fn << ": segment " << s << " has num_rows=" << seg.num_rows);
         check_in_record(fn, ("segment " + std::to_string(s)).c_str(), seg.offset, seg.num_cols, seg.elem_bytes,
                         record_bytes);
+        if (fewest < 0 || seg.num_rows < segments[fewest].num_rows) fewest = s;
     }
+    return fewest;
 }
 
 }  // namespace
@@ -48,15 +52,10 @@ void pack_rows(uint8_t* records,
                const Segment* segments, int num_segments, const int64_t* src_rows,
                int64_t num_rows, int64_t record_bytes,
                int num_threads) {
-    check_segments("pack_rows", segments, num_segments, num_rows, record_bytes);
-    if (num_segments > 0) {
-        int64_t lo, hi;
-        min_max(src_rows, num_rows, &lo, &hi);
-        for (int s = 0; s < num_segments; ++s)
-            if (lo < -1 || hi >= segments[s].num_rows)
-                check_indices("pack_rows", "src_rows", src_rows, num_rows, 0, -1, segments[s].num_rows,
-                              "rows of segment " + std::to_string(s));
-    }
+    const int fewest = check_segments("pack_rows", segments, num_segments, num_rows, record_bytes);
+    if (fewest >= 0)
+        check_indices("pack_rows", "src_rows", src_rows, num_rows, 0, -1, segments[fewest].num_rows,
+                      "rows of segment " + std::to_string(fewest));
     const bool stream = num_rows * record_bytes >= kStreamBytes;
     parallel_for(num_rows, grain_rows(record_bytes), num_threads, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
@@ -78,19 +77,14 @@ void unpack_rows(const Segment* segments, int num_segments,
                  const uint8_t* records, const int64_t* dst_rows,
                  int64_t num_rows, int64_t record_bytes,
                  int num_threads) {
-    check_segments("unpack_rows", segments, num_segments, num_rows, record_bytes);
-    if (num_segments > 0 && dst_rows != nullptr) {
-        int64_t lo, hi;
-        min_max(dst_rows, num_rows, &lo, &hi);
-        for (int s = 0; s < num_segments; ++s)
-            if (lo < 0 || hi >= segments[s].num_rows)
-                check_indices("unpack_rows", "dst_rows", dst_rows, num_rows, 0, 0, segments[s].num_rows,
-                              "rows of segment " + std::to_string(s));
-    }
-    for (int s = 0; s < num_segments && dst_rows == nullptr; ++s)
-        MC_CHECK(num_rows <= segments[s].num_rows, "unpack_rows: num_rows = " << num_rows << " (without dst_rows) is "
-                                                       << "more than the " << segments[s].num_rows
-                                                       << " rows of segment " << s);
+    const int fewest = check_segments("unpack_rows", segments, num_segments, num_rows, record_bytes);
+    if (fewest >= 0 && dst_rows != nullptr)
+        check_indices("unpack_rows", "dst_rows", dst_rows, num_rows, 0, 0, segments[fewest].num_rows,
+                      "rows of segment " + std::to_string(fewest));
+    if (fewest >= 0 && dst_rows == nullptr)
+        MC_CHECK(num_rows <= segments[fewest].num_rows, "unpack_rows: num_rows = " << num_rows << " (without dst_rows) "
+                                                            << "is more than the " << segments[fewest].num_rows
+                                                            << " rows of segment " << fewest);
     const bool stream = num_rows * record_bytes >= kStreamBytes;
     parallel_for(num_rows, grain_rows(record_bytes), num_threads, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {

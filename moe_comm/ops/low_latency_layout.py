@@ -66,14 +66,13 @@ def combine_rows_reference(layout_range: torch.Tensor, rows_per_expert: int) -> 
     local, num_ranks = layout_range.shape
     device = layout_range.device
     counts, begins = (layout_range & 0xFFFFFFFF).t().reshape(-1), (layout_range >> 32).t().reshape(-1)  # (s, e)
-    ends = begins + counts
-    bad = (begins < 0) | (ends > rows_per_expert)
+    first, count = layout_range >> 32, layout_range & 0xFFFFFFFF  # [E_loc, R]
+    bad = (first < 0) | (first + count > rows_per_expert)
     if bool(bad.any()):
-        i = int(torch.nonzero(bad)[0])
-        s, e = divmod(i, local)
+        e, s = (int(i) for i in torch.nonzero(bad)[0])  # the first in the native check's order (expert-major)
+        b, c = int(first[e, s]), int(count[e, s])
         raise ValueError(f"low_latency_combine_rows: layout_range[{e}, {s}] = {int(layout_range[e, s])} (begin "
-                         f"{int(begins[i])}, count {int(counts[i])}) spans rows [{int(begins[i])}, {int(ends[i])}), "
-                         f"outside [0, {rows_per_expert}) (rows_per_expert)")
+                         f"{b}, count {c}) spans rows [{b}, {b + c}), outside [0, {rows_per_expert}) (rows_per_expert)")
     if int(counts.sum()) > local * rows_per_expert:
         raise ValueError(f"low_latency_combine_rows: layout_range counts sum to more than max_rows="
                          f"{local * rows_per_expert} (the room in rows; overlapping ranges?)")
@@ -176,15 +175,21 @@ def low_latency_unpack_reference(layout: RecordLayout, records: torch.Tensor, re
         j = int(torch.nonzero(bad)[0])
         raise ValueError(f"low_latency_unpack: record {j} from rank {int(source[j])} names local expert "
                          f"{int(expert[j])}, outside [0, {local})")
-    counts = torch.bincount(expert * num_ranks + source, minlength=local * num_ranks).view(local, num_ranks)
+    block = expert * num_ranks + source  # (e, s)
+    counts = torch.bincount(block, minlength=local * num_ranks).view(local, num_ranks)
     per_expert = counts.sum(1)
     if bool((per_expert > rows).any()):
         e = int(torch.nonzero(per_expert > rows)[0])
         raise ValueError(f"low_latency_unpack: local expert {e} receives {int(per_expert[e])} rows, more than its {rows}")
     begins = counts.cumsum(1) - counts
-    arrival = counts.t().reshape(-1)  # blocks in arrival order (s, e)
-    block_start = arrival.cumsum(0) - arrival
-    row = begins[expert, source] + torch.arange(num, device=device) - block_start[source * local + expert]
+    # Record j's place in its (e, s) block: how many records of that block arrived before it. (Equal to
+    # j minus the block's first record when each source's records come ordered by expert, as they are
+    # sent; counted like this, records out of that order still land inside their expert's rows.)
+    order = torch.argsort(block, stable=True)
+    flat = counts.reshape(-1)
+    within = torch.empty_like(block)
+    within[order] = torch.arange(num, device=device) - (flat.cumsum(0) - flat)[block[order]]
+    row = begins[expert, source] + within
     outputs = [recv_x.view(local * rows, hidden)] + [None] * (len(layout.fields) - 1)
     unpack_rows(layout, records, outputs, dst_rows=expert * rows + row)
     if recv_scales is not None:

@@ -107,6 +107,14 @@ def _segments(layout: RecordLayout, tensors: Sequence[Optional[torch.Tensor]]
     return segs
 
 
+def _fewest_rows(layout: RecordLayout, tensors: Sequence[Optional[torch.Tensor]]
+                 ) -> Optional[tuple[Field, torch.Tensor]]:
+    """The (field, tensor) with the fewest rows among those the kernels read or write: the bound of every
+    row index (the first such when several tie, as in the native check)."""
+    used = [(f, t) for f, t in zip(layout.fields, tensors) if f.num_cols and t is not None]
+    return min(used, key=lambda ft: ft[1].shape[0]) if used else None
+
+
 def _check(layout: RecordLayout, tensors: Sequence[Optional[torch.Tensor]], op: str) -> None:
     if len(tensors) != len(layout.fields):
         raise ValueError(f"{op}: expected {len(layout.fields)} tensors ({[f.name for f in layout.fields]}), "
@@ -155,9 +163,9 @@ def pack_rows(layout: RecordLayout, fields: Sequence[Optional[torch.Tensor]], sr
 def pack_rows_reference(layout: RecordLayout, fields: Sequence[Optional[torch.Tensor]],
                         src_rows: torch.Tensor) -> torch.Tensor:
     """Plain-torch specification of ``pack_rows``; also the path for non-CPU devices."""
-    for f, t in zip(layout.fields, fields):
-        if f.num_cols and t is not None:
-            check_index("pack_rows", "src_rows", src_rows, -1, t.shape[0], f"rows of field {f.name}")
+    fewest = _fewest_rows(layout, fields)
+    if fewest is not None:
+        check_index("pack_rows", "src_rows", src_rows, -1, fewest[1].shape[0], f"rows of field {fewest[0].name}")
     records = torch.zeros(src_rows.shape[0], layout.record_bytes, dtype=torch.uint8, device=src_rows.device)
     for f, t in zip(layout.fields, fields):
         if f.num_cols and t is not None:
@@ -196,9 +204,9 @@ def unpack_rows_reference(layout: RecordLayout, records: torch.Tensor, outputs: 
                           dst_rows: Optional[torch.Tensor] = None) -> None:
     """Plain-torch specification of ``unpack_rows``; also the path for non-CPU devices."""
     num_rows = records.shape[0]
-    for f, out in zip(layout.fields, outputs):
-        if not f.num_cols or out is None:
-            continue
+    fewest = _fewest_rows(layout, outputs)
+    if fewest is not None:
+        f, out = fewest
         if dst_rows is not None:
             check_index("unpack_rows", "dst_rows", dst_rows, 0, out.shape[0], f"rows of field {f.name}")
         elif num_rows > out.shape[0]:
