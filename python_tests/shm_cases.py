@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import moe_comm
 from moe_comm.ops import per_token_cast_to_fp8
-from moe_comm.transport.shm_segment import DATA, PREFIX
+from moe_comm.transport.shm_segment import DATA, PREFIX, create_held
 
 
 def _digest(*tensors: Any) -> str:
@@ -169,19 +169,22 @@ def killed_mid_run(group: dist.ProcessGroup, victim: int, stamp_dir: str) -> tup
 
 
 def plant_stale_segment(group: dist.ProcessGroup, dead_pid: int) -> tuple[bool, bool]:
-    """Segments named for a dead process: an old one disappears when a shm buffer is made, a fresh
-    one (it could belong to another pid namespace's setup in progress) stays. Returns (old exists,
-    fresh exists) afterwards."""
-    old, fresh = (f"/dev/shm/{PREFIX}{dead_pid}_{kind}{dist.get_rank(group)}" for kind in ("old", "fresh"))
-    for path in (old, fresh):
-        with open(path, "wb") as f:
-            f.write(b"\0" * 4096)
+    """Segments named for a dead process: one nobody holds (its creator died) disappears when a shm
+    buffer is made, even a fresh one; one that a live process holds stays, even an old one (its
+    creator may run in another pid namespace, whose pids mean nothing here). Returns (unheld exists,
+    held exists) afterwards."""
+    unheld, held = (f"{PREFIX}{dead_pid}_{kind}{dist.get_rank(group)}" for kind in ("unheld", "held"))
+    with open(f"/dev/shm/{unheld}", "wb") as f:
+        f.write(b"\0" * 4096)
+    fd = create_held("/dev/shm", held, 4096)
     an_hour_ago = time.time() - 3600
-    os.utime(old, (an_hour_ago, an_hour_ago))
-    moe_comm.Buffer(group, transport="shm", timeout_s=30)
-    result = os.path.exists(old), os.path.exists(fresh)
-    os.unlink(fresh)
-    return result
+    os.utime(f"/dev/shm/{held}", (an_hour_ago, an_hour_ago))
+    try:
+        moe_comm.Buffer(group, transport="shm", timeout_s=30)
+        return os.path.exists(f"/dev/shm/{unheld}"), os.path.exists(f"/dev/shm/{held}")
+    finally:
+        os.unlink(f"/dev/shm/{held}")
+        os.close(fd)
 
 
 def masked_rank_survives(group: dist.ProcessGroup, victim: int, how: str) -> dict[str, Any]:

@@ -56,7 +56,7 @@ def test_killed_rank_is_reported_within_seconds_and_leaves_no_segment():
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("moe_comm_")]
 
 
-def test_stale_segment_of_a_dead_process_is_removed(worlds):
+def test_unheld_segment_is_removed_and_a_held_one_is_not(worlds):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     assert worlds(2).run(plant_stale_segment, dead.pid) == [(False, True), (False, True)]

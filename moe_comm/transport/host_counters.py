@@ -3,6 +3,11 @@
 A transport whose own channel cannot tell who is late (MPI) has every rank store how many
 exchanges it has entered; after a missed deadline a rank reads its host peers' counts without any
 communication. Mapping and unmapping are local: nothing to free collectively.
+
+The file is named for the whole host, so a rank that dies before the ranks' barrier (after which
+each unlinks the name) would leave it. Every opener therefore holds it as ``shm_segment`` holds a
+segment (a shared flock for as long as the process maps it), and ``shm_segment.sweep_stale`` removes
+it once nobody does; opening one sweeps the host first.
 """
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import os
 import tempfile
 
 import torch
+
+from .shm_segment import COUNTERS_PREFIX, create_held, open_held, sweep_stale
 
 __all__ = ["HostCounters"]
 
@@ -23,14 +30,22 @@ class HostCounters:
     """One int64 per host rank in the file named by ``token`` (the same on every rank of the host).
 
     Every host rank opens it (creating it if first); once all have (the caller's barrier), each
-    calls ``unlink`` so that the name disappears while the mapping lives on.
+    calls ``unlink`` so that the name disappears while the mapping lives on. A file whose ranks all
+    died before that is removed by the next sweep (any moe-comm start-up on the host).
     """
 
     def __init__(self, token: str, count: int, index: int) -> None:
-        self.path = os.path.join(_directory(), f"moe-comm-counters-{token}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        directory = _directory()
+        sweep_stale(directory)
+        name = f"{COUNTERS_PREFIX}{token}"
+        self.path = os.path.join(directory, name)
+        fd = _open_or_create(directory, name, 8 * count)
         try:
-            os.ftruncate(fd, 8 * count)  # zero-filled; the same size from every opener
+            size = os.fstat(fd).st_size
+            if size != 8 * count:
+                raise RuntimeError(f"HostCounters: {self.path} has {size} bytes, expected {8 * count} "
+                                   f"({count} host ranks); the host's ranks disagree on their number")
+            # NOTES: the mapping keeps the open file, and with it this rank's hold, after the fd is closed.
             self._map = mmap.mmap(fd, 8 * count)
         finally:
             os.close(fd)
@@ -47,3 +62,18 @@ class HostCounters:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def _open_or_create(directory: str, name: str, nbytes: int) -> int:
+    """A held fd of the file: the existing one, else a new zeroed one of ``nbytes`` (the first opener
+    creates it; a name that a sweep removes in between is created afresh)."""
+    path = os.path.join(directory, name)
+    while True:
+        try:
+            return open_held(path)
+        except FileNotFoundError:
+            pass
+        try:
+            return create_held(directory, name, nbytes)
+        except FileExistsError:  # another rank created it meanwhile: open that one
+            continue

@@ -33,6 +33,9 @@ __all__ = ["ShmTransport", "node_ranks"]
 
 _MIN_CAPACITY = 1 << 20
 _NAME_BYTES = 64
+# After a failure while mapping, how long to wait for a peer that is dying to be gone (its segment
+# is unheld from then on) before sweeping without it.
+_DYING_PEER_S = 2.0
 
 
 def node_ranks(group: dist.ProcessGroup, hosts: Sequence[int]) -> list[list[int]]:
@@ -67,6 +70,7 @@ class _Waiter:
         if index < 0:
             return
         if reason == 2:
+            sweep_stale(exited=[pids[index]])  # what it held until it died
             raise PeerExitedError(op, t.rank, ranks[index], pids[index])
         if reason == 3:
             raise RuntimeError(f"{op}: rank {t.rank}: rank {ranks[index]} is out of step (it published exchange "
@@ -74,8 +78,11 @@ class _Waiter:
                                f"ranks must make the same calls in the same order, and a rank that was masked "
                                f"while alive cannot rejoin this Buffer: build a new one")
         late = sorted({r for f, goal, r in zip(flags, targets, ranks) if native().flag_load(f) < goal})
-        dead = [f"rank {r} (pid {t.pids[r]}) has exited" for r in late if not native().process_alive(t.pids[r])]
-        raise CommTimeoutError(op, t.rank, t.timeout_s, late, ", ".join(dead))
+        dead = [r for r in late if not native().process_alive(t.pids[r])]
+        if dead:
+            sweep_stale(exited=[t.pids[r] for r in dead])
+        raise CommTimeoutError(op, t.rank, t.timeout_s, late,
+                               ", ".join(f"rank {r} (pid {t.pids[r]}) has exited" for r in dead))
 
 
 class _MetaPending:
@@ -196,7 +203,10 @@ class ShmTransport(Transport):
 
         Slots start free for their first use and no further: a sender of exchange q waits for
         consumed >= q - NUM_SLOTS, so consumed starts at next_seq - 1 (>= first use - NUM_SLOTS,
-        and below every first use, so the second use of a slot waits for the receiver's release)."""
+        and below every first use, so the second use of a slot waits for the receiver's release).
+
+        A rank that dies in here leaves its segment's name held only until it has exited: its peers
+        fail and sweep it (waiting briefly for a dying peer), or the next start-up on the host does."""
         layout = SegmentLayout(len(self.local), capacity)
         sweep_stale()
         mine = Segment.create(segment_name(), layout)
@@ -207,8 +217,11 @@ class ShmTransport(Transport):
             names = self._gather_names(mine.name)
             segments = [mine if r == self.rank else Segment.open(names[r], layout) for r in self.local]
             self._coll.barrier(op="shm transport: mapping segments")
-        finally:
+        except BaseException:
             mine.unlink()
+            sweep_stale(exited=[self.pids[r] for r in self.local if r != self.rank], wait_s=_DYING_PEER_S)
+            raise
+        mine.unlink()
         self._segments = segments
 
     def _gather_names(self, name: str) -> list[str]:
@@ -336,3 +349,4 @@ class ShmTransport(Transport):
         self._segments = []
         self.workspace.clear()
         self._coll.close()
+        sweep_stale()  # anything a peer that died after the last wait left

@@ -8,27 +8,37 @@ Layout, for L ranks on the host (local index 0..L-1) and NUM_SLOTS slots per cha
 
 Segments live in /dev/shm (what ``shm_open`` uses on Linux) under names starting with PREFIX and
 the creator's pid. The owner unlinks its segment as soon as every peer has mapped it, so a crash
-afterwards leaves nothing behind; ``sweep_stale`` removes segments whose creator died before that.
+afterwards leaves nothing behind. Until then the name is *held*: the creator has a shared ``flock``
+on the file from before the name appears (the file is made nameless with O_TMPFILE, sized, locked,
+then linked), and the lock lasts as long as any descriptor or mapping of the creator's, that is
+until the creator exits, however it exits. ``sweep_stale`` removes every moe-comm file (segments,
+and ``host_counters``' files, held the same way) that nobody holds: its creator died. The lock is on
+the inode, so this holds across pid namespaces that share /dev/shm. Every start-up and growth
+sweeps, and so does a rank that finds a peer exited or closes its transport.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
 import os
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
 from .._native import native
 
-__all__ = ["META", "DATA", "NUM_SLOTS", "META_CELL", "PREFIX", "SegmentLayout", "Segment", "segment_name",
-           "sweep_stale"]
+__all__ = ["META", "DATA", "NUM_SLOTS", "META_CELL", "PREFIX", "COUNTERS_PREFIX", "SegmentLayout", "Segment",
+           "segment_name", "create_held", "open_held", "sweep_stale"]
 
 META, DATA = 0, 1  # channels: small all-to-alls, payload exchanges
 NUM_SLOTS = 2      # per channel: DeepEP's double buffering
 META_CELL = 64 << 10
 PREFIX = "moe_comm_"
+COUNTERS_PREFIX = "moe-comm-counters-"  # host_counters' files, swept with the segments
 _DIR = "/dev/shm"
 _LINE = 64
 _PAGE = 4096
@@ -82,17 +92,19 @@ class Segment:
     @staticmethod
     def create(name: str, layout: SegmentLayout) -> "Segment":
         """Creates, sizes (reserving the memory: a full /dev/shm is an error here, not a SIGBUS
-        later) and maps a new zeroed segment."""
-        fd = os.open(os.path.join(_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        later) and maps a new zeroed segment, held while this process maps it."""
         try:
-            try:
-                os.posix_fallocate(fd, 0, layout.total_bytes)
-            except OSError as exc:
-                os.unlink(os.path.join(_DIR, name))
-                raise RuntimeError(f"shm transport: cannot reserve {layout.total_bytes} bytes in {_DIR} for "
-                                   f"segment {name} ({exc}); free space there, pass smaller num_nvl_bytes / "
-                                   f"num_rdma_bytes, or use transport='collective'") from exc
+            fd = create_held(_DIR, name, layout.total_bytes)
+        except _NoSpace as exc:
+            raise RuntimeError(f"shm transport: cannot reserve {layout.total_bytes} bytes in {_DIR} for "
+                               f"segment {name} ({exc}); free space there, pass smaller num_nvl_bytes / "
+                               f"num_rdma_bytes, or use transport='collective'") from exc.__cause__
+        try:
+            # NOTES: the mapping keeps the open file, and with it the lock, after the fd is closed.
             return Segment(name, layout, _map(fd, layout.total_bytes))
+        except BaseException:
+            _unlink_quietly(os.path.join(_DIR, name))
+            raise
         finally:
             os.close(fd)
 
@@ -128,31 +140,122 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
-# A live segment keeps its name only while its ranks map it (seconds); an older one whose creator is
-# not a running process here was left by a crash. The age guards against a creator that runs in
-# another pid namespace sharing /dev/shm, whose pid looks dead from here.
-STALE_AFTER_S = 60.0
+# ---------------------------------------------------------------------- held files, the sweep
+# NOTES: flock locks belong to the open file, which lives as long as any descriptor or mapping of it,
+# so a holder that exits (crash and SIGKILL included) releases its lock before its parent can see it
+# exited (the kernel closes files and mappings before the process becomes a zombie).
+
+class _NoSpace(OSError):
+    """posix_fallocate failed (its OSError is the cause)."""
 
 
-def sweep_stale() -> list[str]:
-    """Unlinks moe-comm segments in /dev/shm older than STALE_AFTER_S whose creating process is not
-    running; returns their names."""
-    removed = []
+def create_held(directory: str, name: str, nbytes: int) -> int:
+    """A read-write fd of a new file ``name`` in ``directory``, ``nbytes`` zeroed and reserved, on
+    which this process has a shared flock from before the name exists, so no sweep ever sees the
+    name unheld while this process runs. FileExistsError if the name exists.
+
+    Equivalent to open(O_CREAT | O_EXCL) + posix_fallocate + flock(LOCK_SH) without a window between
+    them (where O_TMPFILE is missing it is exactly that, with a window of a few microseconds)."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        names = os.listdir(_DIR)
+        try:
+            fd, named = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=dir_fd), False
+        except (AttributeError, OSError):  # no O_TMPFILE: create by name, lock at once
+            fd, named = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=dir_fd), True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise _NoSpace(exc.errno, exc.strerror) from exc
+            if not named:  # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N names an O_TMPFILE file
+                os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
+        except BaseException:
+            if named:
+                _unlink_quietly(os.path.join(directory, name))
+            os.close(fd)
+            raise
+        return fd
+    finally:
+        os.close(dir_fd)
+
+
+def open_held(path: str) -> int:
+    """A read-write fd of the existing file ``path``, with a shared flock on it; FileNotFoundError
+    when there is none (also when a sweep removed the name just before the lock was taken)."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only for a sweeper's brief exclusive lock
+        if not _same_file(fd, path):
+            raise FileNotFoundError(errno.ENOENT, "removed while being opened", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _unlink_if_unheld(directory: str, name: str) -> bool:
+    """Unlinks ``directory/name`` if no process holds it; whether it did."""
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # gone meanwhile, or not ours to open
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while anybody holds it
+        # NOTES: while this exclusive lock is held nobody can take a shared one; the name must still be this file.
+        if not _same_file(fd, path):
+            return False
+        os.unlink(path)
+        return True
+    except OSError:  # held (EWOULDBLOCK), no flock here, or removed meanwhile
+        return False
+    finally:
+        os.close(fd)  # releases the exclusive lock
+
+
+def _creator_pid(name: str) -> int:
+    """The pid in a segment's name, or 0 (host counters' names carry none)."""
+    pid = name[len(PREFIX):].split("_", 1)[0] if name.startswith(PREFIX) else ""
+    return int(pid) if pid.isdigit() else 0
+
+
+def sweep_stale(directory: str = _DIR, *, exited: Iterable[int] = (), wait_s: float = 0.0) -> list[str]:
+    """Unlinks the moe-comm files in ``directory`` (segments, host counters) that no process holds;
+    returns their names. Local; never waits for a live holder.
+
+    ``exited``: pids of host peers found exited or failing. Their segments are first waited for, up
+    to ``wait_s`` in all, until the process is gone, so that a rank that sweeps right after a peer's
+    failure (while the peer may still be dying) removes what the peer held."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
     except OSError:
         return removed
-    now = time.time()
+    waited, deadline = set(exited), time.monotonic() + wait_s
     for name in names:
-        if not name.startswith(PREFIX):
+        if not name.startswith((PREFIX, COUNTERS_PREFIX)):
             continue
-        pid = name[len(PREFIX):].split("_", 1)[0]
-        path = os.path.join(_DIR, name)
-        try:
-            if not pid.isdigit() or native().process_alive(int(pid)) or now - os.stat(path).st_mtime < STALE_AFTER_S:
-                continue
-            os.unlink(path)
+        pid = _creator_pid(name)
+        if pid in waited:
+            while native().process_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        if _unlink_if_unheld(directory, name):
             removed.append(name)
-        except OSError:  # gone meanwhile, or not ours to remove
-            pass
     return removed
