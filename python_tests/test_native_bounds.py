@@ -116,7 +116,8 @@ def test_gather_rows_accepts_the_last_row_and_minus_one(path):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("value", _bad(7, -1))
 def test_gather_rows_rejects_rows_outside_src(path, value):
-    with pytest.raises(ValueError, match=_outside("gather_rows", "rows", "1", value, -1, 7) + re.escape("rows of src)")):
+    with pytest.raises(ValueError,
+                       match=_outside("gather_rows", "rows", "1", value, -1, 7) + re.escape("rows of src)")):
         _gather(path, torch.tensor([6, value, 0]))
 
 
@@ -231,7 +232,8 @@ def test_quantize_rows_rejects_source_outside_x(value):
 
 
 def test_quantize_rows_without_source_rejects_more_rows_than_x():
-    with pytest.raises(ValueError, match=r"quantize_rows: num_rows = 5 \(without source\) is more than the 4 rows of x"):
+    with pytest.raises(ValueError,
+                       match=r"quantize_rows: num_rows = 5 \(without source\) is more than the 4 rows of x"):
         _quantize(None, num_rows=5)
 
 

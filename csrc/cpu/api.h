@@ -99,8 +99,8 @@ enum class QuantFormat : int { kE4M3 = 0, kE5M2 = 1, kInt8 = 2 };
 // source: num_rows <= x_rows); source_div > 0.
 void quantize_rows(uint8_t* out, uint8_t* scales,
                    const void* x, const int64_t* source,
-                   int64_t num_rows, int64_t x_rows, int64_t hidden, int64_t source_div, DType in_dtype, QuantFormat format,
-                   bool round_scale, bool ue8m0, int num_threads);
+                   int64_t num_rows, int64_t x_rows, int64_t hidden, int64_t source_div, DType in_dtype,
+                   QuantFormat format, bool round_scale, bool ue8m0, int num_threads);
 
 // The inverse: out[r] (out_dtype) = code * scale in fp32, rounded to nearest even, for `q` [rows, hidden]
 // codes and `scales` laid out as quantize_rows writes them.

@@ -255,8 +255,9 @@ void quantize_rows(uint8_t* out, uint8_t* scales,
                    const void* x, const int64_t* source,
                    int64_t num_rows, int64_t x_rows, int64_t hidden, int64_t source_div, DType in_dtype,
                    QuantFormat format, bool round_scale, bool ue8m0, int num_threads) {
-    MC_CHECK(num_rows >= 0 && x_rows >= 0 && hidden >= 0, "quantize_rows: num_rows, x_rows and hidden must be >= 0, got "
-                                                              << num_rows << ", " << x_rows << ", " << hidden);
+    MC_CHECK(num_rows >= 0 && x_rows >= 0 && hidden >= 0,
+             "quantize_rows: num_rows, x_rows and hidden must be >= 0, got " << num_rows << ", " << x_rows << ", "
+                                                                             << hidden);
     MC_CHECK(source_div > 0, "quantize_rows: source_div must be positive, got " << source_div);
     if (source == nullptr)
         MC_CHECK(num_rows <= x_rows, "quantize_rows: num_rows = " << num_rows << " (without source) is more than the "

@@ -30,7 +30,8 @@ namespace {
 // Throws unless every send_pos[t, j] is in [-1, source_rows[j]) (run before the parallel kernel).
 void check_send_pos(const int32_t* send_pos, const int64_t* source_rows, int64_t num_tokens, int64_t num_sources) {
     for (int64_t j = 0; j < num_sources; ++j)
-        MC_CHECK(source_rows[j] >= 0, "combine_reduce: source_rows[" << j << "] = " << source_rows[j] << " is negative");
+        MC_CHECK(source_rows[j] >= 0,
+                 "combine_reduce: source_rows[" << j << "] = " << source_rows[j] << " is negative");
     // NOTES: accumulate a flag over the whole array (no early exit), which the compiler can vectorize;
     // only a bad array pays for the second scan that names the entry.
     bool bad = false;

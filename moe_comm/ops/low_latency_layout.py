@@ -114,8 +114,8 @@ def low_latency_unpack(layout: RecordLayout, records: torch.Tensor, recv_counts:
     counts = torch.tensor(list(recv_counts), dtype=torch.int64)
     native().low_latency_unpack(recv_x.data_ptr(), scales_ptr, src_info.data_ptr(), recv_count.data_ptr(),
                                 layout_range.data_ptr(), records.data_ptr(), counts.data_ptr(), records.shape[0],
-                                len(recv_counts), local, rows, layout.record_bytes, x.offset, x.nbytes, scales_offset, num_scales,
-                                scale_bytes, *strides, src.offset, expert.offset, cpu_threads())
+                                len(recv_counts), local, rows, layout.record_bytes, x.offset, x.nbytes, scales_offset,
+                                num_scales, scale_bytes, *strides, src.offset, expert.offset, cpu_threads())
 
 
 def _check_unpack_outputs(layout: RecordLayout, records: torch.Tensor, num_ranks: int, recv_x: torch.Tensor,
@@ -180,7 +180,8 @@ def low_latency_unpack_reference(layout: RecordLayout, records: torch.Tensor, re
     per_expert = counts.sum(1)
     if bool((per_expert > rows).any()):
         e = int(torch.nonzero(per_expert > rows)[0])
-        raise ValueError(f"low_latency_unpack: local expert {e} receives {int(per_expert[e])} rows, more than its {rows}")
+        raise ValueError(f"low_latency_unpack: local expert {e} receives {int(per_expert[e])} rows, more than its "
+                         f"{rows}")
     begins = counts.cumsum(1) - counts
     # Record j's place in its (e, s) block: how many records of that block arrived before it. (Equal to
     # j minus the block's first record when each source's records come ordered by expert, as they are
