@@ -5,6 +5,11 @@ back to the parent over an authenticated local socket (``multiprocessing.connect
 MPI rank and pid it is, and then serves ``launch.worker_loop`` with MPI rank r as torch rank r.
 Like multiprocessing's spawned children, each rank first loads the parent's main script as
 ``__mp_main__``, so functions defined there can be sent.
+
+MPICH names one segment per host in /dev/shm (``mpich_shm_*``) from ``MPI_Init`` to ``MPI_Finalize``;
+a job whose ranks are killed or aborted never unlinks it. Each rank reports the names it maps, and
+once the job has ended ``stop`` removes those that no process maps or holds open any more (and the
+moe-comm files the ranks held, ``shm_segment.sweep_stale``).
 """
 from __future__ import annotations
 
@@ -25,8 +30,12 @@ from typing import Any, Optional
 
 from ._native import native
 from .launch import worker_loop
+from .transport.mpi import MPICH_SHM_PREFIX, mapped_mpich_segments
+from .transport.shm_segment import sweep_stale
 
-__all__ = ["MpiexecRanks", "find_mpiexec"]
+__all__ = ["MpiexecRanks", "find_mpiexec", "shm_holders"]
+
+_SHM_DIR = "/dev/shm"
 
 
 def find_mpiexec() -> str:
@@ -105,7 +114,7 @@ def rank_main(address: tuple[str, int], key: str, store_port: int, backend: str,
     _load_main(main)
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     conn = Client(address, authkey=bytes.fromhex(key))
-    _send(conn, (rank, os.getpid()))
+    _send(conn, (rank, os.getpid(), mapped_mpich_segments()))
     worker_loop(rank, size, store_port, backend, timeout_s, threads, {}, _Link(conn), _Link(conn))
     conn.close()
 
@@ -128,9 +137,11 @@ class MpiexecRanks:
         # Without auto-cleanup a rank that exits leaves the others running, as spawned children do,
         # so that they can report what they saw.
         command = [find_mpiexec(), "-disable-auto-cleanup", "-n", str(world_size), sys.executable, "-c", code]
-        self._job = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         self._conns: list[Optional[Connection]] = [None] * world_size
         self._pids = [0] * world_size
+        self._segments: set[str] = set()  # the MPICH segments the ranks reported
+        self._started = time.time()
+        self._job = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             self._accept(world_size, timeout_s)
         except BaseException:
@@ -161,8 +172,9 @@ class MpiexecRanks:
             raise RuntimeError(f"LocalWorld(launcher='mpiexec'): {len(accepted)} of {world_size} ranks connected; "
                                f"the mpiexec job {state}")
         for conn in accepted:
-            rank, pid = _recv(conn)
+            rank, pid, segments = _recv(conn)
             self._conns[rank], self._pids[rank] = conn, pid
+            self._segments.update(segments)
 
     def send(self, rank: int, task: Any) -> None:
         conn = self._conns[rank]
@@ -196,3 +208,87 @@ class MpiexecRanks:
                 conn.close()
         self._conns = [None] * len(self._conns)
         self._listener.close()
+        self._remove_segments()
+
+    def _remove_segments(self) -> None:
+        """After the job: unlinks its MPICH segments that no visible process maps or holds open (a
+        job that ended normally has unlinked them itself), and sweeps moe-comm's files. When a rank
+        never reported (killed while starting), the job's segment is found by its time instead: an
+        ``mpich_shm_*`` created while the job ran that nothing holds."""
+        for pid in self._pids:  # the ranks are gone once mpiexec is; wait for their last exits
+            deadline = time.monotonic() + 5.0
+            while pid and native().process_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        sweep_stale()
+        scanned = time.time()
+        holders, unread = shm_holders()
+        names = set(self._segments)
+        if 0 in self._pids and unread <= _ancestors():  # (an ancestor maps none of a job it started)
+            names.update(n for n in _created_between(MPICH_SHM_PREFIX, self._started - 1.0, scanned))
+        for name in sorted(names - set(holders)):
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+            except OSError:  # gone meanwhile, or not ours
+                pass
+        self._segments.clear()
+
+
+def _created_between(prefix: str, start: float, end: float) -> list[str]:
+    """Names in /dev/shm starting with ``prefix`` whose inode changed (created) in [start, end)."""
+    found = []
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return found
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                if start <= os.stat(os.path.join(_SHM_DIR, name), follow_symlinks=False).st_ctime < end:
+                    found.append(name)
+            except OSError:
+                pass
+    return found
+
+
+def shm_holders() -> tuple[dict[str, set[int]], set[int]]:
+    """``({name: pids}, unreadable)``: the files in /dev/shm, by name, that visible processes map or
+    hold open (names only, not files already unlinked), and the pids whose files could not be read."""
+    holders: dict[str, set[int]] = {}
+    unreadable: set[int] = set()
+    prefix = f"{_SHM_DIR}/"
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        paths = []
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except OSError:
+                    pass
+            with open(f"/proc/{pid}/maps") as maps:
+                paths.extend(fields[5].rstrip("\n") for fields in (line.split(None, 5) for line in maps)
+                             if len(fields) == 6)
+        except FileNotFoundError:  # exited meanwhile
+            continue
+        except PermissionError:
+            unreadable.add(pid)
+        for path in paths:
+            name = path[len(prefix):]
+            if path.startswith(prefix) and not name.endswith(" (deleted)") and "/" not in name:
+                holders.setdefault(name, set()).add(pid)
+    return holders, unreadable
+
+
+def _ancestors() -> set[int]:
+    """Pids of this process's parent, its parent, ... up to pid 1."""
+    found, pid = set(), os.getppid()
+    while pid > 0 and pid not in found:
+        found.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return found

@@ -37,10 +37,30 @@ from ..checks import describe
 from ..errors import CommTimeoutError, PeerExitedError, bad_argument
 from .base import Pending, Transport, host_id, peer_blocks, prefix_sums
 from .host_counters import HostCounters
+from .shm_segment import sweep_stale
 
-__all__ = ["MpiTransport", "load_mpi", "as_comm"]
+__all__ = ["MpiTransport", "load_mpi", "as_comm", "MPICH_SHM_PREFIX", "mapped_mpich_segments"]
 
 _LIVENESS_EVERY_S = 0.05
+_SHM_DIR = "/dev/shm"
+#: MPICH's segment of a host's ranks: created in MPI_Init, named (in /dev/shm) until MPI_Finalize.
+MPICH_SHM_PREFIX = "mpich_shm_"
+
+
+def mapped_mpich_segments(pid: str = "self") -> list[str]:
+    """Names of the MPICH segments in /dev/shm that process ``pid`` maps and that still have their
+    name (``/proc/<pid>/maps``); [] where that cannot be read."""
+    names = set()
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                fields = line.split(None, 5)
+                path = fields[5].rstrip("\n") if len(fields) == 6 else ""
+                if path.startswith(f"{_SHM_DIR}/{MPICH_SHM_PREFIX}") and not path.endswith(" (deleted)"):
+                    names.add(path[len(_SHM_DIR) + 1:])
+    except OSError:
+        pass
+    return sorted(names)
 
 
 def load_mpi() -> Any:
@@ -178,17 +198,22 @@ class MpiTransport(Transport):
 
     def _meet(self) -> None:
         """Swaps (host, pid, token) with every rank and maps this host's arrival counters (the
-        file named by the host's first rank's token)."""
+        file named by the host's first rank's token). A failure here sweeps the host's moe-comm
+        files: a peer that died after opening the counters file, before this rank did, held it."""
         mine = torch.tensor([host_id(), os.getpid(), secrets.randbits(62)], dtype=torch.int64)
-        rows = self.gather_rows(mine, op="Buffer()").tolist()
-        self._host_ranks = [r for r, row in enumerate(rows) if row[0] == rows[self.rank][0]]
-        self.pids = [row[1] for row in rows]
-        counters = HostCounters(f"{rows[self._host_ranks[0]][2]:x}", len(self._host_ranks),
-                                self._host_ranks.index(self.rank))
         try:
-            self.barrier(op="Buffer()")  # everyone has opened the file
-        finally:
-            counters.unlink()
+            rows = self.gather_rows(mine, op="Buffer()").tolist()
+            self._host_ranks = [r for r, row in enumerate(rows) if row[0] == rows[self.rank][0]]
+            self.pids = [row[1] for row in rows]
+            counters = HostCounters(f"{rows[self._host_ranks[0]][2]:x}", len(self._host_ranks),
+                                    self._host_ranks.index(self.rank))
+            try:
+                self.barrier(op="Buffer()")  # everyone has opened the file
+            finally:
+                counters.unlink()
+        except BaseException:
+            sweep_stale()
+            raise
         self._counters = counters
 
     # ------------------------------------------------------------------ posting
@@ -292,11 +317,18 @@ class MpiTransport(Transport):
             atexit.register(self._abort)
 
     def _abort(self) -> None:
-        """Ends the job: a collective left in flight cannot be finished or cancelled."""
+        """Ends the job: a collective left in flight cannot be finished or cancelled. First unlinks
+        MPICH's segments of this host (the processes keep their mappings): only MPI_Finalize unlinks
+        them, and an aborted job never gets there."""
         if self._failed is None or self._mpi.Is_finalized():
             return
         sys.stderr.write(f"moe-comm: rank {self.rank}: aborting the MPI communicator after {self._failed}\n")
         sys.stderr.flush()
+        for name in mapped_mpich_segments():
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+            except OSError:  # a peer was first
+                pass
         self._mpi.COMM_WORLD.Abort(1)
 
     # ------------------------------------------------------------------ the rest
