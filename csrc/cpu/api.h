@@ -37,7 +37,8 @@ struct Segment {
 //   num_tokens_per_expert[e] = #{(t, k) : topk_idx[t,k] == e}
 //   is_token_in_rank[t * num_ranks + r] = token t goes to rank r
 // Checks: num_experts a positive multiple of num_ranks, num_tokens and num_topk >= 0, and every id in
-// [-1, num_experts) (before anything is written).
+// [-1, num_experts) (an id outside is never used as an index; the counts are not written and
+// is_token_in_rank is unspecified when one is found).
 void dispatch_layout(int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert, bool* is_token_in_rank,
                      const int64_t* topk_idx,
                      int64_t num_tokens, int64_t num_topk, int64_t num_ranks, int64_t num_experts,
