@@ -16,12 +16,14 @@ int64_t low_latency_send_order(int64_t* msg, int64_t* experts, int64_t* send_cou
                                                     << num_ranks);
     MC_CHECK(num_tokens >= 0 && num_topk >= 0, "low_latency_send_order: num_tokens and num_topk must be >= 0, got "
                                                    << num_tokens << ", " << num_topk);
-    const int64_t n = num_tokens * num_topk;
-    check_indices("low_latency_send_order", "topk_idx", topk_idx, n, num_topk, -1, num_experts,
-                  "expert ids of " + std::to_string(num_experts) + " experts");
     std::vector<int64_t> start(static_cast<size_t>(num_experts) + 1, 0);
+    const int64_t n = num_tokens * num_topk;
+    // This counting pass runs on the calling thread and checks every id before using it.
     for (int64_t i = 0; i < n; ++i) {
         const int64_t e = topk_idx[i];
+        MC_CHECK(e >= -1 && e < num_experts, "low_latency_send_order: topk_idx[" << i / num_topk << ", "
+                                                 << i % num_topk << "] = " << e << " is outside [-1, " << num_experts
+                                                 << ") (expert ids of " << num_experts << " experts)");
         if (e >= 0) ++start[static_cast<size_t>(e) + 1];
     }
     for (int64_t e = 0; e < num_experts; ++e) start[static_cast<size_t>(e) + 1] += start[static_cast<size_t>(e)];
