@@ -64,16 +64,19 @@ def rows_kernel(x_ptr, out_ptr, scales_ptr, source_ptr, hidden, source_div, amax
     src = row
     if HAS_SOURCE:
         src = tl.load(source_ptr + row)
-    live = src >= 0
+    # A negative source reads no channel: bound the loads by in_hidden, not by `(src >= 0) & mask`, since
+    # Triton 3.9's interpreter splats a scalar comparison to an int64 array, which its loads reject as a mask.
+    in_hidden = tl.where(src >= 0, hidden, 0)
     in_row = x_ptr + (tl.maximum(src, 0) // source_div) * hidden
     out_row = out_ptr + row * hidden
     cols = tl.arange(0, BLOCK_H)
     if QUANT == _FP8:
         # GROUPS groups of 128 channels per step: independent reductions keep the memory system busy.
         groups = hidden // _GROUP
+        in_groups = in_hidden // _GROUP
         for g0 in range(0, groups, GROUPS):
             ids, g_ok, offs = group_step(g0, groups, GROUPS)
-            x = tl.load(in_row + offs, mask=live & g_ok[:, None], other=0.0).to(tl.float32)
+            x = tl.load(in_row + offs, mask=(ids < in_groups)[:, None], other=0.0).to(tl.float32)
             scaled, scale_inv = fp8_groups(x, amax_floor, q_max, q_max_inv, ROUND_SCALE)
             tl.store(out_row + offs, cast(scaled, out_ptr.dtype.element_ty), mask=g_ok[:, None])
             if UE8M0:
@@ -84,19 +87,19 @@ def rows_kernel(x_ptr, out_ptr, scales_ptr, source_ptr, hidden, source_div, amax
     elif QUANT == _INT8:
         amax = tl.zeros([BLOCK_H], dtype=tl.float32)
         for h in range(0, hidden, BLOCK_H):
-            x = tl.load(in_row + h + cols, mask=live & (h + cols < hidden), other=0.0).to(tl.float32)
+            x = tl.load(in_row + h + cols, mask=h + cols < in_hidden, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         scales = tl.math.div_rn(q_max, tl.maximum(amax, amax_floor))  # vector division, as in fp8_group
         scale = tl.min(scales, axis=0)
         for h in range(0, hidden, BLOCK_H):
             mask = h + cols < hidden
-            x = tl.load(in_row + h + cols, mask=live & mask, other=0.0).to(tl.float32)
+            x = tl.load(in_row + h + cols, mask=h + cols < in_hidden, other=0.0).to(tl.float32)
             tl.store(out_row + h + cols, round_int8(x * scale), mask=mask)
         tl.store(scales_ptr + row, tl.max(tl.math.div_rn(1.0, scales), axis=0))
     else:
         for h in range(0, hidden, BLOCK_H):
             mask = h + cols < hidden
-            x = tl.load(in_row + h + cols, mask=live & mask, other=0.0)
+            x = tl.load(in_row + h + cols, mask=h + cols < in_hidden, other=0.0)
             tl.store(out_row + h + cols, x, mask=mask)
 
 

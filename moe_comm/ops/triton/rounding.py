@@ -20,9 +20,10 @@ def round_to_grid(x, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     # Below the smallest normal the grid is uniform, 2^(MIN_EXPONENT - MANTISSA) apart: adding 1.5 * 2^23
     # of that step leaves exactly that step as the fp32 ulp, so the add itself rounds to nearest even.
     # On the magnitude, then signed, so a negative value that rounds to zero stays -0 as torch's casts give.
+    # The sign goes back in as x's sign bit: Triton before 3.8 compiles a float `-m` as `0 - m`, +0 for m = 0.
     MAGIC: tl.constexpr = 1.5 * 2.0 ** (MIN_EXPONENT - MANTISSA + 23)
     magnitude = (tl.abs(x) + MAGIC) - MAGIC
-    subnormal = tl.where(bits < 0, -magnitude, magnitude)
+    subnormal = (magnitude.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < 2.0 ** MIN_EXPONENT, subnormal, normal)
 
 
