@@ -416,3 +416,16 @@ def test_index_dtypes_the_native_paths_read_are_checked():
         dispatch_layout(_topk(1).int(), 2, 8, backend="native")
     with pytest.raises(ValueError, match=r"quantize_rows: source must be \[6\] int64, got \[5\] torch.int64"):
         _quantize(torch.zeros(5, dtype=torch.int64))
+
+
+def test_native_paths_refuse_tensors_off_the_cpu():
+    """The native kernels dereference data_ptr(): a tensor on another device (meta here) is a ValueError."""
+    layout, fields = _rows_case()
+    with pytest.raises(ValueError, match=r"pack_rows: field idx must be on the CPU like the others"):
+        pack_rows(layout, [fields[0], fields[1].to("meta")], torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"gather_rows: src must be on the CPU like the others"):
+        gather_rows(torch.empty(2, 3), torch.empty(7, 3, device="meta"), torch.zeros(2, dtype=torch.int64))
+    comb = RecordLayout.build([("x", torch.float32, 4)])
+    with pytest.raises(ValueError, match=r"combine_reduce: records\[0\] must be on the CPU like the others"):
+        combine_reduce(comb, torch.zeros(3, 16, dtype=torch.uint8, device="meta"), torch.zeros(2, 1, dtype=torch.int32),
+                       None, None, torch.empty(2, 4), None)

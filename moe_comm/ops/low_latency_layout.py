@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._native import cpu_threads, native
-from .records import RecordLayout, check_index, check_records, unpack_rows
+from .records import RecordLayout, check_index, check_on_cpu, check_records, unpack_rows
 
 __all__ = ["send_order", "send_order_reference", "combine_rows", "combine_rows_reference", "low_latency_unpack",
            "low_latency_unpack_reference"]
@@ -124,6 +124,8 @@ def _check_unpack_outputs(layout: RecordLayout, records: torch.Tensor, num_ranks
     """What the native kernel trusts about the memory behind its pointers (it checks the counts and ids itself)."""
     op = "low_latency_unpack"
     check_records(op, "records", records, layout.record_bytes)
+    check_on_cpu(op, dict(recv_x=recv_x, recv_scales=recv_scales, src_info=src_info, layout_range=layout_range,
+                          recv_count=recv_count))
     x = layout.field("x")
     if recv_x.dim() != 3 or recv_x.shape[2] * recv_x.element_size() != x.nbytes or not recv_x.is_contiguous():
         raise ValueError(f"{op}: recv_x must be a contiguous [E_loc, rows, H] tensor of {x.nbytes}-byte rows, got "

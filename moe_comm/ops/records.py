@@ -88,6 +88,13 @@ def check_records(op: str, name: str, records: torch.Tensor, record_bytes: int) 
         raise ValueError(f"{op}: {name} must be [rows, {record_bytes}] uint8 with contiguous rows, got {got}")
 
 
+def check_on_cpu(op: str, tensors: dict[str, Optional[torch.Tensor]]) -> None:
+    """Raises ValueError unless every tensor given is on the CPU: the native kernels dereference data_ptr()."""
+    for name, t in tensors.items():
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"{op}: {name} must be on the CPU like the others (the native path), got {t.device}")
+
+
 def _check_rows_index(op: str, name: str, rows: torch.Tensor, num_rows: int) -> None:
     """The native path reads ``rows[i]`` for i < num_rows as int64: it must be `[num_rows]` int64."""
     if rows.dim() != 1 or rows.shape[0] != num_rows or rows.dtype != torch.int64:
@@ -153,6 +160,7 @@ def pack_rows(layout: RecordLayout, fields: Sequence[Optional[torch.Tensor]], sr
         records = pack_rows_reference(layout, fields, src_rows)
         return records if out is None else out.copy_(records)
     _check_rows_index("pack_rows", "src_rows", src_rows, num_rows)
+    check_on_cpu("pack_rows", {"out": out, **{f"field {f.name}": t for f, t in zip(layout.fields, fields)}})
     records = torch.empty(num_rows, layout.record_bytes, dtype=torch.uint8) if out is None else out
     src_rows = src_rows.contiguous()
     native().pack_rows(records.data_ptr(), _segments(layout, fields), src_rows.data_ptr(), num_rows,
@@ -196,6 +204,8 @@ def unpack_rows(layout: RecordLayout, records: torch.Tensor, outputs: Sequence[O
     if dst_rows is not None:
         _check_rows_index("unpack_rows", "dst_rows", dst_rows, num_rows)
         dst_rows = dst_rows.contiguous()
+    check_on_cpu("unpack_rows", {"dst_rows": dst_rows,
+                                 **{f"output {f.name}": t for f, t in zip(layout.fields, outputs)}})
     native().unpack_rows(_segments(layout, outputs), records.data_ptr(), 0 if dst_rows is None else dst_rows.data_ptr(),
                          num_rows, layout.record_bytes, cpu_threads())
 
@@ -234,6 +244,7 @@ def gather_rows(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> Non
     if out.device.type != "cpu":
         return gather_rows_reference(out, src, rows)
     _check_rows_index("gather_rows", "rows", rows, out.shape[0])
+    check_on_cpu("gather_rows", {"src": src, "rows": rows})
     item = src.element_size()
     rows = rows.contiguous()
     segment = (src.data_ptr(), src.stride(0) * item, src.stride(1) * item, item, src.shape[1], 0, src.shape[0])
