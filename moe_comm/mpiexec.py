@@ -251,33 +251,41 @@ def _created_between(prefix: str, start: float, end: float) -> list[str]:
 
 
 def shm_holders() -> tuple[dict[str, set[int]], set[int]]:
-    """``({name: pids}, unreadable)``: the files in /dev/shm, by name, that visible processes map or
-    hold open (names only, not files already unlinked), and the pids whose files could not be read."""
+    """``({name: pids}, unreadable)``: the entries of /dev/shm that visible processes map or hold
+    open, and the pids whose maps or descriptors could not be read. Matched by inode, so a mapping
+    made through another name of the file (glibc's semaphores map a temporary name) counts too."""
+    try:
+        shm_dev = os.stat(_SHM_DIR).st_dev
+        inodes = {os.stat(os.path.join(_SHM_DIR, n), follow_symlinks=False).st_ino: n for n in os.listdir(_SHM_DIR)}
+    except OSError:
+        return {}, set()
+    device = f"{os.major(shm_dev):02x}:{os.minor(shm_dev):02x}"
     holders: dict[str, set[int]] = {}
     unreadable: set[int] = set()
-    prefix = f"{_SHM_DIR}/"
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        pid = int(entry)
-        paths = []
+        pid, held = int(entry), set()
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 try:
-                    paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
                 except OSError:
-                    pass
+                    continue
+                if st.st_dev == shm_dev:
+                    held.add(st.st_ino)
             with open(f"/proc/{pid}/maps") as maps:
-                paths.extend(fields[5].rstrip("\n") for fields in (line.split(None, 5) for line in maps)
-                             if len(fields) == 6)
+                for line in maps:
+                    fields = line.split(None, 5)
+                    if len(fields) == 6 and fields[3] == device:
+                        held.add(int(fields[4]))
         except FileNotFoundError:  # exited meanwhile
             continue
         except PermissionError:
             unreadable.add(pid)
-        for path in paths:
-            name = path[len(prefix):]
-            if path.startswith(prefix) and not name.endswith(" (deleted)") and "/" not in name:
-                holders.setdefault(name, set()).add(pid)
+        for ino in held:
+            if ino in inodes:
+                holders.setdefault(inodes[ino], set()).add(pid)
     return holders, unreadable
 
 

@@ -173,9 +173,11 @@ def test_bare_mpiexec_job_aborted_after_a_timeout_leaves_no_mpich_segment(tmp_pa
     """))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "MOE_COMM_NUM_THREADS": "1"}
+    start = time.monotonic()
     done = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, str(script)], env=env, capture_output=True,
                           text=True, timeout=120)
-    assert "aborting the MPI communicator after a timeout" in done.stderr, done.stderr[-2000:]
+    # the abort ended the job (rank 1 would sleep 60 s); Hydra may lose the ranks' stderr as it ends them
+    assert done.returncode != 0 and time.monotonic() - start < 40, (done.returncode, done.stderr[-2000:])
     names = sorted({n for line in done.stdout.splitlines() if line.startswith("[") for n in json.loads(line)})
     assert names, done.stdout
     assert _present(names) == {}
