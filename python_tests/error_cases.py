@@ -182,6 +182,17 @@ CASES: dict[str, Callable[[moe_comm.Buffer], Any]] = {
     "ll_clean_hidden": lambda b: _ll_buffer(b).clean_low_latency_buffer(M, 200, E),
     "ll_next_buffer_handle": lambda b: _ll_buffer(b).get_next_low_latency_combine_buffer("handle"),
     "ll_size_hint_hidden": lambda b: moe_comm.Buffer.get_low_latency_rdma_size_hint(M, 64, 1, E),
+    "layout_experts_huge": lambda b: b.get_dispatch_layout(_inputs(1)["topk_idx"], 2**40),
+    "layout_experts_too_big_for_memory": lambda b: b.get_dispatch_layout(_inputs(1)["topk_idx"], 2**31 - 1),
+    "dispatch_experts_huge": lambda b: _dispatch(b, num_tokens_per_rank=None, is_token_in_rank=None,
+                                                 num_tokens_per_expert=None, num_experts=2**40),
+    "dispatch_worst_huge": lambda b: _dispatch(b, num_worst_tokens=2**40),
+    "dispatch_worst_too_big_for_memory": lambda b: _dispatch(b, num_worst_tokens=2**31 - 1),
+    "dispatch_alignment_huge": lambda b: _dispatch(b, expert_alignment=2**40),
+    "ll_m_huge": lambda b: _ll_dispatch(b, num_max_dispatch_tokens_per_rank=2**40),
+    "ll_m_too_big_for_memory": lambda b: _ll_buffer(b, num_rdma_bytes=2**62).low_latency_dispatch(
+        _inputs(1)["x"], _inputs(1)["topk_idx"], 2**30, E),
+    "ll_experts_huge": lambda b: _ll_dispatch(b, num_experts=2**40),
 }
 
 

@@ -111,6 +111,23 @@ EXPECTED = {
     "ll_clean_hidden": ("ValueError", r"clean_low_latency_buffer: hidden must be a multiple of 128, got 200"),
     "ll_next_buffer_handle": ("TypeError", r"get_next_low_latency_combine_buffer: handle must be the 5-tuple"),
     "ll_size_hint_hidden": ("ValueError", r"get_low_latency_rdma_size_hint: hidden must be >= 128, got 64"),
+    "layout_experts_huge": ("ValueError", r"^get_dispatch_layout: num_experts must be at most 2147483647 \(experts are "
+                                          r"numbered with int32 in counts and records\), got 1099511627776$"),
+    "layout_experts_too_big_for_memory": ("ValueError", r"^get_dispatch_layout: num_experts must be small enough for "
+                                                        r"the per-expert counts to fit on cpu \(34359738352 bytes "
+                                                        r"needed, \d+ there\), got 2147483647$"),
+    "dispatch_experts_huge": ("ValueError", r"^dispatch: num_experts must be at most 2147483647"),
+    "dispatch_worst_huge": ("ValueError", r"^dispatch: num_worst_tokens must be at most 2147483647 \(received rows "
+                                          r"are numbered with int32 \(handle\[3\]\)\), got 1099511627776$"),
+    "dispatch_worst_too_big_for_memory": ("ValueError", r"^dispatch: num_worst_tokens must be small enough for "
+                                                        r"2147483647 padded rows of outputs to fit on cpu"),
+    "dispatch_alignment_huge": ("ValueError", r"^dispatch: expert_alignment must be at most 2147483647"),
+    "ll_m_huge": ("ValueError", r"^low_latency_dispatch: num_max_dispatch_tokens_per_rank must be at most 2147483647 "
+                                r"\(the num_ranks \* M = 1 \* M rows of an expert's block are numbered with int32\), "
+                                r"got 1099511627776$"),
+    "ll_m_too_big_for_memory": ("ValueError", r"^low_latency_dispatch: num_max_dispatch_tokens_per_rank must be small "
+                                              r"enough for the \[8, 1073741824, 128\] receive buffer to fit on cpu"),
+    "ll_experts_huge": ("ValueError", r"^low_latency_dispatch: num_experts must be at most 2147483647"),
 }
 
 
