@@ -22,9 +22,11 @@ from shm_cases import _inputs
 
 #: Where ``killed_while_setting_up`` can kill the victim, by transport. shm: in the middle of a
 #: growth (``ShmTransport._map``), after creating its new segment, after the names are exchanged,
-#: after mapping its peers' (before the barrier), after the barrier (before the unlink). mpi (and
-#: any transport with host counters): after opening the counters file, before the barrier.
-KILL_POINTS = {"shm": ["created", "named", "mapped", "met"], "mpi": ["counters"], "collective": ["counters"]}
+#: after mapping its peers' (before the barrier), after the barrier (before the unlink). Every
+#: transport with host counters (the shm transport through its collective one): after opening the
+#: counters file, before the construction's barrier.
+KILL_POINTS = {"shm": ["created", "named", "mapped", "met", "counters"], "mpi": ["counters"],
+               "collective": ["counters"]}
 
 
 def identity(group: dist.ProcessGroup) -> dict[str, Any]:
