@@ -185,7 +185,8 @@ def test_combine_reduce_wrapper_checks_the_tensors_behind_the_pointers():
         combine_reduce(layout, records, pos, None, None, torch.empty(1, 4), None)
     with pytest.raises(ValueError, match=r"combine_reduce: send_pos must be \[2, 1\] torch.int32"):
         combine_reduce(layout, records, pos.long(), None, None, torch.empty(2, 4), None)
-    with pytest.raises(ValueError, match=r"combine_reduce: records\[0\] must be \[rows, 16\] uint8"):
+    with pytest.raises(ValueError,
+                       match=r"combine_reduce: records\[0\] must be a contiguous \[rows, 16\] uint8 tensor"):
         combine_reduce(layout, records[:, :8], pos, None, None, torch.empty(2, 4), None)
 
 
@@ -426,6 +427,7 @@ def test_native_paths_refuse_tensors_off_the_cpu():
     with pytest.raises(ValueError, match=r"gather_rows: src must be on the CPU like the others"):
         gather_rows(torch.empty(2, 3), torch.empty(7, 3, device="meta"), torch.zeros(2, dtype=torch.int64))
     comb = RecordLayout.build([("x", torch.float32, 4)])
-    with pytest.raises(ValueError, match=r"combine_reduce: records\[0\] must be on the CPU like the others"):
+    with pytest.raises(ValueError, match=r"combine_reduce: records\[0\] must be a contiguous \[rows, 16\] uint8 tensor "
+                                         r"on the CPU, got \[3, 16\] torch.uint8 strides \(16, 1\) on meta"):
         combine_reduce(comb, torch.zeros(3, 16, dtype=torch.uint8, device="meta"), torch.zeros(2, 1, dtype=torch.int32),
                        None, None, torch.empty(2, 4), None)

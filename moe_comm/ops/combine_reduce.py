@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .._native import cpu_threads, native
-from .records import RecordLayout, check_index, check_on_cpu, check_records
+from .records import RecordLayout, check_index, check_records
 
 __all__ = ["combine_reduce", "combine_reduce_reference", "REDUCE_DTYPES", "Records"]
 
@@ -80,14 +80,13 @@ def _check_native(layout: RecordLayout, sources: list[torch.Tensor], send_pos: t
     num_tokens, num_sources = send_pos.shape
     shape = (num_tokens, x_field.num_cols)
     for j, r in enumerate(sources):
-        check_records("combine_reduce", f"records[{j}]", r, layout.record_bytes)
-    check_on_cpu("combine_reduce", {f"records[{j}]": r for j, r in enumerate(sources)})
+        check_records("combine_reduce", "records", r, layout.record_bytes, j)
     expected = [("send_pos", send_pos, (num_tokens, num_sources), torch.int32), ("out", out, shape, x_field.dtype),
                 ("bias0", bias0, shape, x_field.dtype), ("bias1", bias1, shape, x_field.dtype),
                 ("out_weights", out_weights, (num_tokens, num_topk), torch.float32),
                 ("scale", scale, (num_tokens, num_sources), torch.float32)]
     for name, t, want, dtype in expected:
-        if t is not None and (tuple(t.shape) != want or t.dtype != dtype or t.device.type != "cpu"):
+        if t is not None and (t.shape != want or t.dtype != dtype or not t.is_cpu):
             raise ValueError(f"combine_reduce: {name} must be {list(want)} {dtype} on the CPU, got {list(t.shape)} "
                              f"{t.dtype} on {t.device}")
     for name, t in (("out", out), ("out_weights", out_weights)):

@@ -77,21 +77,25 @@ def check_index(op: str, name: str, index: torch.Tensor, low: int, high: Union[i
                      f"({text})")
 
 
-def check_records(op: str, name: str, records: torch.Tensor, record_bytes: int) -> None:
-    """Raises ValueError unless ``records`` is `[rows, record_bytes]` uint8 with contiguous rows (what the
-    native kernels read: record i at byte ``i * record_bytes``)."""
-    if (not isinstance(records, torch.Tensor) or records.dim() != 2 or records.dtype != torch.uint8
-            or records.shape[1] != record_bytes or (records.shape[1] > 1 and records.stride(1) != 1)
-            or (records.shape[0] > 1 and records.stride(0) != record_bytes)):
-        got = (f"{list(records.shape)} {records.dtype} strides {records.stride()}" if isinstance(records, torch.Tensor)
-               else type(records).__name__)
-        raise ValueError(f"{op}: {name} must be [rows, {record_bytes}] uint8 with contiguous rows, got {got}")
+def check_records(op: str, name: str, records: torch.Tensor, record_bytes: int, source: Optional[int] = None,
+                  cpu: bool = True) -> None:
+    """Raises ValueError unless ``records`` is a contiguous `[rows, record_bytes]` uint8 tensor (what the native
+    kernels read: record i at byte ``i * record_bytes``), on the CPU unless ``cpu`` is False. ``source``, when
+    given, is named as ``name[source]``. Cheap enough for every call (a few attribute reads)."""
+    if (isinstance(records, torch.Tensor) and records.dtype == torch.uint8 and records.dim() == 2
+            and records.is_contiguous() and records.shape[1] == record_bytes and (records.is_cpu or not cpu)):
+        return
+    name = name if source is None else f"{name}[{source}]"
+    got = (f"{list(records.shape)} {records.dtype} strides {records.stride()} on {records.device}"
+           if isinstance(records, torch.Tensor) else type(records).__name__)
+    raise ValueError(f"{op}: {name} must be a contiguous [rows, {record_bytes}] uint8 tensor"
+                     f"{' on the CPU' if cpu else ''}, got {got}")
 
 
 def check_on_cpu(op: str, tensors: dict[str, Optional[torch.Tensor]]) -> None:
     """Raises ValueError unless every tensor given is on the CPU: the native kernels dereference data_ptr()."""
     for name, t in tensors.items():
-        if t is not None and t.device.type != "cpu":
+        if t is not None and not t.is_cpu:
             raise ValueError(f"{op}: {name} must be on the CPU like the others (the native path), got {t.device}")
 
 
@@ -197,7 +201,7 @@ def unpack_rows(layout: RecordLayout, records: torch.Tensor, outputs: Sequence[O
     Reference: ``unpack_rows_reference``.
     """
     _check(layout, outputs, "unpack_rows")
-    check_records("unpack_rows", "records", records, layout.record_bytes)
+    check_records("unpack_rows", "records", records, layout.record_bytes, cpu=False)
     if records.device.type != "cpu":
         return unpack_rows_reference(layout, records, outputs, dst_rows)
     num_rows = records.shape[0]
