@@ -47,17 +47,10 @@ class _Call:
 
 
 class CallAgreement:
-    """The call protocol of one Buffer over its transport (see the module docstring).
+    """The call protocol of one Buffer over its transport (see the module docstring)."""
 
-    Args:
-        transport: the Buffer's transport.
-        skip_for: the ranks a call of operation ``op`` leaves out (masked ranks of low-latency calls),
-            so that a rejection meets the same ranks the call would have.
-    """
-
-    def __init__(self, transport: Transport, skip_for: Callable[[str], frozenset[int]]) -> None:
+    def __init__(self, transport: Transport) -> None:
         self.transport, self.rank, self.num_ranks = transport, transport.rank, transport.num_ranks
-        self._skip_for = skip_for
         self.calls = 0  # collective calls begun, rejected ones included
         self.broken: Optional[str] = None  # why this buffer refuses further use
         self.destroyed = False
@@ -77,20 +70,22 @@ class CallAgreement:
             self.broken = reason
 
     # ------------------------------------------------------------------ calls
-    def call(self, op: str, body: Callable[[], Any]) -> Any:
-        """Runs ``body`` as the next collective call ``op`` (see the module docstring)."""
+    def call(self, op: str, body: Callable[[], Any], skipped: Callable[[], frozenset[int]]) -> Any:
+        """Runs ``body`` as the next collective call ``op`` (see the module docstring); ``skipped()``
+        gives the ranks the call leaves out (masked ranks), so that a rejection meets the same ranks
+        the call would have."""
         self.refuse(op)
         self.calls += 1
         call = self._current = _Call(op, self.calls)
         try:
             return body()
         except BaseException as exc:
-            self._failed(call, exc)
+            self._failed(call, exc, skipped)
             raise
         finally:
             self._current = None
 
-    def _failed(self, call: _Call, exc: BaseException) -> None:
+    def _failed(self, call: _Call, exc: BaseException, skipped: Callable[[], frozenset[int]]) -> None:
         if self.broken is not None or exc is call.agreed:
             return
         if call.started:
@@ -101,7 +96,7 @@ class CallAgreement:
         call.rejection = f"{type(exc).__name__}: {exc}"
         try:
             self.handshake(call.op, OP_CODES[call.op], {}, [0] * self.num_ranks, [0] * self.num_ranks, (),
-                           self.transport.device, self._skip_for(call.op))
+                           self.transport.device, skipped())
         except BaseException as failure:  # the rejection could not be delivered: ranks may wait for it
             self.breaks(f"{type(failure).__name__} while rank {self.rank} reported its rejected {call.op} "
                         f"(call {call.number}): {failure}")
@@ -207,10 +202,11 @@ class CallAgreement:
 def collective(op: str) -> Callable[[F], F]:
     """Makes a ``Buffer`` method one collective call ``op`` of the buffer's ``CallAgreement``
     (``self._agreement``): numbered, refused once the buffer is broken, and a rejection of its
-    arguments (even a wrong signature) reported to every rank."""
+    arguments (even a wrong signature) reported to every rank (``self._skipped_by(op)`` names the
+    ranks the call leaves out)."""
     def wrap(method: F) -> F:
         @functools.wraps(method)
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return self._agreement.call(op, lambda: method(self, *args, **kwargs))
+            return self._agreement.call(op, lambda: method(self, *args, **kwargs), lambda: self._skipped_by(op))
         return run  # type: ignore[return-value]
     return wrap

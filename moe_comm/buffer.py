@@ -112,7 +112,7 @@ class Buffer(LowLatencyAPI):
             self.transport_name, group, self.timeout_s, min(max(num_nvl_bytes, num_rdma_bytes), _PREALLOCATE_MAX),
             comm=comm)
         self.rank, self.group_size = self.runtime.rank, self.runtime.num_ranks
-        self._agreement = CallAgreement(self.runtime, self._skipped_by)
+        self._agreement = CallAgreement(self.runtime)
         self._normal = NormalMode(self.runtime, self._agreement)
         self._low_latency = LowLatencyMode(self.runtime, self._agreement, shrink=enable_shrink)
 
