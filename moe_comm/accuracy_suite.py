@@ -7,22 +7,28 @@ and an expert that receives nothing), copied to the device, and each result is c
 op's reference computed on the CPU. Triton on CPU tensors needs its interpreter, which Triton reads
 at import; so when this process was not started with ``TRITON_INTERPRET=1`` the interpreter column
 comes from a child process that was.
+
+Exit status: 0 every check passes, 1 a check fails, 2 the interpreter child failed or cannot run (its
+exception, traceback tail and Triton version are printed after the table of the rows that did run).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 from typing import Any, Callable, Iterator
 
 import torch
 
 from . import ops
 from .accuracy import EXACT, check
+from .ops import backend
 
-__all__ = ["run", "main", "targets"]
+__all__ = ["run", "main", "targets", "InterpreterChildError"]
 
 Check = tuple[str, torch.Tensor, torch.Tensor, Any]  # (what, out, ref, dtype or EXACT)
 
@@ -171,15 +177,57 @@ def run(pairs: list[tuple[torch.device, str]]) -> list[dict[str, Any]]:
     return rows
 
 
+class InterpreterChildError(RuntimeError):
+    """The ``TRITON_INTERPRET=1`` child of ``python -m moe_comm.accuracy`` produced no rows (or could not
+    run: ``ops.backend.interpreter_problem``); the message carries its exit status, the Triton version and
+    the tail of its stderr (its exception and traceback)."""
+
+
+_CHILD_TIMEOUT_S = 1800
+_STDERR_TAIL = 6000  # characters: a Triton interpreter traceback's last frames and its exception
+
+
+def _triton_version() -> str:
+    import triton  # imported already: ops.triton_usable found it
+    return getattr(triton, "__version__", "unknown")
+
+
+def _child_failure(how: str, stderr: str) -> InterpreterChildError:
+    """The error naming the child's own: its last stderr line (a traceback's exception) first, then the tail."""
+    tail = stderr[-_STDERR_TAIL:].rstrip() or "(nothing on stderr)"
+    return InterpreterChildError(
+        f"the Triton interpreter run (triton {_triton_version()}, TRITON_INTERPRET=1, "
+        f"`{sys.executable} -m moe_comm.accuracy --only-cpu-triton`) {how}: {tail.splitlines()[-1]}\n"
+        f"its stderr ends with:\n{tail}")
+
+
 def _interpreter_rows() -> list[dict[str, Any]]:
-    """Rows of a child process with ``TRITON_INTERPRET=1`` (Triton reads it once, at import)."""
+    """Rows of a child process with ``TRITON_INTERPRET=1`` (Triton reads it once, at import). The child
+    writes them to a file when its run is complete (stdout may carry a kernel's prints), so no file means
+    it failed, whatever its exit status: raises InterpreterChildError with its own error."""
     if ops.triton_usable(torch.device("cpu"))[1].startswith("triton does not import"):
         return []
-    child = subprocess.run([sys.executable, "-m", "moe_comm.accuracy", "--only-cpu-triton", "--rows-json", "-"],
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=1800)
-    if child.returncode not in (0, 1):
-        raise RuntimeError(f"the Triton interpreter run failed ({child.returncode}):\n{child.stderr[-4000:]}")
-    return json.loads(child.stdout)
+    if backend.interpreter_problem() is not None:
+        raise InterpreterChildError(f"the Triton interpreter cannot run here: {backend.interpreter_problem()}")
+    with tempfile.TemporaryDirectory(prefix="moe-comm-accuracy-") as tmp:
+        path = os.path.join(tmp, "rows.json")
+        command = [sys.executable, "-m", "moe_comm.accuracy", "--only-cpu-triton", "--rows-json", path]
+        try:
+            child = subprocess.run(command, env={**os.environ, "TRITON_INTERPRET": "1"}, stdin=subprocess.DEVNULL,
+                                   capture_output=True, text=True, timeout=_CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+            raise _child_failure(f"did not finish within {_CHILD_TIMEOUT_S} s", stderr) from None
+        if child.returncode < 0:
+            how = f"was killed by {signal.Signals(-child.returncode).name}"
+        elif child.returncode not in (0, 1):
+            how = f"exited with status {child.returncode}"
+        elif not os.path.exists(path):
+            how = f"exited with status {child.returncode} without writing its rows"
+        else:
+            with open(path) as f:
+                return json.load(f)
+        raise _child_failure(how, child.stderr)
 
 
 def _format(value: Any) -> str:
@@ -202,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_comm.accuracy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--no-interpreter", action="store_true",
-                        help="skip Triton's CPU interpreter (needs triton>=3.8 with numpy>=2.4)")
+                        help="skip Triton's CPU interpreter (before triton 3.7 it needs numpy<2.4)")
     parser.add_argument("--only-cpu-triton", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rows-json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -213,10 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     elif args.no_interpreter:
         pairs = [p for p in pairs if p != interpreter]
     rows = run(pairs)
+    child_error = None
     if not (args.only_cpu_triton or args.no_interpreter) and interpreter not in pairs:
-        rows += _interpreter_rows()
-    if args.rows_json == "-":
-        print(json.dumps(rows))
+        try:
+            rows += _interpreter_rows()
+        except InterpreterChildError as exc:
+            child_error = exc
+    if args.rows_json:  # the child's side of _interpreter_rows: the file appears only once every row is in
+        with open(args.rows_json + ".part", "w") as f:
+            json.dump(rows, f)
+        os.replace(args.rows_json + ".part", args.rows_json)
         return 0 if all(r["passed"] for r in rows) else 1
     print(table(rows))
     failed = sum(not r["passed"] for r in rows)
@@ -226,4 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if child_error is not None:
+        print(f"\npython -m moe_comm.accuracy: no cpu/triton (interpreter) rows: {child_error}", file=sys.stderr)
+        return 2
     return 1 if failed else 0

@@ -6,7 +6,8 @@ rejects (a plain int global read inside a kernel, for one). This compiles each v
 cubin (``ptxas`` ships in the triton wheel), as the wrappers launch it:
 
 - with the launch options they pass (the grouped GEMM's ``default_config``: warps, stages, and tile
-  sizes, which the registry must match; Triton's defaults for the other kernels);
+  sizes, which the registry must match; ``enable_fp_fusion=False`` for the rows kernel, as
+  ``moe_comm/ops/quant.py`` launches it; Triton's defaults for the other kernels);
 - twice: for any sizes, and specialised as Triton's JIT specialises a launch whose pointers are
   16-byte aligned and whose integer arguments are multiples of 16 (DeepSeek-V3's shapes). Only the
   second form lets the compiler vectorise the loads and software-pipeline the GEMM's K loop into
@@ -36,6 +37,8 @@ import triton_ascend_check as registry  # noqa: E402  (the one list of kernel va
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 227 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90 (H100, H200)
 GEMM = "grouped_gemm.grouped_gemm_kernel"
+# Launch options of the other kernels that are not Triton's defaults (round_int8 needs an unfused add).
+FIXED_OPTIONS = {"quant.rows_kernel": {"enable_fp_fusion": False}}
 
 
 def source(fn: triton.runtime.jit.JITFunction, variant: registry.Variant, aligned: bool = False) -> ASTSource:
@@ -58,11 +61,12 @@ def source(fn: triton.runtime.jit.JITFunction, variant: registry.Variant, aligne
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
-def launch_options(kernel: str, variant: registry.Variant) -> dict[str, int]:
-    """``num_warps``/``num_stages`` of the wrapper's launch; raises if the registry's GEMM tiles differ from
-    ``moe_comm.ops.grouped_gemm.default_config`` (the registry would then check a launch nobody makes)."""
+def launch_options(kernel: str, variant: registry.Variant) -> dict[str, int | bool]:
+    """The wrapper's launch options: the GEMM's ``num_warps``/``num_stages``, FIXED_OPTIONS for the others;
+    raises if the registry's GEMM tiles differ from ``moe_comm.ops.grouped_gemm.default_config`` (the
+    registry would then check a launch nobody makes)."""
     if kernel != GEMM:
-        return {}
+        return dict(FIXED_OPTIONS.get(kernel, {}))
     from moe_comm.ops.grouped_gemm import default_config
     c = variant.constants
     config = default_config(c["FP8"], c["SWIGLU"], interpreting=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 from types import ModuleType
 from typing import Optional
 
@@ -12,7 +13,7 @@ import torch
 
 from .. import env
 
-__all__ = ["BACKENDS", "resolve", "triton_usable", "kernels", "next_pow2"]
+__all__ = ["BACKENDS", "resolve", "triton_usable", "interpreter_problem", "kernels", "next_pow2"]
 
 BACKENDS = ("native", "triton")
 
@@ -26,6 +27,26 @@ def _triton_import_error() -> Optional[str]:
     return None
 
 
+def _release(version: str) -> tuple[int, int]:
+    major, minor = (re.findall(r"\d+", version) + ["0", "0"])[:2]
+    return int(major), int(minor)
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_problem() -> Optional[str]:
+    """Why Triton's CPU interpreter cannot run with the installed Triton and numpy, or None. Interpreters
+    before Triton 3.7 call int() on one-element arrays (every ``range`` over a kernel argument), which
+    numpy 2.4 refuses; compiled kernels do not use numpy."""
+    if _triton_import_error() is not None:
+        return _triton_import_error()
+    import numpy
+    import triton
+    if _release(triton.__version__) < (3, 7) and _release(numpy.__version__) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter needs numpy<2.4, found numpy {numpy.__version__}: "
+                f"install 'numpy<2.4' or triton>=3.7")
+    return None
+
+
 def triton_usable(device: torch.device) -> tuple[bool, str]:
     """Whether Triton kernels can run on ``device``, and why not. CPU tensors need Triton's interpreter
     (``TRITON_INTERPRET=1`` before the kernels are first imported); a device needs a Triton backend."""
@@ -34,6 +55,8 @@ def triton_usable(device: torch.device) -> tuple[bool, str]:
         return False, error
     if device.type == "cpu" and not env.triton_interpret():
         return False, "Triton runs on CPU tensors only in its interpreter: set TRITON_INTERPRET=1 before starting"
+    if device.type == "cpu" and interpreter_problem() is not None:
+        return False, interpreter_problem()
     if device.type != "cpu" and env.triton_interpret():
         return False, f"TRITON_INTERPRET=1 is set, so Triton would interpret, not compile, for {device.type} tensors"
     return True, ""
