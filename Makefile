@@ -5,10 +5,24 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moe-comm-installed
 # The CPU build of torch (a plain `torch` requirement would pull a multi-GB CUDA build).
 TORCH_SPEC ?= torch==2.13.0
-# Triton runs the kernels' tests in its CPU interpreter; 3.8 is the first whose interpreter works with numpy 2.4.
+# Triton runs the kernels' tests in its CPU interpreter. The venv gets the Triton that torch 2.14 pins.
 TRITON_SPEC ?= triton==3.8.0
 
-.PHONY: setup demo test bench clean ascend-check test-engines
+# The tests that run the Triton kernels again, on the lowest and the newest Triton release that the
+# `triton` extra admits (pyproject.toml; change these with it). Each Triton is a `pip --target` folder
+# inside the venv, put first on PYTHONPATH: it reuses the venv's torch and built moe_comm. Interpreters
+# before Triton 3.7 call int() on one-element arrays, which numpy 2.4 refuses: the lowest gets an older
+# numpy too (only the interpreter needs numpy; compiled kernels do not).
+TRITON_LOWEST ?= 3.2.0
+TRITON_LOWEST_NUMPY ?= numpy<2.4
+TRITON_NEWEST ?= 3.9.0
+TRITON_OVERLAYS := $(VENV)/triton-$(TRITON_LOWEST)/.installed $(VENV)/triton-$(TRITON_NEWEST)/.installed
+# Everything that imports the kernels: the ops against their references (interpreter), the sm_90 compile,
+# the accuracy CLI's child, and the MoE layer on the kernels (one transport: the kernels are the same).
+TRITON_TESTS := python_tests/test_fused_ops.py python_tests/test_triton_compile.py python_tests/test_accuracy_cli.py \
+	python_tests/test_moe.py::test_ep_moe_on_triton_kernels -k "not test_ep_moe_on_triton_kernels or collective"
+
+.PHONY: setup demo test test-triton-versions bench clean ascend-check test-engines
 
 setup: $(STAMP)
 
@@ -22,9 +36,29 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*/*)
 demo: setup
 	$(PY) examples/demo.py --ranks 4
 
-test: setup
+test: setup $(TRITON_OVERLAYS)
 	$(PY) -m pytest -q python_tests
 	$(PY) -m moe_comm.accuracy
+	$(call triton_tests,$(TRITON_LOWEST))
+	$(call triton_tests,$(TRITON_NEWEST))
+
+$(VENV)/triton-%/.installed: | $(STAMP)
+	rm -rf $(VENV)/triton-$*
+	$(PY) -m pip install -q --target $(VENV)/triton-$* "triton==$*" \
+		$(if $(filter $*,$(TRITON_LOWEST)),"$(TRITON_LOWEST_NUMPY)")
+	touch $@
+
+# $(call triton_tests,VERSION): the Triton tests and the accuracy table with that Triton (checked first).
+define triton_tests
+	PYTHONPATH=$(abspath $(VENV)/triton-$(1)) $(PY) -c 'import numpy, triton; v = triton.__version__; \
+		print(f"== triton {v}, numpy {numpy.__version__}"); assert v == "$(1)", f"wanted triton $(1), got {v}"'
+	PYTHONPATH=$(abspath $(VENV)/triton-$(1)) $(PY) -m pytest -q $(TRITON_TESTS)
+	PYTHONPATH=$(abspath $(VENV)/triton-$(1)) $(PY) -m moe_comm.accuracy
+endef
+
+test-triton-versions: setup $(TRITON_OVERLAYS)
+	$(call triton_tests,$(TRITON_LOWEST))
+	$(call triton_tests,$(TRITON_NEWEST))
 
 bench: setup
 	$(PY) bench/bench_normal.py --ranks 4
