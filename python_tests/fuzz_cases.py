@@ -266,7 +266,7 @@ CORRUPTIONS: dict[str, tuple[str, Callable[[Ctx], Any]]] = {
 }
 
 
-ONE_SIDED = {"hidden_differs", "dtype_differs", "topk_differs", "ll_m_differs", "ll_fp8_differs"}
+ONE_SIDED = {"hidden_differs", "dtype_differs", "topk_differs", "combine_hidden", "ll_m_differs", "ll_fp8_differs"}
 ALL_RANKS = {"ll_on_normal_buffer"}
 #: the operation each kind's error messages name
 OP_OF = {"dispatch": "dispatch", "cached": "dispatch", "combine": "combine", "ll_dispatch": "low_latency_dispatch",
