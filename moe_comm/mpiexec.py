@@ -31,7 +31,7 @@ from typing import Any, Optional
 from ._native import native
 from .launch import worker_loop
 from .transport.mpi import MPICH_SHM_PREFIX, mapped_mpich_segments
-from .transport.shm_segment import sweep_stale
+from .transport.shm_segment import process_gone, sweep_stale
 
 __all__ = ["MpiexecRanks", "find_mpiexec", "shm_holders"]
 
@@ -215,9 +215,9 @@ class MpiexecRanks:
         job that ended normally has unlinked them itself), and sweeps moe-comm's files. When a rank
         never reported (killed while starting), the job's segment is found by its time instead: an
         ``mpich_shm_*`` created while the job ran that nothing holds."""
-        for pid in self._pids:  # the ranks are gone once mpiexec is; wait for their last exits
-            deadline = time.monotonic() + 5.0
-            while pid and native().process_alive(pid) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 5.0  # the ranks end with mpiexec; wait for their last threads
+        for pid in self._pids:
+            while pid and not process_gone(pid) and time.monotonic() < deadline:
                 time.sleep(0.01)
         sweep_stale()
         scanned = time.time()

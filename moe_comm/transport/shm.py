@@ -33,8 +33,8 @@ __all__ = ["ShmTransport", "node_ranks"]
 
 _MIN_CAPACITY = 1 << 20
 _NAME_BYTES = 64
-# After a failure while mapping, how long to wait for a peer that is dying to be gone (its segment
-# is unheld from then on) before sweeping without it.
+# After a peer is found exited, or a failure while mapping, how long to wait for a dying peer to let
+# go of its segment (its last threads may still be exiting) before sweeping without it.
 _DYING_PEER_S = 2.0
 
 
@@ -70,7 +70,7 @@ class _Waiter:
         if index < 0:
             return
         if reason == 2:
-            sweep_stale(exited=[pids[index]])  # what it held until it died
+            sweep_stale(exited=[pids[index]], wait_s=_DYING_PEER_S)  # what it held until it died
             raise PeerExitedError(op, t.rank, ranks[index], pids[index])
         if reason == 3:
             raise RuntimeError(f"{op}: rank {t.rank}: rank {ranks[index]} is out of step (it published exchange "
@@ -80,7 +80,7 @@ class _Waiter:
         late = sorted({r for f, goal, r in zip(flags, targets, ranks) if native().flag_load(f) < goal})
         dead = [r for r in late if not native().process_alive(t.pids[r])]
         if dead:
-            sweep_stale(exited=[t.pids[r] for r in dead])
+            sweep_stale(exited=[t.pids[r] for r in dead], wait_s=_DYING_PEER_S)
         raise CommTimeoutError(op, t.rank, t.timeout_s, late,
                                ", ".join(f"rank {r} (pid {t.pids[r]}) has exited" for r in dead))
 

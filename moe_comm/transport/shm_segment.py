@@ -32,7 +32,7 @@ import torch
 from .._native import native
 
 __all__ = ["META", "DATA", "NUM_SLOTS", "META_CELL", "PREFIX", "COUNTERS_PREFIX", "SegmentLayout", "Segment",
-           "segment_name", "create_held", "open_held", "sweep_stale"]
+           "segment_name", "create_held", "open_held", "process_gone", "sweep_stale"]
 
 META, DATA = 0, 1  # channels: small all-to-alls, payload exchanges
 NUM_SLOTS = 2      # per channel: DeepEP's double buffering
@@ -142,8 +142,9 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 # ---------------------------------------------------------------------- held files, the sweep
 # NOTES: flock locks belong to the open file, which lives as long as any descriptor or mapping of it,
-# so a holder that exits (crash and SIGKILL included) releases its lock before its parent can see it
-# exited (the kernel closes files and mappings before the process becomes a zombie).
+# so a holder that exits (crash and SIGKILL included) releases its lock. Not before its *last thread*
+# has exited, though: a process's main thread can be a zombie (what process_alive calls exited) while
+# its other threads still share, and hold, its files and memory (see process_gone).
 
 class _NoSpace(OSError):
     """posix_fallocate failed (its OSError is the cause)."""
@@ -236,13 +237,31 @@ def _creator_pid(name: str) -> int:
     return int(pid) if pid.isdigit() else 0
 
 
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited and let go of all its files and mappings: no such process,
+    or a zombie with no other thread left (a zombie main thread waits for the others, which still
+    hold the process's files and memory). Where /proc cannot be read: not alive."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return not native().process_alive(pid)
+    state = fields.get("State", "").split()[:1]
+    threads = fields.get("Threads", "1").strip()
+    return state in (["Z"], ["X"]) and (not threads.isdigit() or int(threads) <= 1)
+
+
 def sweep_stale(directory: str = _DIR, *, exited: Iterable[int] = (), wait_s: float = 0.0) -> list[str]:
     """Unlinks the moe-comm files in ``directory`` (segments, host counters) that no process holds;
     returns their names. Local; never waits for a live holder.
 
-    ``exited``: pids of host peers found exited or failing. Their segments are first waited for, up
-    to ``wait_s`` in all, until the process is gone, so that a rank that sweeps right after a peer's
-    failure (while the peer may still be dying) removes what the peer held."""
+    ``exited``: pids of host peers found exited or failing. Their segments are waited for, up to
+    ``wait_s`` in all, until the process is gone (``process_gone``) and the segment unheld, so that
+    a rank that sweeps right after a peer's failure, while the peer may still be dying, removes what
+    the peer held. A segment is held by its creator alone, so this waits only for dying peers (or,
+    for a peer that fails without dying, ``wait_s``)."""
     removed: list[str] = []
     try:
         names = os.listdir(directory)
@@ -253,9 +272,11 @@ def sweep_stale(directory: str = _DIR, *, exited: Iterable[int] = (), wait_s: fl
         if not name.startswith((PREFIX, COUNTERS_PREFIX)):
             continue
         pid = _creator_pid(name)
-        if pid in waited:
-            while native().process_alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.005)
-        if _unlink_if_unheld(directory, name):
-            removed.append(name)
+        while True:
+            if _unlink_if_unheld(directory, name):
+                removed.append(name)
+                break
+            if pid not in waited or time.monotonic() >= deadline or not os.path.exists(os.path.join(directory, name)):
+                break
+            time.sleep(0.005)  # a dying peer's last threads still hold it
     return removed
