@@ -153,20 +153,14 @@ def _listed(pairs: list[tuple[int, int]], word: Callable[[int, int], str]) -> st
 
 def check(shake: Handshake, op: str, compare: Sequence[str]) -> None:
     """The verdict on agreed vectors (after call numbers and rejections): operations, the
-    ``compare`` fields, row counts and row digests must agree. Raises the same
-    CrossRankMismatchError on every rank."""
+    ``compare`` fields, row counts, the handles' prefix matrices and row digests must agree, checked
+    in that order. Raises the same CrossRankMismatchError on every rank."""
     hint = ("every rank must call the same operation with the same hidden size, dtypes, top-k, number of "
             "experts and config")
     if len(set(shake.field("op"))) > 1:  # no local prefix: every rank must word it the same
         raise CrossRankMismatchError(f"ranks called different operations: {per_rank(shake, 'op')}; {hint}")
     for name in compare:
-        values = shake.field(name)
-        if len(set(values)) > 1 and name == "prefix_digest":
-            odd = [r for r, v in enumerate(values) if v != values[0]]
-            raise CrossRankMismatchError(f"{op}: the handles' rank prefix matrices (handle[0]) differ across ranks "
-                                         f"(ranks {odd} differ from rank 0's); every rank must pass the unmodified "
-                                         f"handle of the same dispatch")
-        if len(set(values)) > 1:
+        if name != "prefix_digest" and len(set(shake.field(name))) > 1:
             raise CrossRankMismatchError(f"{op}: ranks disagree on {name}: {per_rank(shake, name)}; {hint}")
     R, sent, expected = len(shake.rows), shake.matrix, shake.expected()
     bad = [(i, j) for i in range(R) for j in range(R) if 0 <= expected[i][j] != sent[j][i]]
@@ -175,6 +169,12 @@ def check(shake: Handshake, op: str, compare: Sequence[str]) -> None:
                                           f"{sent[j][i]}")
         raise CrossRankMismatchError(f"{op}: row counts disagree: {shown}; every rank must pass the handle "
                                      f"of the same dispatch")
+    prefixes = shake.field("prefix_digest")
+    if "prefix_digest" in compare and len(set(prefixes)) > 1:
+        odd = [r for r, v in enumerate(prefixes) if v != prefixes[0]]
+        raise CrossRankMismatchError(f"{op}: the handles' rank prefix matrices (handle[0]) differ across ranks "
+                                     f"(ranks {odd} differ from rank 0's); every rank must pass the unmodified "
+                                     f"handle of the same dispatch")
     sent_digest, expected_digest = shake.digests()
     bad = [(i, j) for i in range(R) for j in range(R)
            if expected_digest[i][j] != UNKNOWN and sent_digest[j][i] != UNKNOWN

@@ -155,6 +155,12 @@ class _SpawnedRanks:
             if p.is_alive():
                 p.kill()
                 p.join()
+        # NOTES: every queue holds named semaphores (/dev/shm/sem.mp-*) until it is collected; let
+        # them go with the ranks rather than with this object.
+        for q in [self._results, *self._tasks]:
+            q.cancel_join_thread()
+            q.close()
+        self._results, self._tasks = None, []
 
 
 class LocalWorld:
