@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .checks import check_int, check_tensor, describe
+from .checks import check_int, check_tensor
 from .errors import bad_argument
 
 __all__ = ["NormalHandle", "LowLatencyHandle", "SendPlan", "plan_sends"]

@@ -28,9 +28,8 @@ import torch
 
 from .agreement import CallAgreement
 from .alloc import empty, zeros
-from .errors import PeerExitedError
 from .handle import LowLatencyHandle
-from .handshake import Handshake, digests
+from .handshake import digests
 from .ops import (RecordLayout, combine_reduce, combine_rows, low_latency_unpack, pack_rows, quantize,
                   send_order)
 from .ops.fp8 import FP8_DTYPE
@@ -122,17 +121,6 @@ class LowLatencyMode:
             self.masked.update(self.transport.exited_ranks())
         return frozenset(self.masked)
 
-    def _shake(self, op: str, code: int, fields: dict, send_counts: list[int], expected: Optional[list[int]],
-               compare: tuple, device: torch.device, skip: frozenset[int], **digests: list[int]) -> Handshake:
-        """The handshake; with shrink, a peer that exits meanwhile is masked (for a new Buffer's
-        sake: the error breaks this one)."""
-        try:
-            return self.agreement.handshake(op, code, fields, send_counts, expected, compare, device, skip, **digests)
-        except PeerExitedError as exc:
-            if self.shrink:
-                self.masked.add(exc.peer)
-            raise
-
     def _routable(self, topk_idx: torch.Tensor, num_experts: int, skip: frozenset[int]) -> torch.Tensor:
         """``topk_idx`` with the experts of masked ranks replaced by -1."""
         if not skip:
@@ -160,9 +148,9 @@ class LowLatencyMode:
         skip = self.skip()
         msg, experts, send_counts = send_order(self._routable(topk_idx, num_experts, skip), num_experts, R)
         start = time.perf_counter_ns()
-        shake = self._shake(op, _DISPATCH, dict(hidden=hidden, num_experts=num_experts,
-                                                num_max_dispatch_tokens_per_rank=m, fp8_format=fp8_format),
-                            send_counts, None, _COMPARED + ("fp8_format",), device, skip)
+        fields = dict(hidden=hidden, num_experts=num_experts, num_max_dispatch_tokens_per_rank=m, fp8_format=fp8_format)
+        shake = self.agreement.handshake(op, _DISPATCH, fields, send_counts, None, _COMPARED + ("fp8_format",), device,
+                                         skip)
         waited = time.perf_counter_ns() - start
         recv_counts = shake.recv_counts(self.rank)
 
@@ -244,10 +232,11 @@ class LowLatencyMode:
         returned = (send_rows // rows) << 32 | handle.src_info.reshape(-1)[send_rows].to(torch.int64)
         asked = (experts % local) << 32 | msg // max(topk_idx.shape[1], 1)
         start = time.perf_counter_ns()
-        shake = self._shake(op, _COMBINE, dict(hidden=hidden, num_experts=handle.num_experts,
-                                               num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank),
-                            return_counts, expected, _COMPARED, device, skip,
-                            sent_digests=digests(returned, return_counts), expected_digests=digests(asked, expected))
+        fields = dict(hidden=hidden, num_experts=handle.num_experts,
+                      num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank)
+        shake = self.agreement.handshake(op, _COMBINE, fields, return_counts, expected, _COMPARED, device, skip,
+                                         sent_digests=digests(returned, return_counts),
+                                         expected_digests=digests(asked, expected))
         waited = time.perf_counter_ns() - start
 
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
@@ -287,5 +276,5 @@ class LowLatencyMode:
             self._settle(op, slot)
         self._lent = None
         zeros = [0] * self.num_ranks
-        self._shake(op, _CLEAN, dict(hidden=hidden, num_experts=num_experts, num_max_dispatch_tokens_per_rank=m),
-                    zeros, zeros, _COMPARED, device, self.skip())
+        fields = dict(hidden=hidden, num_experts=num_experts, num_max_dispatch_tokens_per_rank=m)
+        self.agreement.handshake(op, _CLEAN, fields, zeros, zeros, _COMPARED, device, self.skip())
