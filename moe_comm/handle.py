@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from .checks import check_int, check_tensor
 from .errors import bad_argument
+from .ops.digest import sent_tokens
+from .ops.low_latency_layout import layout_range_check
 
 __all__ = ["NormalHandle", "LowLatencyHandle", "SendPlan", "plan_sends"]
 
@@ -77,10 +79,22 @@ class NormalHandle:
         """This rank's send order of the handle's dispatch (``send_head`` is its ``send_pos``)."""
         return plan_sends(self.is_token_in_rank)
 
+    @functools.cached_property
+    def sent(self) -> tuple[list[int], list[int], Optional[tuple[int, int]]]:
+        """(tokens this rank sent to each rank in the handle's dispatch, digests of those tokens, the
+        first ``[t, r]`` where ``send_head`` is not their send position, or None): ``ops.sent_tokens``."""
+        return sent_tokens(self.is_token_in_rank, self.send_head)
+
+    @functools.cached_property
+    def steps(self) -> torch.Tensor:
+        """``[R, R]`` int64 on the CPU: steps[i, j] = rows rank j received from rank i (the prefix
+        matrix's steps down each column)."""
+        prefix = self.rank_prefix_matrix.cpu().to(torch.int64)
+        return prefix.diff(dim=0, prepend=prefix.new_zeros(1, prefix.shape[1]))
+
     def recv_counts(self, rank: int) -> list[int]:
-        """Rows ``rank`` received from each source rank: the column's steps of the prefix matrix."""
-        column = self.rank_prefix_matrix[:, rank].cpu().to(torch.int64)
-        return column.diff(prepend=column.new_zeros(1)).tolist()
+        """Rows ``rank`` received from each source rank."""
+        return self.steps[:, rank].tolist()
 
     def num_recv_rows(self, rank: int) -> int:
         """Real rows ``rank`` received (without num_worst_tokens padding)."""
@@ -103,20 +117,18 @@ class NormalHandle:
                      device=device)
         check_tensor(op, "handle[5] (send_head)", send_head, shape=(in_rank.shape[0], num_ranks), dtype=torch.int32,
                      device=device)
-        steps = prefix.to(torch.int64).diff(dim=0, prepend=torch.zeros(1, num_ranks, dtype=torch.int64,
-                                                                        device=device))
-        if bool((steps < 0).any()):
+        handle = NormalHandle(prefix, chan, recv_chan, src_idx, in_rank, send_head)
+        if bool((handle.steps < 0).any()):
             bad_argument(op, "handle[0] (rank_prefix_matrix)", "an inclusive prefix sum down each column (entries "
                          ">= 0, non-decreasing)", prefix.tolist())
-        handle = NormalHandle(prefix, chan, recv_chan, src_idx, in_rank, send_head)
         if handle.num_recv_rows(rank) > src_idx.shape[0]:
             bad_argument(op, "handle[3] (recv_src_idx)", f"at least rank_prefix_matrix[-1, {rank}] = "
                          f"{handle.num_recv_rows(rank)} rows", list(src_idx.shape))
-        if not torch.equal(handle.plan.send_pos, send_head):
-            wrong = (handle.plan.send_pos != send_head).nonzero()[0].tolist()
+        wrong = handle.sent[2]
+        if wrong is not None:
+            t, r = wrong
             bad_argument(op, "handle[5] (send_head)", f"the send positions of handle[4] (is_token_in_rank) "
-                         f"(first difference at [{wrong[0]}, {wrong[1]}]: "
-                         f"{int(handle.plan.send_pos[wrong[0], wrong[1]])})", int(send_head[wrong[0], wrong[1]]))
+                         f"(first difference at [{t}, {r}]: {int(handle.plan.send_pos[t, r])})", int(send_head[t, r]))
         return handle
 
 
@@ -168,13 +180,12 @@ class LowLatencyHandle:
         check_tensor(op, "handle[1] (layout_range)", layout_range, shape=(local, num_ranks), dtype=torch.int64,
                      device=device)
         parsed = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts)
-        begins, counts = parsed.begins(), parsed.counts()
-        ends = begins + counts
-        if bool((layout_range < 0).any()) or bool((ends > num_ranks * m).any()):
-            bad_argument(op, "handle[1] (layout_range)", f"begin << 32 | count ranges inside [0, {num_ranks * m})",
-                         f"begins {begins.tolist()}, counts {counts.tolist()}")
-        if not torch.equal(begins, counts.cumsum(1) - counts):
-            bad_argument(op, "handle[1] (layout_range)", "blocks by source rank ascending, each beginning where the "
-                         "one before ends (begin[e, s] = count[e, 0] + ... + count[e, s - 1])",
-                         f"begins {begins.tolist()}, counts {counts.tolist()}")
+        wrong = layout_range_check(layout_range, num_ranks * m)
+        if wrong is not None:
+            e, s = wrong
+            bad_argument(op, "handle[1] (layout_range)", f"begin << 32 | count blocks by source rank ascending inside "
+                         f"[0, {num_ranks * m}), each beginning where the one before ends (begin[e, s] = count[e, 0] + "
+                         f"... + count[e, s - 1])", f"begin {int(parsed.begins()[e, s])}, count "
+                         f"{int(parsed.counts()[e, s])} at [{e}, {s}] (begins {parsed.begins().tolist()}, counts "
+                         f"{parsed.counts().tolist()})")
         return parsed

@@ -3,7 +3,8 @@
 Before any payload moves, each rank sends every other rank one small int64 vector: which call of
 the Buffer this is (its number and operation), whether this rank rejected its own arguments, its
 arguments (hidden size, dtypes, top-k, number of experts, ...), the rows it will send to each rank
-and the rows it expects from each rank, and digests of which tokens those rows carry. Every rank
+and the rows it expects from each rank, and digests of which tokens those rows carry
+(``ops.digest``). Every rank
 then holds every rank's vector, so ranks out of step, one-sided rejections, argument and count
 mismatches, and handles that disagree with a peer's routing are all found before any payload
 moves, and every rank reaches the same verdict. ``agreement.CallAgreement`` runs the exchange.
@@ -13,13 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
-import numpy as np
 import torch
 
 from .errors import CrossRankMismatchError
 
-__all__ = ["FIELDS", "OPS", "OP_CODES", "FP8_FORMATS", "UNKNOWN", "Handshake", "dtype_code", "digests", "vector",
-           "per_rank", "check"]
+__all__ = ["FIELDS", "OPS", "OP_CODES", "FP8_FORMATS", "UNKNOWN", "Handshake", "dtype_code", "vector", "per_rank",
+           "check"]
 
 # Scalar fields of the vector, in order; unused fields hold UNKNOWN. "call" is the Buffer's call
 # number (every collective call advances it, rejected ones included); "rejected" is 1 when this
@@ -45,34 +45,6 @@ _DTYPE_FIELDS = ("x_dtype", "scales_dtype")
 def dtype_code(dtype: Optional[torch.dtype]) -> int:
     """Small int naming ``dtype`` on the wire (UNKNOWN for None)."""
     return UNKNOWN if dtype is None else _DTYPES.index(dtype)
-
-
-_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer on uint64 lanes (wrapping arithmetic)."""
-    z = (z ^ (z >> np.uint64(30))) * _MIX[0]
-    z = (z ^ (z >> np.uint64(27))) * _MIX[1]
-    return z ^ (z >> np.uint64(31))
-
-
-def digests(keys: torch.Tensor, counts: Sequence[int]) -> list[int]:
-    """Digests in [0, 2^62) of consecutive blocks of a 1-D integer sequence (any device), block j
-    holding the next ``counts[j]`` keys: ``sum over i of mix(mix(block[i]) + i)`` mod 2^64, top 62
-    bits. Two sides that hold the same block get the same value; a changed, moved, added or dropped
-    key changes it (but for collisions of probability about 2^-62)."""
-    lanes = keys.detach().to("cpu", torch.int64).contiguous().numpy().view(np.uint64)
-    counts = np.asarray(counts, dtype=np.int64)
-    if int(counts.sum()) != lanes.size:
-        raise ValueError(f"digests: {lanes.size} keys for blocks of {counts.tolist()}")
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    within = np.arange(lanes.size, dtype=np.int64) - np.repeat(starts[:-1], counts)
-    with np.errstate(over="ignore"):
-        mixed = _mix(_mix(lanes) + within.astype(np.uint64))
-        running = np.concatenate([np.zeros(1, dtype=np.uint64), np.cumsum(mixed, dtype=np.uint64)])
-        sums = running[starts[1:]] - running[starts[:-1]]  # wraps like the sum itself
-    return [int(v) >> 2 for v in sums]
 
 
 def vector(fields: Mapping[str, int], send_counts: Sequence[int], expected: Optional[Sequence[int]],

@@ -29,9 +29,8 @@ import torch
 from .agreement import CallAgreement
 from .alloc import empty, zeros
 from .handle import LowLatencyHandle
-from .handshake import digests
-from .ops import (RecordLayout, combine_reduce, combine_rows, low_latency_unpack, pack_rows, quantize,
-                  send_order)
+from .ops import (RecordLayout, combine_reduce, combine_rows, low_latency_combine_digests, low_latency_unpack,
+                  pack_rows, quantize, send_order)
 from .ops.fp8 import FP8_DTYPE
 from .transport import Transport
 
@@ -228,15 +227,14 @@ class LowLatencyMode:
             handle = dataclasses.replace(handle, layout_range=layout_range)
         return_counts = handle.counts().sum(0).tolist()  # rows going back to each source rank
         send_rows = combine_rows(handle.layout_range, rows)  # by source rank, then local expert, then row
-        # Which (local expert, token) each returned row answers, as both sides see it.
-        returned = (send_rows // rows) << 32 | handle.src_info.reshape(-1)[send_rows].to(torch.int64)
-        asked = (experts % local) << 32 | msg // max(topk_idx.shape[1], 1)
+        # which (local expert, token) each returned row answers, as both sides see it
+        returned, asked = low_latency_combine_digests(handle.layout_range, handle.src_info, msg, experts, expected,
+                                                      topk_idx.shape[1])
         start = time.perf_counter_ns()
         fields = dict(hidden=hidden, num_experts=handle.num_experts,
                       num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank)
         shake = self.agreement.handshake(op, _COMBINE, fields, return_counts, expected, _COMPARED, device, skip,
-                                         sent_digests=digests(returned, return_counts),
-                                         expected_digests=digests(asked, expected))
+                                         sent_digests=returned, expected_digests=asked)
         waited = time.perf_counter_ns() - start
 
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x

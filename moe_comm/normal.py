@@ -18,8 +18,8 @@ from .agreement import CallAgreement
 from .alloc import empty
 from .errors import CrossRankMismatchError
 from .handle import NormalHandle, SendPlan, plan_sends
-from .handshake import Handshake, digests, dtype_code
-from .ops import DispatchLayout, RecordLayout, combine_reduce, gather_rows, pack_rows, unpack_rows
+from .handshake import Handshake, dtype_code
+from .ops import DispatchLayout, RecordLayout, combine_reduce, digests, gather_rows, pack_rows, unpack_rows
 from .transport import Transport
 from .transport.base import prefix_sums
 
@@ -213,8 +213,7 @@ class NormalMode:
                       scales_dtype=dtype_code(None if scales is None else scales.dtype), prefix_digest=prefix_digest)
         shake = self.agreement.handshake("dispatch", _CACHED, fields, plan.send_counts, expected,
                                          ("hidden", "x_dtype", "num_scales", "scales_dtype", "prefix_digest"), device,
-                                         sent_digests=digests(plan.send_rows, plan.send_counts),
-                                         expected_digests=expected_digests)
+                                         sent_digests=handle.sent[1], expected_digests=expected_digests)
         num_recv = sum(expected)
         specs = [("x", x.dtype, x.shape[1])] + ([] if scales is None else [("scales", scales.dtype, scales.shape[1])])
         records_layout = RecordLayout.build(specs)
@@ -242,15 +241,13 @@ class NormalMode:
         # each received row goes back to its source; the rows each rank returns are the ones this rank sent it
         return_counts, return_digests, prefix_digest = self._received_blocks(handle)
         num_return = sum(return_counts)
-        plan = handle.plan
-        expected = plan.send_counts
+        expected, expected_digests, _ = handle.sent
         fields = dict(hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
                       num_topk=-1 if topk_weights is None else topk_weights.shape[1],
                       has_weights=int(topk_weights is not None), prefix_digest=prefix_digest)
         shake = self.agreement.handshake("combine", _COMBINE, fields, return_counts, expected,
                                          ("hidden", "x_dtype", "num_topk", "has_weights", "prefix_digest"), device,
-                                         sent_digests=return_digests,
-                                         expected_digests=digests(plan.send_rows, expected))
+                                         sent_digests=return_digests, expected_digests=expected_digests)
 
         specs = [("x", x.dtype, x.shape[1])]
         if topk_weights is not None:

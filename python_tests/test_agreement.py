@@ -50,7 +50,8 @@ TAMPERED = {
     "prefix_changed": None,
     "src_idx_changed": None,
     "src_idx_cached": None,
-    "ll_begin_shifted": r"low_latency_combine: handle\[1\] \(layout_range\) must be blocks by source rank",
+    "ll_begin_shifted": r"low_latency_combine: handle\[1\] \(layout_range\) must be begin << 32 \| count blocks "
+                        r"by source rank ascending .* got begin 1, count \d+ at \[0, 0\]",
     "ll_count_moved": None,
     "ll_src_info_changed": None,
 }

@@ -98,7 +98,8 @@ EXPECTED = {
     "llc_handle_len": ("TypeError", r"handle must be the 5-tuple \(src_info, layout_range, "
                        r"num_max_dispatch_tokens_per_rank, hidden, num_experts\) returned by low_latency_dispatch, "
                        r"got tuple of length 4"),
-    "llc_handle_range": ("ValueError", r"handle\[1\] \(layout_range\) must be begin << 32 \| count ranges inside "
+    "llc_handle_range": ("ValueError", r"handle\[1\] \(layout_range\) must be begin << 32 \| count blocks by source "
+                         r"rank ascending inside "
                          r"\[0, 8\)"),
     "llc_x_shape": ("ValueError", r"low_latency_combine: x must be shaped \[8, 8, 128\], got \[8, 8, 256\]"),
     "llc_x_dtype": ("TypeError", r"low_latency_combine: x must be of dtype bfloat16, got \[8, 8, 128\] float32"),

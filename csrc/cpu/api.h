@@ -173,6 +173,37 @@ bool process_alive(int64_t pid);
 int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t* pids, int64_t n,
                    double timeout_s, bool exact, int* reason);
 
+// Routing digests of the handshake (moe_comm/handshake.py: digests_reference is the specification).
+// Keys are int32 (key_bytes 4, sign-extended) or int64; block b holds the next counts[b] keys and
+//   out[b] = (sum over j < counts[b] of mix(mix(key_j) + j) mod 2^64) >> 2,   mix = splitmix64's finalizer.
+// Checks: counts >= 0 summing to num_keys.
+void block_digests(int64_t* out, const void* keys, int key_bytes, const int64_t* counts, int64_t num_blocks,
+                   int64_t num_keys);
+
+// One pass over a normal handle's is_token_in_rank [T, R] and send_head [T, R]: counts[r] = tokens sent
+// to rank r, digests[r] = block digest of those tokens (ascending), and the flat index of the first
+// entry of send_head that is not the send position of is_token_in_rank (destination-major, then token;
+// -1 where not sent), or -1 when every entry is.
+int64_t send_order_check(int64_t* counts, int64_t* digests, const bool* is_token_in_rank, const int32_t* send_head,
+                         int64_t num_tokens, int64_t num_ranks);
+
+// The routing digests of a low-latency combine, as both sides see it (block_digests' formula):
+//   returned[s] over keys e << 32 | src_info[e, row] of the rows this rank returns to source s, in
+//               low_latency_combine_rows' order (layout_range [E_loc, R] blocks; rows_per_expert rows each);
+//   asked[d]    over keys (experts[i] % E_loc) << 32 | msg[i] / num_topk of the messages this rank sent
+//               to rank d in low_latency_send_order's order (send_counts[d] of them).
+// Checks: every layout_range block inside [0, rows_per_expert).
+void low_latency_combine_digests(int64_t* returned, int64_t* asked, const int64_t* layout_range,
+                                 const int32_t* src_info, const int64_t* msg, const int64_t* experts,
+                                 const int64_t* send_counts, int64_t num_local_experts, int64_t num_ranks,
+                                 int64_t rows_per_expert, int64_t num_topk);
+
+// The flat index of the first entry of a low-latency handle's layout_range [E_loc, R] that is not a
+// block where the one of the previous source rank ends (the first at 0), inside [0, rows_per_expert);
+// -1 when every one is.
+int64_t low_latency_layout_check(const int64_t* layout_range, int64_t num_local_experts, int64_t num_ranks,
+                                 int64_t rows_per_expert);
+
 // Number of hardware threads, the default for num_threads.
 int hardware_threads();
 

@@ -215,6 +215,48 @@ PYBIND11_MODULE(_C, m) {
         "Waits for flags[i] >= targets[i] (== when exact); returns (-1, 0) or (index not reached, 1 deadline | "
         "2 process exited | 3 flag past its target).");
 
+    m.def(
+        "block_digests",
+        [](std::uintptr_t out, std::uintptr_t keys, int key_bytes, const std::vector<int64_t>& counts,
+           int64_t num_keys) {
+            py::gil_scoped_release release;
+            cpu::block_digests(ptr<int64_t>(out), ptr<const void>(keys), key_bytes, counts.data(),
+                               static_cast<int64_t>(counts.size()), num_keys);
+        },
+        py::arg("out"), py::arg("keys"), py::arg("key_bytes"), py::arg("counts"), py::arg("num_keys"));
+    m.def(
+        "send_order_check",
+        [](std::uintptr_t counts, std::uintptr_t digests, std::uintptr_t is_token_in_rank, std::uintptr_t send_head,
+           int64_t num_tokens, int64_t num_ranks) {
+            py::gil_scoped_release release;
+            return cpu::send_order_check(ptr<int64_t>(counts), ptr<int64_t>(digests), ptr<const bool>(is_token_in_rank),
+                                         ptr<const int32_t>(send_head), num_tokens, num_ranks);
+        },
+        py::arg("counts"), py::arg("digests"), py::arg("is_token_in_rank"), py::arg("send_head"), py::arg("num_tokens"),
+        py::arg("num_ranks"));
+
+    m.def(
+        "low_latency_combine_digests",
+        [](std::uintptr_t returned, std::uintptr_t asked, std::uintptr_t layout_range, std::uintptr_t src_info,
+           std::uintptr_t msg, std::uintptr_t experts, const std::vector<int64_t>& send_counts,
+           int64_t num_local_experts, int64_t rows_per_expert, int64_t num_topk) {
+            py::gil_scoped_release release;
+            cpu::low_latency_combine_digests(ptr<int64_t>(returned), ptr<int64_t>(asked), ptr<const int64_t>(layout_range),
+                                             ptr<const int32_t>(src_info), ptr<const int64_t>(msg),
+                                             ptr<const int64_t>(experts), send_counts.data(), num_local_experts,
+                                             static_cast<int64_t>(send_counts.size()), rows_per_expert, num_topk);
+        },
+        py::arg("returned"), py::arg("asked"), py::arg("layout_range"), py::arg("src_info"), py::arg("msg"),
+        py::arg("experts"), py::arg("send_counts"), py::arg("num_local_experts"), py::arg("rows_per_expert"),
+        py::arg("num_topk"));
+    m.def(
+        "low_latency_layout_check",
+        [](std::uintptr_t layout_range, int64_t num_local_experts, int64_t num_ranks, int64_t rows_per_expert) {
+            return cpu::low_latency_layout_check(ptr<const int64_t>(layout_range), num_local_experts, num_ranks,
+                                                 rows_per_expert);
+        },
+        py::arg("layout_range"), py::arg("num_local_experts"), py::arg("num_ranks"), py::arg("rows_per_expert"));
+
     m.def("combine_reduce_isa", &cpu::combine_reduce_isa);
     m.def("quantize_rows_isa", &cpu::quantize_rows_isa);
     m.def("set_quantize_rows_isa_cap", &cpu::set_quantize_rows_isa_cap, py::arg("level"));

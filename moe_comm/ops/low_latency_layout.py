@@ -10,7 +10,7 @@ from .._native import cpu_threads, native
 from .records import RecordLayout, check_index, check_on_cpu, check_records, unpack_rows
 
 __all__ = ["send_order", "send_order_reference", "combine_rows", "combine_rows_reference", "low_latency_unpack",
-           "low_latency_unpack_reference"]
+           "low_latency_unpack_reference", "layout_range_check", "layout_range_check_reference"]
 
 
 def send_order(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
@@ -79,6 +79,26 @@ def combine_rows_reference(layout_range: torch.Tensor, rows_per_expert: int) -> 
     block = torch.repeat_interleave(torch.arange(num_ranks * local, device=device), counts)
     within = torch.arange(block.shape[0], device=device) - (counts.cumsum(0) - counts)[block]
     return (block % local) * rows_per_expert + begins[block] + within
+
+
+def layout_range_check(layout_range: torch.Tensor, rows_per_expert: int) -> Optional[tuple[int, int]]:
+    """The first ``[e, s]`` of a low-latency handle's ``layout_range`` `[E_loc, R]` int64 (begin << 32 |
+    count) whose block does not begin where source s - 1's ends (source 0's at 0), or does not end
+    inside ``rows_per_expert``; None when every block does. Local. Reference: ``layout_range_check_reference``."""
+    if layout_range.device.type != "cpu":
+        return layout_range_check_reference(layout_range, rows_per_expert)
+    local, num_ranks = layout_range.shape
+    layout_range = layout_range.contiguous()
+    first = native().low_latency_layout_check(layout_range.data_ptr(), local, num_ranks, rows_per_expert)
+    return None if first < 0 else divmod(first, num_ranks)
+
+
+def layout_range_check_reference(layout_range: torch.Tensor, rows_per_expert: int) -> Optional[tuple[int, int]]:
+    """Plain-torch specification of ``layout_range_check``; also the path off the CPU."""
+    begins, counts = layout_range >> 32, layout_range & 0xFFFFFFFF
+    bad = (layout_range < 0) | (begins != counts.cumsum(1) - counts) | (begins + counts > rows_per_expert)
+    wrong = bad.nonzero()
+    return tuple(wrong[0].tolist()) if wrong.shape[0] else None
 
 
 def low_latency_unpack(layout: RecordLayout, records: torch.Tensor, recv_counts: Sequence[int],
