@@ -217,11 +217,8 @@ class CollectiveTransport(Transport):
                 f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(instances))}); create buffers collectively, "
                 f"in the same order on every rank")
         host_ranks = [r for r, row in enumerate(rows) if row[0] == self._host]
-        counters = HostCounters(f"{rows[host_ranks[0]][3]:x}", len(host_ranks), host_ranks.index(self.rank))
-        try:
-            self.barrier(op="Buffer()")  # every host rank has opened the file
-        finally:
-            counters.unlink()
+        counters = HostCounters.meet(f"{rows[host_ranks[0]][3]:x}", host_ranks, self.rank,
+                                     lambda: self.barrier(op="Buffer()"))
         self._book.attach(host_ranks, counters, store, prefix)
         return [(host, pid) for host, pid, _, _ in rows]
 

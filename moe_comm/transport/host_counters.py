@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+from typing import Callable
 
 import torch
 
@@ -51,6 +52,23 @@ class HostCounters:
             os.close(fd)
         self.values = torch.frombuffer(self._map, dtype=torch.int64, count=count)
         self._index = index
+
+    @staticmethod
+    def meet(token: str, host_ranks: list[int], rank: int, barrier: Callable[[], None]) -> "HostCounters":
+        """The host's counters as every host rank opens them: opens the file named by ``token``, waits
+        in ``barrier`` (a barrier of the whole group, so every host rank has opened it by then) and
+        unlinks the name. Collective through ``barrier``; a failure sweeps the host's moe-comm files
+        (a peer that died after opening the file held it)."""
+        try:
+            counters = HostCounters(token, len(host_ranks), host_ranks.index(rank))
+            try:
+                barrier()
+            finally:
+                counters.unlink()
+        except BaseException:
+            sweep_stale()
+            raise
+        return counters
 
     def store(self, value: int) -> None:
         """Sets this rank's counter."""

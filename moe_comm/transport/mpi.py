@@ -205,12 +205,8 @@ class MpiTransport(Transport):
             rows = self.gather_rows(mine, op="Buffer()").tolist()
             self._host_ranks = [r for r, row in enumerate(rows) if row[0] == rows[self.rank][0]]
             self.pids = [row[1] for row in rows]
-            counters = HostCounters(f"{rows[self._host_ranks[0]][2]:x}", len(self._host_ranks),
-                                    self._host_ranks.index(self.rank))
-            try:
-                self.barrier(op="Buffer()")  # everyone has opened the file
-            finally:
-                counters.unlink()
+            counters = HostCounters.meet(f"{rows[self._host_ranks[0]][2]:x}", self._host_ranks, self.rank,
+                                         lambda: self.barrier(op="Buffer()"))
         except BaseException:
             sweep_stale()
             raise
