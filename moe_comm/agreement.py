@@ -136,7 +136,7 @@ class CallAgreement:
             device: where the vectors travel (the payload's device: NCCL moves CUDA tensors only).
             skip: masked ranks, left out; their vectors read as this rank's fields with no rows sent
                 or expected (this rank must send them nothing).
-            sent_digests, expected_digests: ``handshake.digests`` of the token keys of the rows sent
+            sent_digests, expected_digests: ``ops.digests`` of the token keys of the rows sent
                 to / expected from each rank, where this rank knows them.
             verdict: a further check on the vectors, raising CrossRankMismatchError (on every rank alike).
         Raises:

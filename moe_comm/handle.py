@@ -17,32 +17,10 @@ import torch
 from .checks import check_int, check_tensor
 from .errors import bad_argument
 from .ops.digest import sent_tokens
+from .ops.layout import SendPlan, plan_sends
 from .ops.low_latency_layout import layout_range_check
 
 __all__ = ["NormalHandle", "LowLatencyHandle", "SendPlan", "plan_sends"]
-
-
-@dataclass(frozen=True)
-class SendPlan:
-    """Send order of one dispatch: grouped by destination rank ascending, then token ascending."""
-
-    # send_rows[i] = source token of send row i                                          [S] int64
-    send_rows: torch.Tensor
-    # send_counts[r] = rows sent to rank r
-    send_counts: list[int]
-    # send_pos[t, r] = send row carrying token t to rank r, or -1                        [T, R] int32
-    send_pos: torch.Tensor
-
-
-def plan_sends(is_token_in_rank: torch.Tensor) -> SendPlan:
-    """The send order for ``is_token_in_rank`` `[T, R]` bool."""
-    num_tokens, num_ranks = is_token_in_rank.shape
-    pairs = is_token_in_rank.t().nonzero()  # (rank, token), rank-major, tokens ascending
-    send_rows = pairs[:, 1].contiguous()
-    send_pos = torch.full((num_tokens, num_ranks), -1, dtype=torch.int32, device=is_token_in_rank.device)
-    send_pos[pairs[:, 1], pairs[:, 0]] = torch.arange(pairs.shape[0], dtype=torch.int32, device=send_pos.device)
-    counts = is_token_in_rank.sum(0).tolist()
-    return SendPlan(send_rows, counts, send_pos)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .._native import native
+from .layout import plan_sends
 from .low_latency_layout import combine_rows_reference
 
 __all__ = ["digests", "digests_reference", "sent_tokens", "sent_tokens_reference", "low_latency_combine_digests",
@@ -74,14 +75,11 @@ def sent_tokens(is_token_in_rank: torch.Tensor, send_head: torch.Tensor
 
 def sent_tokens_reference(is_token_in_rank: torch.Tensor, send_head: torch.Tensor
                           ) -> tuple[list[int], list[int], Optional[tuple[int, int]]]:
-    """Plain-torch specification of ``sent_tokens``; also the path off the CPU. The send position of
-    token t to rank r is the number of tokens sent to ranks below r plus those before t sent to r."""
-    pairs = is_token_in_rank.t().nonzero()  # (rank, token), rank-major, tokens ascending
-    counts = is_token_in_rank.sum(0).tolist()
-    position = torch.full(is_token_in_rank.shape, -1, dtype=torch.int32, device=is_token_in_rank.device)
-    position[pairs[:, 1], pairs[:, 0]] = torch.arange(pairs.shape[0], dtype=torch.int32, device=position.device)
-    wrong = (position != send_head).nonzero()
-    return counts, digests_reference(pairs[:, 1], counts), tuple(wrong[0].tolist()) if wrong.shape[0] else None
+    """Plain-torch specification of ``sent_tokens`` (``plan_sends``' positions); also the path off the CPU."""
+    plan = plan_sends(is_token_in_rank)
+    wrong = (plan.send_pos != send_head).nonzero()
+    return (plan.send_counts, digests_reference(plan.send_rows, plan.send_counts),
+            tuple(wrong[0].tolist()) if wrong.shape[0] else None)
 
 
 def low_latency_combine_digests(layout_range: torch.Tensor, src_info: torch.Tensor, msg: torch.Tensor,

@@ -10,7 +10,7 @@ from .._native import cpu_threads, native
 from .backend import kernels, next_pow2, resolve
 from .records import check_index
 
-__all__ = ["DispatchLayout", "dispatch_layout", "dispatch_layout_reference"]
+__all__ = ["DispatchLayout", "dispatch_layout", "dispatch_layout_reference", "SendPlan", "plan_sends"]
 
 _BLOCK_T = 128
 
@@ -88,3 +88,26 @@ def dispatch_layout_reference(topk_idx: torch.Tensor, num_ranks: int, num_expert
     in_rank[token_of[valid], rank_of[valid]] = True
     per_rank = in_rank.sum(0, dtype=torch.int32)
     return DispatchLayout(per_rank, per_expert, in_rank)
+
+
+@dataclass(frozen=True)
+class SendPlan:
+    """Send order of one dispatch: grouped by destination rank ascending, then token ascending."""
+
+    # send_rows[i] = source token of send row i                                          [S] int64
+    send_rows: torch.Tensor
+    # send_counts[r] = rows sent to rank r
+    send_counts: list[int]
+    # send_pos[t, r] = send row carrying token t to rank r, or -1                        [T, R] int32
+    send_pos: torch.Tensor
+
+
+def plan_sends(is_token_in_rank: torch.Tensor) -> SendPlan:
+    """The send order for ``is_token_in_rank`` `[T, R]` bool."""
+    num_tokens, num_ranks = is_token_in_rank.shape
+    pairs = is_token_in_rank.t().nonzero()  # (rank, token), rank-major, tokens ascending
+    send_rows = pairs[:, 1].contiguous()
+    send_pos = torch.full((num_tokens, num_ranks), -1, dtype=torch.int32, device=is_token_in_rank.device)
+    send_pos[pairs[:, 1], pairs[:, 0]] = torch.arange(pairs.shape[0], dtype=torch.int32, device=send_pos.device)
+    counts = is_token_in_rank.sum(0).tolist()
+    return SendPlan(send_rows, counts, send_pos)
