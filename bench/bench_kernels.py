@@ -28,9 +28,10 @@ BYTE_RULE = ("pack_rows: record bytes written; unpack_rows: record bytes read; c
 
 
 def _inputs(cfg: dict[str, Any]) -> dict[str, Any]:
-    """One rank's dispatch/combine working set, as ``moe_comm.normal`` builds it."""
-    from moe_comm.normal import plan_sends
-    from moe_comm.ops import RecordLayout, dispatch_layout_reference
+    """One rank's dispatch/combine working set, as the portable backend (``moe_comm.backends.portable.normal``) builds it."""
+    from moe_comm.ops.layout import plan_sends
+    from moe_comm.ops import dispatch_layout_reference
+    from moe_comm.ops.records import RecordLayout
 
     T, H, K, R, E = cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["ranks"], cfg["experts"]
     torch.manual_seed(cfg["seed"])
@@ -54,26 +55,27 @@ def _inputs(cfg: dict[str, Any]) -> dict[str, Any]:
 def _cases(d: dict[str, Any], cfg: dict[str, Any]) -> list[tuple[str, str, Callable[[], Any], int]]:
     """(op, impl, call, bytes by BYTE_RULE) for every timed row."""
     from moe_comm import ops
+    from moe_comm.ops import combine_reduce as reduction, records as record_ops
     from moe_comm._native import cpu_threads, native
     from moe_comm.ops.records import _segments  # internal: lets pack_rows write into a reused buffer
 
     R, E, disp, plan = cfg["ranks"], cfg["experts"], d["disp"], d["plan"]
-    records = ops.pack_rows(disp, d["fields"], plan.send_rows)
+    records = record_ops.pack_rows(disp, d["fields"], plan.send_rows)
     reused, copy_src = torch.empty_like(records), records.clone()
     segs, rows = _segments(disp, d["fields"]), plan.send_rows.contiguous()
     n, rb, combine_args = rows.shape[0], disp.record_bytes, (d["comb"], d["returned"], plan.send_pos, None, None,
                                                               d["out"], None)
     return [
-        ("pack_rows", "_C", lambda: ops.pack_rows(disp, d["fields"], rows), records.numel()),
-        ("pack_rows", "reference", lambda: ops.pack_rows_reference(disp, d["fields"], rows), records.numel()),
+        ("pack_rows", "_C", lambda: record_ops.pack_rows(disp, d["fields"], rows), records.numel()),
+        ("pack_rows", "reference", lambda: record_ops.pack_rows_reference(disp, d["fields"], rows), records.numel()),
         # pack_rows allocates its output; this row reuses one, to separate first-touch page faults
         # of a fresh multi-MB allocation from the copy itself
         ("pack_rows", "_C_reused_out", lambda: native().pack_rows(reused.data_ptr(), segs, rows.data_ptr(), n, rb,
                                                                   cpu_threads()), records.numel()),
-        ("unpack_rows", "_C", lambda: ops.unpack_rows(disp, records, d["outs"]), records.numel()),
-        ("unpack_rows", "reference", lambda: ops.unpack_rows_reference(disp, records, d["outs"]), records.numel()),
-        ("combine_reduce", "_C", lambda: ops.combine_reduce(*combine_args), d["returned"].numel()),
-        ("combine_reduce", "reference", lambda: ops.combine_reduce_reference(*combine_args), d["returned"].numel()),
+        ("unpack_rows", "_C", lambda: record_ops.unpack_rows(disp, records, d["outs"]), records.numel()),
+        ("unpack_rows", "reference", lambda: record_ops.unpack_rows_reference(disp, records, d["outs"]), records.numel()),
+        ("combine_reduce", "_C", lambda: reduction.combine_reduce(*combine_args), d["returned"].numel()),
+        ("combine_reduce", "reference", lambda: reduction.combine_reduce_reference(*combine_args), d["returned"].numel()),
         ("dispatch_layout", "_C", lambda: ops.dispatch_layout(d["topk_idx"], R, E), d["topk_idx"].numel() * 8),
         ("dispatch_layout", "reference", lambda: ops.dispatch_layout_reference(d["topk_idx"], R, E),
          d["topk_idx"].numel() * 8),
@@ -90,18 +92,19 @@ def _expect(ok: bool, what: str) -> None:
 def _check(d: dict[str, Any], cfg: dict[str, Any]) -> None:
     """``_C`` output == reference output (bitwise), so nothing broken gets timed."""
     from moe_comm import ops
+    from moe_comm.ops import combine_reduce as reduction, records as record_ops
 
     plan, disp, R, E = d["plan"], d["disp"], cfg["ranks"], cfg["experts"]
-    got, want = ops.pack_rows(disp, d["fields"], plan.send_rows), ops.pack_rows_reference(disp, d["fields"], plan.send_rows)
+    got, want = record_ops.pack_rows(disp, d["fields"], plan.send_rows), record_ops.pack_rows_reference(disp, d["fields"], plan.send_rows)
     for f in disp.fields:  # bytes between fields are unspecified
         _expect(torch.equal(got[:, f.offset:f.offset + f.nbytes], want[:, f.offset:f.offset + f.nbytes]), f"pack {f.name}")
     ref_outs = [torch.empty_like(t) for t in d["outs"]]
-    ops.unpack_rows(disp, got, d["outs"])
-    ops.unpack_rows_reference(disp, got, ref_outs)
+    record_ops.unpack_rows(disp, got, d["outs"])
+    record_ops.unpack_rows_reference(disp, got, ref_outs)
     _expect(all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(d["outs"], ref_outs)), "unpack")
     ref_out = torch.empty_like(d["out"])
-    ops.combine_reduce(d["comb"], d["returned"], plan.send_pos, None, None, d["out"], None)
-    ops.combine_reduce_reference(d["comb"], d["returned"], plan.send_pos, None, None, ref_out, None)
+    reduction.combine_reduce(d["comb"], d["returned"], plan.send_pos, None, None, d["out"], None)
+    reduction.combine_reduce_reference(d["comb"], d["returned"], plan.send_pos, None, None, ref_out, None)
     _expect(torch.equal(d["out"].view(torch.int16), ref_out.view(torch.int16)), "combine_reduce")
     a, b = ops.dispatch_layout(d["topk_idx"], R, E), ops.dispatch_layout_reference(d["topk_idx"], R, E)
     _expect(all(torch.equal(getattr(a, n), getattr(b, n)) for n in
@@ -164,7 +167,7 @@ def report(rows: list[dict[str, Any]], cfg: dict[str, Any], json_path: str) -> N
                            "notes": ["speedup_vs_ref = reference median / _C median at the same thread count",
                                      "speedup_vs_1thread = same impl's 1-thread median / this median",
                                      "pack_rows _C_reused_out: native().pack_rows into a preallocated buffer "
-                                     "(ops.pack_rows allocates a fresh one per call); memcpy_ceiling: torch copy_ "
+                                     "(record_ops.pack_rows allocates a fresh one per call); memcpy_ceiling: torch copy_ "
                                      "of the same bytes between preallocated buffers",
                                      "each thread count runs in its own process (MOE_COMM_NUM_THREADS is read once); "
                                      "torch.set_num_threads is set to the same count for the references",

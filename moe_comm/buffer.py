@@ -1,8 +1,8 @@
 """``Buffer``: DeepEP v1's ``deep_ep.Buffer`` API on any ``torch.distributed`` group and device.
 
-The facade checks arguments and shapes results into DeepEP's tuples; normal-mode work happens in
-``normal.py``, low-latency work in ``low_latency.py`` (its methods are in ``buffer_low_latency.py``),
-and bytes move through a transport (``moe_comm.transport``).
+The facade checks arguments and shapes results into DeepEP's tuples (its low-latency methods are in
+``buffer_low_latency.py``); a backend (``moe_comm.backends``) does the work: ``portable`` over a
+transport (``moe_comm.transport``) on every device, native ones with device kernels.
 """
 from __future__ import annotations
 
@@ -11,21 +11,17 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import env, transport as transports
-from .agreement import CallAgreement, collective
+from . import backends, env
+from .backends.base import Backend, collective
 from .checks import check_bools, check_int, describe
-from .config import Config
-from .configs import combine_config, dispatch_config
+from .config import Config, combine_config, dispatch_config
 from .errors import bad_argument
 from .event import EventHandle, EventOverlap
 from .handle import NormalHandle
-from .ll_args import low_latency_buffer_bytes
 from .buffer_low_latency import LowLatencyAPI, XType
-from .low_latency import LowLatencyMode
-from .normal import NormalMode
+from .ll_args import low_latency_buffer_bytes
 from .normal_args import (TOPK_IDX_T, check_combine_args, check_dispatch_routing, check_num_experts, check_topk_idx,
                           split_x)
-from .ops import dispatch_layout
 from .transport.mpi import as_comm
 
 __all__ = ["Buffer"]
@@ -33,7 +29,6 @@ __all__ = ["Buffer"]
 # NOTES: DeepEP's size hints cover every expert's worst case (GBs at DeepSeek shapes); the shm
 # transport's compact layout needs far less, so it preallocates at most this and grows on demand.
 _PREALLOCATE_MAX = 512 << 20
-_LOW_LATENCY_OPS = ("low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer")
 
 
 class Buffer(LowLatencyAPI):
@@ -60,8 +55,15 @@ class Buffer(LowLatencyAPI):
     call, hook and event wait with ``BufferUnusableError``: build a new one on every rank.
 
     Args (besides DeepEP's):
-        transport: ``"auto"`` (default; env ``MOE_COMM_TRANSPORT`` may name one) or a name from
-            ``moe_comm.transport.available()``; with ``comm``, only ``"auto"`` or ``"mpi"``.
+        backend: ``"auto"`` (default; env ``MOE_COMM_BACKEND`` may name one) or a name from
+            ``moe_comm.backends.KNOWN``: ``"portable"`` (every device, over a transport) or a native
+            backend (``"cuda"``, ``"ascend"``, ``"cambricon"``) where built. ``"auto"`` takes the native
+            backend of the group's device when it can run, else ``portable``; ``backend_choice``
+            says which it took and why. A named backend that cannot run raises
+            ``moe_comm.BackendUnavailableError`` with the reason and the backends available.
+        transport: for the portable backend: ``"auto"`` (default; env ``MOE_COMM_TRANSPORT`` may
+            name one) or a name from ``moe_comm.transport.available()``; with ``comm``, only
+            ``"auto"`` or ``"mpi"``.
         timeout_s: deadline for every wait (default: env ``MOE_COMM_TIMEOUT_S``, else 300 s); a missed
             deadline raises ``moe_comm.CommTimeoutError`` naming the ranks not heard from.
     """
@@ -73,7 +75,7 @@ class Buffer(LowLatencyAPI):
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Any = None, *,
-                 transport: str = "auto", timeout_s: Optional[float] = None) -> None:
+                 backend: str = "auto", transport: str = "auto", timeout_s: Optional[float] = None) -> None:
         op = "Buffer"
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
                             ("num_qps_per_rank", num_qps_per_rank)):
@@ -98,8 +100,10 @@ class Buffer(LowLatencyAPI):
             timeout_s = env.timeout_s()
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             bad_argument(op, "timeout_s", "a positive number of seconds", describe(timeout_s))
-        if not isinstance(transport, str):
-            bad_argument(op, "transport", "a str", describe(transport), kind=TypeError)
+        for name, value in (("backend", backend), ("transport", transport)):
+            if not isinstance(value, str):
+                bad_argument(op, name, "a str", describe(value), kind=TypeError)
+        choice = backends.choose(backend, group, comm)
 
         self.group, self.comm = group, comm
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
@@ -107,18 +111,18 @@ class Buffer(LowLatencyAPI):
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self.timeout_s = float(timeout_s)
-        self.transport_name = transports.resolve(transport, group, comm)
-        self.runtime: Optional[transports.Transport] = transports.create(
-            self.transport_name, group, self.timeout_s, min(max(num_nvl_bytes, num_rdma_bytes), _PREALLOCATE_MAX),
-            comm=comm)
+        #: the backend this buffer runs on, and why it was picked
+        self.backend_choice = choice
+        #: the backend object (DeepEP's ``runtime``, its C++ buffer)
+        self.runtime: Backend = backends.create(
+            choice, group=group, comm=comm, transport=transport, timeout_s=self.timeout_s,
+            buffer_bytes=min(max(num_nvl_bytes, num_rdma_bytes), _PREALLOCATE_MAX), shrink=enable_shrink)
+        self.transport_name = self.runtime.transport_name
         self.rank, self.group_size = self.runtime.rank, self.runtime.num_ranks
-        self._agreement = CallAgreement(self.runtime)
-        self._normal = NormalMode(self.runtime, self._agreement)
-        self._low_latency = LowLatencyMode(self.runtime, self._agreement, shrink=enable_shrink)
 
-    def _skipped_by(self, op: str) -> frozenset[int]:
-        """The ranks a call of ``op`` leaves out: masked ranks, for low-latency calls."""
-        return self._low_latency.skip() if op in _LOW_LATENCY_OPS else frozenset()
+    def __repr__(self) -> str:
+        return (f"Buffer(rank {self.rank} of {self.group_size}, {self.backend_choice}"
+                f"{'' if self.transport_name is None else f', transport {self.transport_name!r}'})")
 
     # ------------------------------------------------------------------ static helpers
     @staticmethod
@@ -136,8 +140,8 @@ class Buffer(LowLatencyAPI):
 
     @staticmethod
     def is_sm90_compiled() -> bool:
-        """False: this build has no SM90 CUDA kernels (FP8 tuples still dispatch on every device)."""
-        return False
+        """Whether a backend that can run here has SM90 CUDA kernels (FP8 tuples dispatch on every backend)."""
+        return backends.is_sm90_compiled()
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
@@ -169,27 +173,24 @@ class Buffer(LowLatencyAPI):
         if not self.explicitly_destroy:
             raise RuntimeError("Buffer.destroy: needs Buffer(..., explicitly_destroy=True); otherwise the buffer "
                                "is released when it is garbage collected")
-        if self.runtime is not None:
-            self._agreement.destroyed = True
-            self.runtime.close()
-            self.runtime = None
+        self.runtime.destroy()
 
     def get_comm_stream(self) -> Any:
-        """DeepEP's communication stream: not available (moe-comm's transports run on the caller's
-        thread, or on its own threads on CPU; there is no separate device stream to return)."""
-        raise NotImplementedError("Buffer.get_comm_stream: moe-comm has no separate communication stream; "
-                                  "order work with the EventOverlap objects the calls return")
+        """DeepEP's communication stream, where the backend has one (the portable backend has none:
+        NotImplementedError saying so)."""
+        self._alive("get_comm_stream")
+        return self.runtime.get_comm_stream()
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
-        """DeepEP's raw view of its NVLink/RDMA buffer: not available (moe-comm's buffers have their
-        own layouts, so a raw view would not mean what DeepEP's does)."""
-        raise NotImplementedError("Buffer.get_local_buffer_tensor: moe-comm does not expose its raw buffers; "
-                                  "clean_low_latency_buffer() resets the low-latency state instead")
+        """DeepEP's raw view of its NVLink/RDMA buffer, where the backend exposes one (the portable
+        backend does not: NotImplementedError saying why)."""
+        self._alive("get_local_buffer_tensor")
+        return self.runtime.get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
     def _alive(self, op: str) -> None:
         """Raises unless the buffer is usable (not destroyed, not broken)."""
-        self._agreement.refuse(op)
+        self.runtime.refuse(op)
 
     # ------------------------------------------------------------------ async plumbing
     @staticmethod
@@ -233,7 +234,7 @@ class Buffer(LowLatencyAPI):
         check_num_experts(op, num_experts, self.group_size,
                           topk_idx.device if isinstance(topk_idx, torch.Tensor) else torch.device("cpu"))
         topk_idx = check_topk_idx(op, topk_idx, num_experts, None, None)
-        layout = dispatch_layout(topk_idx, self.group_size, num_experts)
+        layout = self.runtime.get_dispatch_layout(topk_idx, num_experts)
         event = EventOverlap(EventHandle()) if async_finish else EventOverlap()
         return layout.num_tokens_per_rank, None, layout.num_tokens_per_expert, layout.is_token_in_rank, event
 
@@ -284,13 +285,13 @@ class Buffer(LowLatencyAPI):
                 bad_argument(op, "x", f"{cached.is_token_in_rank.shape[0]} rows (the tokens of the handle's dispatch)",
                              describe(data))
             self._begin(op, previous_event, async_finish, allocate_on_comm_stream)
-            result = self._normal.cached_dispatch(data, scales, cached)
+            result = self.runtime.cached_dispatch(data, scales, cached)
         else:
             routing = check_dispatch_routing(op, data, self.group_size, num_tokens_per_rank, is_token_in_rank,
                                              num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                              num_worst_tokens, num_experts)
             self._begin(op, previous_event, async_finish, allocate_on_comm_stream)
-            result = self._normal.dispatch(data, scales, routing.topk_idx, routing.topk_weights, routing.layout,
+            result = self.runtime.dispatch(data, scales, routing.topk_idx, routing.topk_weights, routing.layout,
                                            expert_alignment, num_worst_tokens, config.num_channels)
         recv_x = result.recv_x if scales is None else (result.recv_x, result.recv_scales)
         outputs = (result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights)
@@ -326,7 +327,7 @@ class Buffer(LowLatencyAPI):
         parsed = NormalHandle.from_tuple(op, handle, self.rank, self.group_size, x.device)
         x, topk_weights, bias0, bias1 = check_combine_args(op, x, parsed, self.rank, topk_weights, bias)
         self._begin(op, previous_event, async_finish, allocate_on_comm_stream)
-        out, out_weights, finish = self._normal.combine(x, parsed, topk_weights, bias0, bias1)
+        out, out_weights, finish = self.runtime.combine(x, parsed, topk_weights, bias0, bias1)
         event = self._end(finish, async_finish, (x, topk_weights, bias0, bias1, out, out_weights))
         return out, out_weights, event
 

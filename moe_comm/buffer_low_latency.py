@@ -1,20 +1,18 @@
 """The low-latency half of ``Buffer``'s API (DeepEP v1): dispatch, combine, hooks, the zero-copy
 combine buffer, clean, and the shrink (rank masking) helpers. A mixin: ``Buffer`` provides the
-state (group size, the low-latency mode object, the transport) and ``_alive``."""
+state (group size, the backend) and ``_alive``."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .agreement import collective
+from .backends.base import Backend, collective
 from .checks import check_bools, check_int, check_tensor
 from .errors import bad_argument
 from .event import EventHandle, EventOverlap
 from .handle import LowLatencyHandle
 from .ll_args import check_ll_combine, check_ll_counts, check_ll_dispatch, check_ll_sizes, check_rdma_bytes
-from .low_latency import LowLatencyMode
-from .transport import Transport
 from .variant_knobs import LOW_LATENCY_COMBINE, LOW_LATENCY_DISPATCH, reject_unsupported
 
 __all__ = ["LowLatencyAPI", "XType"]
@@ -31,8 +29,7 @@ class LowLatencyAPI:
     num_rdma_bytes: int
     low_latency_mode: bool
     enable_shrink: bool
-    runtime: Optional[Transport]
-    _low_latency: LowLatencyMode
+    runtime: Backend
     _alive: Callable[[str], None]  # raises once the buffer is destroyed or broken
 
     # ------------------------------------------------------------------ low-latency mode
@@ -48,7 +45,7 @@ class LowLatencyAPI:
         op = "clean_low_latency_buffer"
         self._low_latency_ready(op)
         check_ll_sizes(op, num_max_dispatch_tokens_per_rank, hidden, num_experts, self.group_size, self.num_rdma_bytes)
-        self._low_latency.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, self.runtime.device)
+        self.runtime.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     @collective("low_latency_dispatch")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -94,9 +91,9 @@ class LowLatencyAPI:
                                  round_scale, use_ue8m0)
         check_rdma_bytes(op, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, self.group_size,
                          self.num_rdma_bytes)
-        result = self._low_latency.dispatch(args.x, args.topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                            args.fp8_format, cumulative_local_expert_recv_stats,
-                                            dispatch_wait_recv_cost_stats, return_recv_hook)
+        result = self.runtime.low_latency_dispatch(args.x, args.topk_idx, num_max_dispatch_tokens_per_rank,
+                                                   num_experts, args.fp8_format, cumulative_local_expert_recv_stats,
+                                                   dispatch_wait_recv_cost_stats, return_recv_hook)
         recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
         outputs = (result.recv_x, result.recv_scales, result.recv_count) + result.handle.as_tuple()[:2]
         event, hook = self._ll_end(result.receive, async_finish, return_recv_hook, (args.x, args.topk_idx) + outputs)
@@ -139,8 +136,8 @@ class LowLatencyAPI:
                                                              out, combine_wait_recv_cost_stats)
         check_rdma_bytes(op, parsed.num_max_dispatch_tokens_per_rank, parsed.hidden, parsed.num_experts,
                          self.group_size, self.num_rdma_bytes)
-        combined, receive = self._low_latency.combine(x, topk_idx, topk_weights, parsed, zero_copy, out,
-                                                      combine_wait_recv_cost_stats, return_recv_hook)
+        combined, receive = self.runtime.low_latency_combine(x, topk_idx, topk_weights, parsed, zero_copy, out,
+                                                             combine_wait_recv_cost_stats, return_recv_hook)
         event, hook = self._ll_end(receive, async_finish, return_recv_hook, (x, topk_idx, topk_weights, combined))
         return combined, event, hook
 
@@ -153,7 +150,7 @@ class LowLatencyAPI:
         src_info = handle[0] if isinstance(handle, (tuple, list)) and handle else None
         device = src_info.device if isinstance(src_info, torch.Tensor) else torch.device("cpu")
         parsed = LowLatencyHandle.from_tuple(op, handle, self.group_size, device)
-        return self._low_latency.next_combine_buffer(parsed, device)
+        return self.runtime.next_combine_buffer(parsed, device)
 
     # ------------------------------------------------------------------ fault tolerance (enable_shrink)
     def _shrink_ready(self, op: str) -> None:
@@ -174,7 +171,7 @@ class LowLatencyAPI:
         check_bools(op, mask=mask)
         if rank_to_mask == self.rank and mask:
             bad_argument(op, "rank_to_mask", f"another rank than this one ({self.rank})", rank_to_mask)
-        (self._low_latency.masked.add if mask else self._low_latency.masked.discard)(rank_to_mask)
+        self.runtime.mask_rank(rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Writes 1 for masked ranks and 0 for the others into ``mask_status`` (`[num_ranks]` int32)."""
@@ -182,13 +179,13 @@ class LowLatencyAPI:
         self._shrink_ready(op)
         check_tensor(op, "mask_status", mask_status, shape=(self.group_size,), dtype=torch.int32)
         status = torch.zeros(self.group_size, dtype=torch.int32)
-        status[sorted(self._low_latency.masked)] = 1
+        status[sorted(self.runtime.masked_ranks())] = 1
         mask_status.copy_(status)
 
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmasks every rank."""
         self._shrink_ready("low_latency_clean_mask_buffer")
-        self._low_latency.masked.clear()
+        self.runtime.clear_masks()
 
     @staticmethod
     def _no_async_with_hook(op: str, async_finish: bool, return_recv_hook: bool) -> None:

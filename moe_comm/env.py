@@ -2,13 +2,15 @@
 ``moe_comm.launch.LocalWorld`` sets MOE_COMM_NUM_THREADS (and what its ``env`` argument names) in
 the worker processes it starts.
 
+MOE_COMM_BACKEND     backend for ``Buffer(backend="auto")``: a name in ``moe_comm.backends.KNOWN`` (unset:
+                     the native backend of the group's device when built, else ``portable``).
 MOE_COMM_TRANSPORT   transport for ``Buffer(transport="auto")``: a name listed by
                      ``moe_comm.transport.available()`` (unset: ``shm`` on gloo, ``mpi`` on the mpi
                      backend or with ``comm=``, else ``collective``).
 MOE_COMM_TIMEOUT_S   deadline in seconds for every wait (default 300); ``Buffer(timeout_s=...)``
                      overrides it.
 MOE_COMM_NUM_THREADS threads the CPU kernels of ``moe_comm._C`` may use (default: all cores).
-MOE_COMM_POOL_BYTES  idle bytes the CPU output pool (``moe_comm.alloc.empty``) may keep (default 2 GiB;
+MOE_COMM_POOL_BYTES  idle bytes the CPU output pool (``moe_comm.memory.empty``) may keep (default 2 GiB;
                      0 disables recycling).
 MOE_COMM_WEIGHT_CACHE_BYTES  bytes of fp32 expert-weight copies the native CPU GEMM may keep across calls
                      (``moe_comm.ops.weight_cache``; default 1 GiB; 0 disables).
@@ -27,12 +29,18 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-__all__ = ["transport", "timeout_s", "num_threads", "pool_bytes", "weight_cache_bytes", "local_world_size",
+__all__ = ["backend", "transport", "timeout_s", "num_threads", "pool_bytes", "weight_cache_bytes", "local_world_size",
            "ops_backend", "triton_interpret", "deep_ep_alias"]
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_POOL_BYTES = 2 << 30
 DEFAULT_WEIGHT_CACHE_BYTES = 1 << 30
+
+
+def backend() -> Optional[str]:
+    """The backend named by ``MOE_COMM_BACKEND``, or None when unset or empty."""
+    value = os.environ.get("MOE_COMM_BACKEND", "").strip()
+    return value or None
 
 
 def transport() -> Optional[str]:

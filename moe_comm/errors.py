@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn, Sequence
 
-__all__ = ["BufferUnusableError", "CommTimeoutError", "CrossRankMismatchError", "PeerExitedError", "bad_argument"]
+__all__ = ["BackendUnavailableError", "BufferUnusableError", "CommTimeoutError", "CrossRankMismatchError", "PeerExitedError", "bad_argument"]
 
 
 class CommTimeoutError(TimeoutError):
@@ -34,6 +34,10 @@ class PeerExitedError(RuntimeError):
     def __init__(self, op: str, rank: int, peer: int, pid: int) -> None:
         self.op, self.rank, self.peer, self.pid = op, rank, peer, pid
         super().__init__(f"{op}: rank {rank}: rank {peer} (pid {pid}) has exited while this rank waited for it")
+
+
+class BackendUnavailableError(RuntimeError):
+    """``Buffer(backend=...)`` named a backend that cannot run here; the message says why and which can."""
 
 
 class CrossRankMismatchError(ValueError):

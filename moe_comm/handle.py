@@ -16,9 +16,9 @@ import torch
 
 from .checks import check_int, check_tensor
 from .errors import bad_argument
-from .ops.digest import sent_tokens
+from .backends.portable.digest import sent_tokens
 from .ops.layout import SendPlan, plan_sends
-from .ops.low_latency_layout import layout_range_check
+from .backends.portable.low_latency_layout import layout_range_check
 
 __all__ = ["NormalHandle", "LowLatencyHandle", "SendPlan", "plan_sends"]
 
@@ -60,7 +60,7 @@ class NormalHandle:
     @functools.cached_property
     def sent(self) -> tuple[list[int], list[int], Optional[tuple[int, int]]]:
         """(tokens this rank sent to each rank in the handle's dispatch, digests of those tokens, the
-        first ``[t, r]`` where ``send_head`` is not their send position, or None): ``ops.sent_tokens``."""
+        first ``[t, r]`` where ``send_head`` is not their send position, or None): ``backends.portable.digest.sent_tokens``."""
         return sent_tokens(self.is_token_in_rank, self.send_head)
 
     @functools.cached_property

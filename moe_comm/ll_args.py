@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from .checks import check_int, check_tensor, describe
+from .codes import Fp8Format
 from .errors import bad_argument
 from .handle import LowLatencyHandle
 from .limits import MAX_INT32, check_count, check_fits
@@ -87,8 +88,7 @@ def _check_ll_topk(op: str, topk_idx: Any, num_experts: int, m: int, num_tokens:
 class LowLatencyDispatchArgs:
     x: torch.Tensor
     topk_idx: torch.Tensor
-    # 0 bf16, 1 fp8, 2 fp8 with power-of-two scales, 3 fp8 with UE8M0 scales (handshake.FP8_FORMATS)
-    fp8_format: int
+    fp8_format: Fp8Format
 
 
 def _check_stats(op: str, name: str, stats: Any, size: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -115,20 +115,14 @@ def check_ll_dispatch(op: str, x: Any, topk_idx: Any, m: int, num_experts: int, 
     _check_stats(op, "cumulative_local_expert_recv_stats", recv_stats, num_experts // num_ranks, torch.int32,
                  x.device)
     _check_stats(op, "dispatch_wait_recv_cost_stats", wait_stats, num_ranks, torch.int64, x.device)
-    fp8_format = 0
-    if use_fp8:
-        fp8_format = 1
-        if round_scale:
-            fp8_format = 2
-        if use_ue8m0:
-            if not round_scale:
-                bad_argument(op, "round_scale", "True when use_ue8m0=True (UE8M0 holds power-of-two scales only)",
-                             round_scale)
-            if hidden % (4 * GROUP):
-                bad_argument(op, "x", f"[T, hidden] with hidden a multiple of {4 * GROUP} for use_ue8m0 (4 scales "
-                             f"per int32)", describe(x))
-            fp8_format = 3
-    return LowLatencyDispatchArgs(x, topk_idx, fp8_format)
+    if use_fp8 and use_ue8m0:
+        if not round_scale:
+            bad_argument(op, "round_scale", "True when use_ue8m0=True (UE8M0 holds power-of-two scales only)",
+                         round_scale)
+        if hidden % (4 * GROUP):
+            bad_argument(op, "x", f"[T, hidden] with hidden a multiple of {4 * GROUP} for use_ue8m0 (4 scales "
+                         f"per int32)", describe(x))
+    return LowLatencyDispatchArgs(x, topk_idx, Fp8Format.of(use_fp8, round_scale, use_ue8m0))
 
 
 def check_ll_combine(op: str, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, num_ranks: int,

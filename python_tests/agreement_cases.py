@@ -73,7 +73,7 @@ def one_sided_rejection(group: dist.ProcessGroup, name: str, rejecter: int) -> d
         hook()
     _check_normal(c, 6)
     _check_low_latency(c, 6, hook=True)
-    return dict(kind=kind, message=message, calls=c.normal._agreement.calls)
+    return dict(kind=kind, message=message, calls=c.normal.runtime.agreement.calls)
 
 
 TAMPERS: dict[str, Callable[[Ctx], Any]] = {

@@ -398,7 +398,7 @@ def fuzz(group: dist.ProcessGroup, seed: int, steps: int, timeout_s: float = 20.
             stats["unclear"].append((where, type(raised).__name__, message))
         if rank not in corrupters and not isinstance(raised, moe_comm.BufferUnusableError):
             assert isinstance(raised, moe_comm.CrossRankMismatchError), f"{where}: rank {rank}: {raised!r}"
-        if isinstance(raised, moe_comm.BufferUnusableError) or (c.normal._agreement.broken or c.ll._agreement.broken):
+        if isinstance(raised, moe_comm.BufferUnusableError) or (c.normal.runtime.agreement.broken or c.ll.runtime.agreement.broken):
             stats["rebuilt"] += 1
             stats.setdefault("broken_by", []).append((where, message[:300]))
             c.normal, c.ll = _buffers(group, timeout_s)

@@ -57,7 +57,7 @@ def subgroup(group: dist.ProcessGroup) -> Any:
 def bad_arguments(group: dist.ProcessGroup) -> dict[str, tuple[str, str]]:
     """(exception, message) of each misuse of ``comm``."""
     from mpi4py import MPI
-    runtime = moe_comm.Buffer(None, comm=MPI.COMM_WORLD).runtime
+    runtime = moe_comm.Buffer(None, comm=MPI.COMM_WORLD).runtime.transport
     size = dist.get_world_size(group)
     rows = torch.zeros(size, 4)
     cases = {

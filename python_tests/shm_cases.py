@@ -85,12 +85,12 @@ def both_transports(group: dist.ProcessGroup) -> dict[str, list[str]]:
 def growth(group: dist.ProcessGroup) -> dict[str, Any]:
     """A shm buffer made small grows to fit an exchange and gives the collective transport's bits."""
     small = moe_comm.Buffer(group, transport="shm", timeout_s=30, explicitly_destroy=True)
-    before = small.runtime.capacity
+    before = small.runtime.transport.capacity
     digests = normal_digests(small, tokens=300, hidden=2048)  # ~2.4 MiB per rank, > 1 MiB
-    after = small.runtime.capacity
+    after = small.runtime.transport.capacity
     small.destroy()
     sized = moe_comm.Buffer(group, num_nvl_bytes=8 << 20, transport="shm", timeout_s=30, explicitly_destroy=True)
-    sized_capacity = sized.runtime.capacity
+    sized_capacity = sized.runtime.transport.capacity
     sized.destroy()
     ref = moe_comm.Buffer(group, transport="collective", timeout_s=30, explicitly_destroy=True)
     want = normal_digests(ref, tokens=300, hidden=2048)
@@ -117,14 +117,14 @@ def grow_with_many_in_flight(group: dist.ProcessGroup, delay_rank: int) -> bool:
     reaches the reused slot first: the grown slots must make the peer wait for the release."""
     buf = moe_comm.Buffer(group, timeout_s=30)
     if buf.rank == delay_rank:
-        settle = buf.runtime._next
+        settle = buf.runtime.transport._next
 
         def slow_next(channel: int) -> tuple[int, int]:
             if channel == DATA:
                 time.sleep(0.1)
             return settle(channel)
 
-        buf.runtime._next = slow_next
+        buf.runtime.transport._next = slow_next
     # Rows of 8 KB: the first dispatches fit the 1 MiB slots, the fourth grows them, and the ones
     # after it reuse the grown slots while older exchanges are still unread.
     inputs = [_inputs(buf.rank, min(40 * (1 + s), 160), 4096, 12, 3, seed=s) for s in range(8)]
@@ -133,7 +133,7 @@ def grow_with_many_in_flight(group: dist.ProcessGroup, delay_rank: int) -> bool:
         p[-1].current_stream_wait()
     got = [_digest(p[0], p[1], p[2]) for p in pending]
     want = [_digest(*buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=12)[:3]) for x, i, w in inputs]
-    return got == want and buf.runtime.capacity > 1 << 20
+    return got == want and buf.runtime.transport.capacity > 1 << 20
 
 
 def own_segments() -> list[str]:
@@ -251,6 +251,6 @@ def node_split(group: dist.ProcessGroup) -> dict[str, Any]:
     try:
         result = both_transports(group)
         buf = moe_comm.Buffer(group, transport="shm", timeout_s=30)
-        return dict(local=buf.runtime.local, remote=buf.runtime.remote, same=result["shm"] == result["collective"])
+        return dict(local=buf.runtime.transport.local, remote=buf.runtime.transport.remote, same=result["shm"] == result["collective"])
     finally:
         del os.environ["LOCAL_WORLD_SIZE"]

@@ -391,7 +391,7 @@ def test_output_pool_recycles_blocks_once_tensors_die():
 
     import torch
 
-    from moe_comm.alloc import empty, pool_stats
+    from moe_comm.memory import empty, pool_stats
     first = empty((1024, 1024), torch.float32, torch.device("cpu"))  # 4 MiB: pooled
     address = first.data_ptr()
     view = first[10:20]
@@ -411,7 +411,7 @@ def test_output_pool_recycles_blocks_once_tensors_die():
 def test_zero_outputs_of_every_size():
     import torch
 
-    from moe_comm.alloc import zeros
+    from moe_comm.memory import zeros
     for shape in ((0, 128), (3, 0), (0,), (5, 7), (1024, 1024)):
         t = zeros(shape, torch.bfloat16, torch.device("cpu"))
         assert t.shape == shape and t.dtype == torch.bfloat16 and t.is_contiguous()

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from moe_comm.handle import plan_sends
-from moe_comm.ops import (digests, digests_reference, layout_range_check, layout_range_check_reference,
-                          low_latency_combine_digests, low_latency_combine_digests_reference, send_order,
-                          sent_tokens, sent_tokens_reference)
+from moe_comm.backends.portable.digest import (digests, digests_reference, low_latency_combine_digests,
+                                               low_latency_combine_digests_reference, sent_tokens,
+                                               sent_tokens_reference)
+from moe_comm.backends.portable.low_latency_layout import layout_range_check, layout_range_check_reference, send_order
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

@@ -4,8 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_comm.ops import (RecordLayout, combine_rows, combine_rows_reference, low_latency_unpack,
-                          low_latency_unpack_reference, pack_rows, send_order, send_order_reference)
+from moe_comm.backends.portable.low_latency_layout import (combine_rows, combine_rows_reference, low_latency_unpack,
+                                                           low_latency_unpack_reference, send_order,
+                                                           send_order_reference)
+from moe_comm.ops.records import RecordLayout, pack_rows
 
 
 def _records(seed: int, num_ranks: int, local: int, tokens: int, hidden: int, scales: bool):

@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from moe_comm._native import native
-from moe_comm.ops import (RecordLayout, combine_reduce, combine_reduce_reference, combine_rows,
-                          combine_rows_reference, dispatch_layout, dispatch_layout_reference, gather_rows,
-                          gather_rows_reference, low_latency_unpack, low_latency_unpack_reference, pack_rows,
-                          pack_rows_reference, permute, permute_reference, send_order, send_order_reference,
-                          unpack_rows, unpack_rows_reference, unpermute_reduce, unpermute_reduce_reference)
+from moe_comm.backends.portable.low_latency_layout import (combine_rows, combine_rows_reference, low_latency_unpack,
+                                                           low_latency_unpack_reference, send_order,
+                                                           send_order_reference)
+from moe_comm.ops import (dispatch_layout, dispatch_layout_reference, permute, permute_reference, take_rows,
+                          take_rows_reference, unpermute_reduce, unpermute_reduce_reference)
+from moe_comm.ops.combine_reduce import combine_reduce, combine_reduce_reference
+from moe_comm.ops.records import RecordLayout, pack_rows, pack_rows_reference, unpack_rows, unpack_rows_reference
 from moe_comm.ops.quant import native_rows
 from moe_comm.ops.records import _segments
 
@@ -103,7 +105,7 @@ def test_unpack_rows_without_dst_rows_rejects_more_records_than_rows(path):
 def _gather(path: str, rows: torch.Tensor) -> torch.Tensor:
     src = torch.arange(21, dtype=torch.float32).view(7, 3)
     out = torch.empty(rows.shape[0], 3)
-    (gather_rows if path == "native" else gather_rows_reference)(out, src, rows)
+    (take_rows if path == "native" else take_rows_reference)(out, src, rows)
     return out
 
 
@@ -117,7 +119,7 @@ def test_gather_rows_accepts_the_last_row_and_minus_one(path):
 @pytest.mark.parametrize("value", _bad(7, -1))
 def test_gather_rows_rejects_rows_outside_src(path, value):
     with pytest.raises(ValueError,
-                       match=_outside("gather_rows", "rows", "1", value, -1, 7) + re.escape("rows of src)")):
+                       match=_outside("take_rows", "rows", "1", value, -1, 7) + re.escape("rows of src)")):
         _gather(path, torch.tensor([6, value, 0]))
 
 
@@ -424,8 +426,8 @@ def test_native_paths_refuse_tensors_off_the_cpu():
     layout, fields = _rows_case()
     with pytest.raises(ValueError, match=r"pack_rows: field idx must be on the CPU like the others"):
         pack_rows(layout, [fields[0], fields[1].to("meta")], torch.zeros(2, dtype=torch.int64))
-    with pytest.raises(ValueError, match=r"gather_rows: src must be on the CPU like the others"):
-        gather_rows(torch.empty(2, 3), torch.empty(7, 3, device="meta"), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"take_rows: src must be on the CPU like the others"):
+        take_rows(torch.empty(2, 3), torch.empty(7, 3, device="meta"), torch.zeros(2, dtype=torch.int64))
     comb = RecordLayout.build([("x", torch.float32, 4)])
     with pytest.raises(ValueError, match=r"combine_reduce: records\[0\] must be a contiguous \[rows, 16\] uint8 tensor "
                                          r"on the CPU, got \[3, 16\] torch.uint8 strides \(16, 1\) on meta"):

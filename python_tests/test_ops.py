@@ -9,9 +9,9 @@ import torch
 
 import moe_comm
 from moe_comm._native import native
-from moe_comm.ops import (DispatchLayout, RecordLayout, combine_reduce, combine_reduce_reference, dispatch_layout,
-                          gather_rows, gather_rows_reference,
-                          dispatch_layout_reference, pack_rows, pack_rows_reference, unpack_rows, unpack_rows_reference)
+from moe_comm.ops import DispatchLayout, dispatch_layout, dispatch_layout_reference, take_rows, take_rows_reference
+from moe_comm.ops.combine_reduce import combine_reduce, combine_reduce_reference
+from moe_comm.ops.records import RecordLayout, pack_rows, pack_rows_reference, unpack_rows, unpack_rows_reference
 from moe_comm.ops.combine_reduce import REDUCE_DTYPES
 from moe_comm.ops.quant import native_rows, quantize_reference
 
@@ -485,8 +485,8 @@ def test_gather_rows_matches_reference(dtype, cols, strided):
     rows[::7] = -1  # zero rows
     got = torch.ones(900, cols, dtype=dtype)
     want = torch.ones(900, cols, dtype=dtype)
-    gather_rows(got, src, rows)
-    gather_rows_reference(want, src, rows)
+    take_rows(got, src, rows)
+    take_rows_reference(want, src, rows)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert not bool(got[rows < 0].view(torch.uint8).any())
 

@@ -15,7 +15,7 @@ import torch
 
 from ..buffer import Buffer
 from ..event import EventOverlap
-from ..ops import gather_rows, permute, quantize, unpermute_reduce
+from ..ops import permute, take_rows, quantize, unpermute_reduce
 from .experts import Experts
 
 __all__ = ["NormalStages", "NormalReceived", "LowLatencyStages", "LowLatencyReceived"]
@@ -67,7 +67,7 @@ class NormalStages:
         if received.scales is not None:
             scales = received.scales.new_empty(perm.x.shape[0], received.scales.shape[1])
             num_topk = received.topk_idx.shape[1]
-            gather_rows(scales, received.scales, torch.where(perm.source >= 0, perm.source // num_topk, -1))
+            take_rows(scales, received.scales, torch.where(perm.source >= 0, perm.source // num_topk, -1))
         y = self.experts.ffn(perm.x, expert_offsets=perm.expert_offsets, x_scales=scales, backend=self.backend)
         return unpermute_reduce(y, perm.row_of, received.topk_weights, backend=self.backend)
 

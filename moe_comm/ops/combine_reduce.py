@@ -6,7 +6,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .._native import cpu_threads, native
-from .records import RecordLayout, check_index, check_records
+from .rows import check_index
+from .records import RecordLayout, check_records
 
 __all__ = ["combine_reduce", "combine_reduce_reference", "REDUCE_DTYPES", "Records"]
 

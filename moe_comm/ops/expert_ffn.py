@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..alloc import zeros
+from ..memory import zeros
 from .backend import resolve
 from .fp8 import GROUP
 from .grouped_gemm import GemmArgs, grouped_gemm, launch_gemm, native_gemm, segments_reference

@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..alloc import zeros
+from ..memory import zeros
 from .backend import kernels, resolve
 from .fp8 import GROUP
 from .quant import dequantize

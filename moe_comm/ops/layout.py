@@ -8,7 +8,7 @@ import torch
 
 from .._native import cpu_threads, native
 from .backend import kernels, next_pow2, resolve
-from .records import check_index
+from .rows import check_index
 
 __all__ = ["DispatchLayout", "dispatch_layout", "dispatch_layout_reference", "SendPlan", "plan_sends"]
 

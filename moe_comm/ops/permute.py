@@ -10,7 +10,7 @@ import torch
 from .backend import kernels, resolve
 from .combine_reduce import REDUCE_DTYPES
 from .quant import check_quant_args, launch_rows, native_rows, quantize_reference
-from .records import gather_rows
+from .rows import take_rows
 
 __all__ = ["Permutation", "permute", "permute_reference", "max_permuted_rows"]
 
@@ -109,7 +109,7 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, alignm
         out, scales = native_rows(x, rows, quant, round_scale, use_ue8m0, source=source, source_div=topk_idx.shape[1])
     else:
         out = x.new_empty(rows, x.shape[1])
-        gather_rows(out, x, torch.where(source >= 0, source // topk_idx.shape[1], -1))
+        take_rows(out, x, torch.where(source >= 0, source // topk_idx.shape[1], -1))
         if quant is not None:
             out, scales = quantize_reference(out, quant, round_scale=round_scale, use_ue8m0=use_ue8m0)
     return Permutation(out, scales, offsets, per_expert.to(torch.int32), row_of.view_as(topk_idx), source,

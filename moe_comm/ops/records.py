@@ -6,14 +6,15 @@ source index); each field starts at an 8-byte-aligned offset so it can be viewed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 
 from .._native import cpu_threads, native
+from .rows import check_index, check_on_cpu, check_rows_index
 
 __all__ = ["Field", "RecordLayout", "pack_rows", "pack_rows_reference", "unpack_rows", "unpack_rows_reference",
-           "gather_rows", "gather_rows_reference"]
+           "check_records"]
 
 _ALIGN = 8
 
@@ -58,25 +59,6 @@ class RecordLayout:
         return records[:, f.offset:f.offset + f.nbytes].view(f.dtype)
 
 
-def check_index(op: str, name: str, index: torch.Tensor, low: int, high: Union[int, torch.Tensor],
-                where: Union[str, Callable[[tuple[int, ...]], str]]) -> None:
-    """Raises ValueError unless every entry of ``index`` is in ``[low, high)``, naming the first bad one in the
-    words of the native checks: ``"{op}: {name}[i, j] = v is outside [low, high) ({where})"``. ``high`` may be
-    a tensor broadcast against ``index`` (a bound per column); ``where`` may be a function of the position.
-    The plain-torch references run it before they index (one host sync on a device)."""
-    if index.numel() == 0:
-        return
-    high_t = torch.as_tensor(high, device=index.device)
-    bad = (index < low) | (index >= high_t)
-    if not bool(bad.any()):
-        return
-    pos = tuple(int(p) for p in torch.nonzero(bad)[0])
-    bound = int(high_t.expand(index.shape)[pos]) if high_t.dim() else int(high_t)
-    text = where(pos) if callable(where) else where
-    raise ValueError(f"{op}: {name}[{', '.join(map(str, pos))}] = {int(index[pos])} is outside [{low}, {bound}) "
-                     f"({text})")
-
-
 def check_records(op: str, name: str, records: torch.Tensor, record_bytes: int, source: Optional[int] = None,
                   cpu: bool = True) -> None:
     """Raises ValueError unless ``records`` is a contiguous `[rows, record_bytes]` uint8 tensor (what the native
@@ -90,19 +72,6 @@ def check_records(op: str, name: str, records: torch.Tensor, record_bytes: int, 
            if isinstance(records, torch.Tensor) else type(records).__name__)
     raise ValueError(f"{op}: {name} must be a contiguous [rows, {record_bytes}] uint8 tensor"
                      f"{' on the CPU' if cpu else ''}, got {got}")
-
-
-def check_on_cpu(op: str, tensors: dict[str, Optional[torch.Tensor]]) -> None:
-    """Raises ValueError unless every tensor given is on the CPU: the native kernels dereference data_ptr()."""
-    for name, t in tensors.items():
-        if t is not None and not t.is_cpu:
-            raise ValueError(f"{op}: {name} must be on the CPU like the others (the native path), got {t.device}")
-
-
-def _check_rows_index(op: str, name: str, rows: torch.Tensor, num_rows: int) -> None:
-    """The native path reads ``rows[i]`` for i < num_rows as int64: it must be `[num_rows]` int64."""
-    if rows.dim() != 1 or rows.shape[0] != num_rows or rows.dtype != torch.int64:
-        raise ValueError(f"{op}: {name} must be [{num_rows}] int64, got {list(rows.shape)} {rows.dtype}")
 
 
 def _segments(layout: RecordLayout, tensors: Sequence[Optional[torch.Tensor]]
@@ -163,7 +132,7 @@ def pack_rows(layout: RecordLayout, fields: Sequence[Optional[torch.Tensor]], sr
     if src_rows.device.type != "cpu":
         records = pack_rows_reference(layout, fields, src_rows)
         return records if out is None else out.copy_(records)
-    _check_rows_index("pack_rows", "src_rows", src_rows, num_rows)
+    check_rows_index("pack_rows", "src_rows", src_rows, num_rows)
     check_on_cpu("pack_rows", {"out": out, **{f"field {f.name}": t for f, t in zip(layout.fields, fields)}})
     records = torch.empty(num_rows, layout.record_bytes, dtype=torch.uint8) if out is None else out
     src_rows = src_rows.contiguous()
@@ -206,7 +175,7 @@ def unpack_rows(layout: RecordLayout, records: torch.Tensor, outputs: Sequence[O
         return unpack_rows_reference(layout, records, outputs, dst_rows)
     num_rows = records.shape[0]
     if dst_rows is not None:
-        _check_rows_index("unpack_rows", "dst_rows", dst_rows, num_rows)
+        check_rows_index("unpack_rows", "dst_rows", dst_rows, num_rows)
         dst_rows = dst_rows.contiguous()
     check_on_cpu("unpack_rows", {"dst_rows": dst_rows,
                                  **{f"output {f.name}": t for f, t in zip(layout.fields, outputs)}})
@@ -233,36 +202,3 @@ def unpack_rows_reference(layout: RecordLayout, records: torch.Tensor, outputs: 
                 out[:num_rows].copy_(values)
             else:
                 out[dst_rows] = values
-
-
-def gather_rows(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
-    """``out[i] = src[rows[i]]``, zeros where ``rows[i] == -1``: 2-D tensors of one element size, ``out`` with
-    contiguous rows, ``src`` any strides, ``rows`` `[out.shape[0]]` int64 in [-1, src.shape[0]) (ValueError naming
-    the entry otherwise). Local. (On CPU the native row copy, whose large copies bypass the cache;
-    ``torch.index_select`` does not.)
-    Reference: ``gather_rows_reference``."""
-    if (out.dim() != 2 or src.dim() != 2 or out.shape[1] != src.shape[1] or out.element_size() != src.element_size()
-            or rows.shape != (out.shape[0],) or out.stride(1) != 1):
-        raise ValueError(f"gather_rows: out {list(out.shape)} {out.dtype} (strides {out.stride()}), src "
-                         f"{list(src.shape)} {src.dtype} and rows {list(rows.shape)} do not fit")
-    if out.device.type != "cpu":
-        return gather_rows_reference(out, src, rows)
-    _check_rows_index("gather_rows", "rows", rows, out.shape[0])
-    check_on_cpu("gather_rows", {"src": src, "rows": rows})
-    item = src.element_size()
-    rows = rows.contiguous()
-    segment = (src.data_ptr(), src.stride(0) * item, src.stride(1) * item, item, src.shape[1], 0, src.shape[0])
-    # A one-row out may have any stride(0); its record is then its one row.
-    record_bytes = (out.stride(0) if out.shape[0] > 1 else out.shape[1]) * item
-    try:
-        native().pack_rows(out.data_ptr(), [segment], rows.data_ptr(), rows.shape[0], record_bytes, cpu_threads())
-    except ValueError as exc:  # worded for pack_rows, whose one segment here is src
-        raise ValueError(str(exc).replace("pack_rows: src_rows", "gather_rows: rows", 1)
-                         .replace("rows of segment 0", "rows of src")) from None
-
-
-def gather_rows_reference(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
-    """Plain-torch specification of ``gather_rows``; also the path for non-CPU devices."""
-    check_index("gather_rows", "rows", rows, -1, src.shape[0], "rows of src")
-    out.copy_(src.index_select(0, rows.clamp(min=0)).view(out.dtype))
-    out.view(torch.uint8)[rows < 0] = 0

@@ -12,7 +12,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..workspace import Workspace
+from ..memory import Workspace
 
 __all__ = ["Exchange", "Pending", "Rows", "Transport", "host_id", "own_counts", "peer_blocks", "prefix_sums"]
 
@@ -74,7 +74,7 @@ class Transport(abc.ABC):
         is ``all_to_all``. Ordered with the other bulk exchanges, not with ``all_to_all``."""
         return self.all_to_all(output, input, output_splits, input_splits, op=op, skip=skip)
 
-    def gather_rows(self, row: torch.Tensor, *, op: str) -> torch.Tensor:
+    def all_gather_rows(self, row: torch.Tensor, *, op: str) -> torch.Tensor:
         """Every rank's ``row`` (1-D, the same size and dtype on every rank), stacked in rank order:
         an all-gather through ``all_to_all``, with its deadline. Collective; blocks."""
         ranks = self.num_ranks
@@ -85,7 +85,7 @@ class Transport(abc.ABC):
 
     def barrier(self, *, op: str) -> None:
         """Returns once every rank has called it (or raises at the deadline). Collective."""
-        self.gather_rows(torch.ones(1, dtype=torch.uint8, device=self.device), op=op)
+        self.all_gather_rows(torch.ones(1, dtype=torch.uint8, device=self.device), op=op)
 
     @abc.abstractmethod
     def exited_ranks(self) -> list[int]:

@@ -209,7 +209,7 @@ class CollectiveTransport(Transport):
         pairing; starts the arrival book (host counters named by the host's first rank's token)."""
         mine = torch.tensor([self._host, os.getpid(), instance, secrets.randbits(62)], dtype=torch.int64,
                             device=self.device)
-        rows = self.gather_rows(mine, op="Buffer()").cpu().tolist()
+        rows = self.all_gather_rows(mine, op="Buffer()").cpu().tolist()
         instances = [r[2] for r in rows]
         if len(set(instances)) > 1:
             raise CrossRankMismatchError(

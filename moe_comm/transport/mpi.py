@@ -202,7 +202,7 @@ class MpiTransport(Transport):
         files: a peer that died after opening the counters file, before this rank did, held it."""
         mine = torch.tensor([host_id(), os.getpid(), secrets.randbits(62)], dtype=torch.int64)
         try:
-            rows = self.gather_rows(mine, op="Buffer()").tolist()
+            rows = self.all_gather_rows(mine, op="Buffer()").tolist()
             self._host_ranks = [r for r, row in enumerate(rows) if row[0] == rows[self.rank][0]]
             self.pids = [row[1] for row in rows]
             counters = HostCounters.meet(f"{rows[self._host_ranks[0]][2]:x}", self._host_ranks, self.rank,

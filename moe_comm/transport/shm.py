@@ -228,7 +228,7 @@ class ShmTransport(Transport):
         encoded = name.encode()
         row = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
         row[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-        got = self._coll.gather_rows(row, op="shm transport: exchanging segment names")
+        got = self._coll.all_gather_rows(row, op="shm transport: exchanging segment names")
         return [bytes(r).rstrip(b"\0").decode() for r in got.tolist()]
 
     @property

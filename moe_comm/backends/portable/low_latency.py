@@ -26,38 +26,22 @@ from typing import Callable, Optional
 
 import torch
 
+from ...memory import empty, zeros
+from ...codes import Field, Fp8Format, Op
+from ...handle import LowLatencyHandle
+from ...ops import quantize
+from ...ops.combine_reduce import combine_reduce
+from ...ops.fp8 import FP8_DTYPE
+from ...ops.records import RecordLayout, pack_rows
+from ...transport import Transport
+from ..base import LowLatencyDispatch, Receive
 from .agreement import CallAgreement
-from .alloc import empty, zeros
-from .handle import LowLatencyHandle
-from .ops import (RecordLayout, combine_reduce, combine_rows, low_latency_combine_digests, low_latency_unpack,
-                  pack_rows, quantize, send_order)
-from .ops.fp8 import FP8_DTYPE
-from .transport import Transport
+from .digest import low_latency_combine_digests
+from .low_latency_layout import combine_rows, low_latency_unpack, send_order
 
-__all__ = ["LowLatencyMode", "LowLatencyDispatch", "Receive"]
+__all__ = ["LowLatencyMode"]
 
-_DISPATCH, _COMBINE, _CLEAN = 4, 5, 6
-_COMPARED = ("hidden", "num_experts", "num_max_dispatch_tokens_per_rank")
-
-
-class Receive:
-    """The receive half of one low-latency call. Calling it (DeepEP's ``hook()``) runs it; it runs once."""
-
-    def __init__(self, op: str, finish: Callable[[], None]) -> None:
-        self._op, self._finish = op, finish
-        self.done = False
-
-    def __call__(self) -> None:
-        if self.done:
-            raise RuntimeError(f"{self._op}: this recv hook was already called; each hook receives once")
-        self.done = True
-        finish, self._finish = self._finish, None
-        finish()
-
-    def complete(self) -> None:
-        """Runs the receive unless it already ran."""
-        if not self.done:
-            self()
+_COMPARED = (Field.HIDDEN, Field.NUM_EXPERTS, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK)
 
 
 @dataclass
@@ -67,15 +51,6 @@ class _Slot:
     receive: Optional[Receive] = None
     hook: bool = False  # the receive belongs to the caller's hook
     combine_buffer: Optional[torch.Tensor] = None  # bytes behind get_next_low_latency_combine_buffer
-
-
-@dataclass
-class LowLatencyDispatch:
-    recv_x: torch.Tensor                   # [E_loc, R * M, H] bf16 or float8_e4m3fn
-    recv_scales: Optional[torch.Tensor]    # [E_loc, R * M, S] float32 / int32 view, token stride 1
-    recv_count: torch.Tensor               # [E_loc] int32
-    handle: LowLatencyHandle
-    receive: Receive
 
 
 class LowLatencyMode:
@@ -136,7 +111,7 @@ class LowLatencyMode:
         return receive
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int, fp8_format: int,
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int, fp8_format: Fp8Format,
                  recv_stats: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
                  hook: bool) -> LowLatencyDispatch:
         """Checked ``low_latency_dispatch`` (see ``Buffer``); returns outputs filled by ``receive``."""
@@ -147,16 +122,18 @@ class LowLatencyMode:
         skip = self.skip()
         msg, experts, send_counts = send_order(self._routable(topk_idx, num_experts, skip), num_experts, R)
         start = time.perf_counter_ns()
-        fields = dict(hidden=hidden, num_experts=num_experts, num_max_dispatch_tokens_per_rank=m, fp8_format=fp8_format)
-        shake = self.agreement.handshake(op, _DISPATCH, fields, send_counts, None, _COMPARED + ("fp8_format",), device,
-                                         skip)
+        fields = {Field.HIDDEN: hidden, Field.NUM_EXPERTS: num_experts, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: m,
+                  Field.FP8_FORMAT: fp8_format}
+        shake = self.agreement.handshake(op, Op.LOW_LATENCY_DISPATCH, fields, send_counts, None,
+                                         _COMPARED + (Field.FP8_FORMAT,), device, skip)
         waited = time.perf_counter_ns() - start
         recv_counts = shake.recv_counts(self.rank)
 
         scales = None
         data = x
-        if fp8_format:
-            data, scales = quantize(x, "e4m3", round_scale=fp8_format >= 2, use_ue8m0=fp8_format == 3)
+        if fp8_format is not Fp8Format.BF16:
+            data, scales = quantize(x, "e4m3", round_scale=fp8_format in (Fp8Format.FP8_ROUND_SCALE, Fp8Format.FP8_UE8M0),
+                                    use_ue8m0=fp8_format is Fp8Format.FP8_UE8M0)
             data = data.view(torch.uint8)
         specs = [("x", data.dtype, hidden)]
         specs += [] if scales is None else [("scales", scales.dtype, scales.shape[1])]
@@ -231,9 +208,9 @@ class LowLatencyMode:
         returned, asked = low_latency_combine_digests(handle.layout_range, handle.src_info, msg, experts, expected,
                                                       topk_idx.shape[1])
         start = time.perf_counter_ns()
-        fields = dict(hidden=hidden, num_experts=handle.num_experts,
-                      num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank)
-        shake = self.agreement.handshake(op, _COMBINE, fields, return_counts, expected, _COMPARED, device, skip,
+        fields = {Field.HIDDEN: hidden, Field.NUM_EXPERTS: handle.num_experts,
+                  Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: handle.num_max_dispatch_tokens_per_rank}
+        shake = self.agreement.handshake(op, Op.LOW_LATENCY_COMBINE, fields, return_counts, expected, _COMPARED, device, skip,
                                          sent_digests=returned, expected_digests=asked)
         waited = time.perf_counter_ns() - start
 
@@ -274,5 +251,5 @@ class LowLatencyMode:
             self._settle(op, slot)
         self._lent = None
         zeros = [0] * self.num_ranks
-        fields = dict(hidden=hidden, num_experts=num_experts, num_max_dispatch_tokens_per_rank=m)
-        self.agreement.handshake(op, _CLEAN, fields, zeros, zeros, _COMPARED, device, self.skip())
+        fields = {Field.HIDDEN: hidden, Field.NUM_EXPERTS: num_experts, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: m}
+        self.agreement.handshake(op, Op.CLEAN_LOW_LATENCY_BUFFER, fields, zeros, zeros, _COMPARED, device, self.skip())

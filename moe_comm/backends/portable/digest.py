@@ -1,5 +1,5 @@
 """Routing digests: which tokens a block of rows carries, as one 62-bit number, so two ranks can check in
-their handshake that they agree on it (``moe_comm.handshake``) without sending the tokens.
+their handshake that they agree on it (``handshake.py``) without sending the tokens.
 
 ``digest(block) = (sum over i of mix(mix(block[i]) + i) mod 2^64) >> 2``, ``mix`` being splitmix64's
 finalizer and keys sign-extended to 64 bits: two sides that hold the same block get the same value,
@@ -12,8 +12,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .._native import native
-from .layout import plan_sends
+from ..._native import native
+from ...ops.layout import plan_sends
 from .low_latency_layout import combine_rows_reference
 
 __all__ = ["digests", "digests_reference", "sent_tokens", "sent_tokens_reference", "low_latency_combine_digests",

@@ -9,23 +9,26 @@ received rows are grouped by source rank ascending and, within a block, by sourc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
+from ...memory import empty
+from ...codes import Field, Op, WireDType
+from ...errors import CrossRankMismatchError
+from ...handle import NormalHandle
+from ...ops.combine_reduce import combine_reduce
+from ...ops.layout import DispatchLayout, SendPlan, plan_sends
+from ...ops.records import RecordLayout, pack_rows, unpack_rows
+from ...ops.rows import take_rows
+from ...transport import Transport
+from ...transport.base import prefix_sums
+from ..base import DispatchResult
 from .agreement import CallAgreement
-from .alloc import empty
-from .errors import CrossRankMismatchError
-from .handle import NormalHandle, SendPlan, plan_sends
-from .handshake import Handshake, dtype_code
-from .ops import DispatchLayout, RecordLayout, combine_reduce, digests, gather_rows, pack_rows, unpack_rows
-from .transport import Transport
-from .transport.base import prefix_sums
+from .digest import digests
+from .handshake import Handshake
 
-__all__ = ["NormalMode", "DispatchResult", "SendPlan", "plan_sends"]
-
-_DISPATCH, _CACHED, _COMBINE = 1, 2, 3
+__all__ = ["NormalMode"]
 
 
 def channel_prefix(is_token_in_rank: torch.Tensor, num_channels: int) -> torch.Tensor:
@@ -38,16 +41,14 @@ def channel_prefix(is_token_in_rank: torch.Tensor, num_channels: int) -> torch.T
     return counts.cumsum(1).to(torch.int32)
 
 
-@dataclass
-class DispatchResult:
-    recv_x: torch.Tensor
-    recv_scales: Optional[torch.Tensor]
-    recv_topk_idx: Optional[torch.Tensor]
-    recv_topk_weights: Optional[torch.Tensor]
-    num_recv_tokens_per_expert_list: Optional[list[int]]
-    handle: Optional[NormalHandle]
-    # completes the exchange and fills the tensors above; idempotent use is the caller's job
-    finish: Callable[[], None]
+_X_FIELDS = (Field.HIDDEN, Field.X_DTYPE, Field.NUM_SCALES, Field.SCALES_DTYPE)
+
+
+def _x_fields(x: torch.Tensor, scales: Optional[torch.Tensor]) -> dict[Field, int]:
+    """The handshake fields that describe a dispatch's payload (``_X_FIELDS``)."""
+    return {Field.HIDDEN: x.shape[1], Field.X_DTYPE: WireDType.code(x.dtype),
+            Field.NUM_SCALES: -1 if scales is None else scales.shape[1],
+            Field.SCALES_DTYPE: WireDType.code(None if scales is None else scales.dtype)}
 
 
 def _fill_padding(tensors: list[Optional[torch.Tensor]], values: list[float], start: int) -> None:
@@ -59,7 +60,7 @@ def _fill_padding(tensors: list[Optional[torch.Tensor]], values: list[float], st
 def _own_rows(fields: list[torch.Tensor], src_rows: torch.Tensor, outputs: list[torch.Tensor], start: int) -> None:
     """This rank's rows to itself, in one copy: ``outputs[f][start + i] = fields[f][src_rows[i]]``."""
     for field, out in zip(fields, outputs):
-        gather_rows(out[start:start + src_rows.shape[0]], field, src_rows)
+        take_rows(out[start:start + src_rows.shape[0]], field, src_rows)
 
 
 def _unpack_around(records_layout: RecordLayout, received: torch.Tensor, outputs: list[torch.Tensor],
@@ -130,14 +131,12 @@ class NormalMode:
         num_experts = layout.num_tokens_per_expert.numel()
         experts_per_rank = num_experts // R
         plan = plan_sends(layout.is_token_in_rank)
-        fields = dict(hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
-                      num_scales=-1 if scales is None else scales.shape[1],
-                      scales_dtype=dtype_code(None if scales is None else scales.dtype),
-                      num_topk=-1 if topk_idx is None else topk_idx.shape[1], num_experts=num_experts,
-                      num_channels=num_channels, num_worst_tokens=num_worst_tokens)
-        shake = self.agreement.handshake("dispatch", _DISPATCH, fields, plan.send_counts, None,
-                                         ("hidden", "x_dtype", "num_scales", "scales_dtype", "num_topk",
-                                          "num_experts", "num_channels"), device, verdict=_check_worst)
+        fields = {**_x_fields(x, scales), Field.NUM_TOPK: -1 if topk_idx is None else topk_idx.shape[1],
+                  Field.NUM_EXPERTS: num_experts, Field.NUM_CHANNELS: num_channels,
+                  Field.NUM_WORST_TOKENS: num_worst_tokens}
+        shake = self.agreement.handshake("dispatch", Op.DISPATCH, fields, plan.send_counts, None,
+                                         _X_FIELDS + (Field.NUM_TOPK, Field.NUM_EXPERTS, Field.NUM_CHANNELS), device,
+                                         verdict=_check_worst)
         recv_counts = shake.recv_counts(me)
         num_recv = sum(recv_counts)
         rank_prefix = shake.sent.cumsum(0).to(torch.int32).to(device)
@@ -208,11 +207,9 @@ class NormalMode:
         device = x.device
         plan = handle.plan
         expected, expected_digests, prefix_digest = self._received_blocks(handle)
-        fields = dict(hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
-                      num_scales=-1 if scales is None else scales.shape[1],
-                      scales_dtype=dtype_code(None if scales is None else scales.dtype), prefix_digest=prefix_digest)
-        shake = self.agreement.handshake("dispatch", _CACHED, fields, plan.send_counts, expected,
-                                         ("hidden", "x_dtype", "num_scales", "scales_dtype", "prefix_digest"), device,
+        fields = {**_x_fields(x, scales), Field.PREFIX_DIGEST: prefix_digest}
+        shake = self.agreement.handshake("dispatch", Op.CACHED_DISPATCH, fields, plan.send_counts, expected,
+                                         _X_FIELDS + (Field.PREFIX_DIGEST,), device,
                                          sent_digests=handle.sent[1], expected_digests=expected_digests)
         num_recv = sum(expected)
         specs = [("x", x.dtype, x.shape[1])] + ([] if scales is None else [("scales", scales.dtype, scales.shape[1])])
@@ -242,11 +239,12 @@ class NormalMode:
         return_counts, return_digests, prefix_digest = self._received_blocks(handle)
         num_return = sum(return_counts)
         expected, expected_digests, _ = handle.sent
-        fields = dict(hidden=x.shape[1], x_dtype=dtype_code(x.dtype),
-                      num_topk=-1 if topk_weights is None else topk_weights.shape[1],
-                      has_weights=int(topk_weights is not None), prefix_digest=prefix_digest)
-        shake = self.agreement.handshake("combine", _COMBINE, fields, return_counts, expected,
-                                         ("hidden", "x_dtype", "num_topk", "has_weights", "prefix_digest"), device,
+        fields = {Field.HIDDEN: x.shape[1], Field.X_DTYPE: WireDType.code(x.dtype),
+                  Field.NUM_TOPK: -1 if topk_weights is None else topk_weights.shape[1],
+                  Field.HAS_WEIGHTS: int(topk_weights is not None), Field.PREFIX_DIGEST: prefix_digest}
+        shake = self.agreement.handshake("combine", Op.COMBINE, fields, return_counts, expected,
+                                         (Field.HIDDEN, Field.X_DTYPE, Field.NUM_TOPK, Field.HAS_WEIGHTS,
+                                          Field.PREFIX_DIGEST), device,
                                          sent_digests=return_digests, expected_digests=expected_digests)
 
         specs = [("x", x.dtype, x.shape[1])]
@@ -294,7 +292,7 @@ class NormalMode:
 
 def _check_worst(shake: Handshake) -> None:
     """Every rank's ``num_worst_tokens`` (when set) holds the rows it receives."""
-    worst = shake.field("num_worst_tokens")
+    worst = shake.field(Field.NUM_WORST_TOKENS)
     received = shake.sent.sum(0).tolist()
     over = [(r, received[r], w) for r, w in enumerate(worst) if 0 < w < received[r]]
     if over:

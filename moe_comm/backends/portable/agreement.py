@@ -20,22 +20,19 @@ when their wait sees this rank's process exit, else at their deadline.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from .errors import BufferUnusableError, CrossRankMismatchError
-from .handshake import FIELDS, OP_CODES, OPS, Handshake, check, vector
-from .transport import Transport
+from ...codes import Field, Op
+from ...errors import BufferUnusableError, CrossRankMismatchError
+from ...transport import Transport
+from .handshake import Handshake, check, show, vector
 
-__all__ = ["CallAgreement", "collective"]
+__all__ = ["CallAgreement"]
 
 _MESSAGE_BYTES = 1024  # a rejection's message on the wire, truncated to fit
-
-F = TypeVar("F", bound=Callable[..., Any])
-
 
 @dataclass
 class _Call:
@@ -95,7 +92,7 @@ class CallAgreement:
         # that they fail this call too instead of pairing with this rank's next one.
         call.rejection = f"{type(exc).__name__}: {exc}"
         try:
-            self.handshake(call.op, OP_CODES[call.op], {}, [0] * self.num_ranks, [0] * self.num_ranks, (),
+            self.handshake(call.op, Op.of_method(call.op), {}, [0] * self.num_ranks, [0] * self.num_ranks, (),
                            self.transport.device, skipped())
         except BaseException as failure:  # the rejection could not be delivered: ranks may wait for it
             self.breaks(f"{type(failure).__name__} while rank {self.rank} reported its rejected {call.op} "
@@ -120,23 +117,23 @@ class CallAgreement:
         return wrap
 
     # ------------------------------------------------------------------ the handshake
-    def handshake(self, op: str, code: int, fields: Mapping[str, int], send_counts: Sequence[int],
-                  expected: Optional[Sequence[int]], compare: Sequence[str], device: torch.device,
+    def handshake(self, op: str, code: Op, fields: Mapping[Field, int], send_counts: Sequence[int],
+                  expected: Optional[Sequence[int]], compare: Sequence[Field], device: torch.device,
                   skip: frozenset[int] = frozenset(), sent_digests: Optional[Sequence[int]] = None,
                   expected_digests: Optional[Sequence[int]] = None,
                   verdict: Optional[Callable[[Handshake], None]] = None) -> Handshake:
         """Exchanges this rank's vector with every rank and judges them. Collective; blocks the host.
 
         Args:
-            code: the operation's code (``handshake.OPS``).
-            fields: values for names in ``handshake.FIELDS`` (the call's number and rejection are added).
+            code: the operation's code.
+            fields: values of ``codes.Field`` slots (the call's number and rejection are added).
             send_counts: rows this rank will send to each rank.
             expected: rows this rank expects from each rank, or None when unknown before the exchange.
             compare: fields that must be equal on every rank.
             device: where the vectors travel (the payload's device: NCCL moves CUDA tensors only).
             skip: masked ranks, left out; their vectors read as this rank's fields with no rows sent
                 or expected (this rank must send them nothing).
-            sent_digests, expected_digests: ``ops.digests`` of the token keys of the rows sent
+            sent_digests, expected_digests: ``digest.digests`` of the token keys of the rows sent
                 to / expected from each rank, where this rank knows them.
             verdict: a further check on the vectors, raising CrossRankMismatchError (on every rank alike).
         Raises:
@@ -146,31 +143,31 @@ class CallAgreement:
         """
         call = self._current
         R = self.num_ranks
-        row = vector(dict(fields, op=code, call=call.number, rejected=int(call.rejection is not None)),
+        row = vector({**fields, Field.OP: code, Field.CALL: call.number, Field.REJECTED: int(call.rejection is not None)},
                      send_counts, expected, sent_digests, expected_digests, R)
         mine = torch.tensor(row, dtype=torch.int64, device=device).expand(R, len(row)).contiguous()
         got = torch.empty_like(mine)
         call.started = True
         self.transport.all_to_all(got, mine, [1] * R, [1] * R, op=op, skip=skip).wait()
         rows = got.cpu().tolist()
-        F = len(FIELDS)
+        F = len(Field)
         for r in skip:
             rows[r] = row[:F] + [0] * R + [-1] * (3 * R)
         shake = Handshake(rows)
         self._judge(call, shake, op, compare, device, skip, verdict)
         return shake
 
-    def _judge(self, call: _Call, shake: Handshake, op: str, compare: Sequence[str], device: torch.device,
+    def _judge(self, call: _Call, shake: Handshake, op: str, compare: Sequence[Field], device: torch.device,
                skip: frozenset[int], verdict: Optional[Callable[[Handshake], None]]) -> None:
-        if len(set(shake.field("call"))) > 1:
-            ops = shake.field("op")
-            calls = ", ".join(f"rank {r}: call {n} ({OPS.get(ops[r], ops[r])})"
-                              for r, n in enumerate(shake.field("call")))
+        if len(set(shake.field(Field.CALL))) > 1:
+            ops = shake.field(Field.OP)
+            calls = ", ".join(f"rank {r}: call {n} ({show(Field.OP, ops[r])})"
+                              for r, n in enumerate(shake.field(Field.CALL)))
             self.breaks(f"its ranks were found on different calls ({calls}): a rank skipped a call, or failed "
                         f"one alone")
             raise BufferUnusableError(op, self.rank, self.broken)
         try:
-            rejected = [r for r, flag in enumerate(shake.field("rejected")) if flag > 0]
+            rejected = [r for r, flag in enumerate(shake.field(Field.REJECTED)) if flag > 0]
             if rejected:
                 self._rejected(call, op, rejected, device, skip)
             else:
@@ -197,16 +194,3 @@ class CallAgreement:
         said = "; ".join(f"rank {r} rejected its arguments ({bytes(texts[r].tolist()).rstrip(bytes(1)).decode(errors='replace')})"
                          for r in rejected)
         raise CrossRankMismatchError(f"{op}: {said}; every rank fails this call, and the Buffer stays usable")
-
-
-def collective(op: str) -> Callable[[F], F]:
-    """Makes a ``Buffer`` method one collective call ``op`` of the buffer's ``CallAgreement``
-    (``self._agreement``): numbered, refused once the buffer is broken, and a rejection of its
-    arguments (even a wrong signature) reported to every rank (``self._skipped_by(op)`` names the
-    ranks the call leaves out)."""
-    def wrap(method: F) -> F:
-        @functools.wraps(method)
-        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return self._agreement.call(op, lambda: method(self, *args, **kwargs), lambda: self._skipped_by(op))
-        return run  # type: ignore[return-value]
-    return wrap

@@ -16,47 +16,21 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from .errors import CrossRankMismatchError
+from ...codes import UNKNOWN, Field, Fp8Format, Op, WireDType
+from ...errors import CrossRankMismatchError
 
-__all__ = ["FIELDS", "OPS", "OP_CODES", "FP8_FORMATS", "UNKNOWN", "Handshake", "dtype_code", "vector", "per_rank",
-           "check"]
+__all__ = ["Handshake", "vector", "show", "per_rank", "check"]
 
-# Scalar fields of the vector, in order; unused fields hold UNKNOWN. "call" is the Buffer's call
-# number (every collective call advances it, rejected ones included); "rejected" is 1 when this
-# rank rejected its own arguments (it then sends no rows); "prefix_digest" is the digest of a
-# normal handle's rank prefix matrix, which is the same matrix on every rank.
-FIELDS = ("op", "call", "rejected", "hidden", "x_dtype", "num_scales", "scales_dtype", "num_topk", "num_experts",
-          "num_channels", "has_weights", "num_worst_tokens", "num_max_dispatch_tokens_per_rank", "fp8_format",
-          "prefix_digest")
-UNKNOWN = -1
-OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "low_latency_dispatch", 5: "low_latency_combine",
-       6: "clean_low_latency_buffer"}
-#: the code a rejection carries for each public operation
-OP_CODES = {"dispatch": 1, "combine": 3, "low_latency_dispatch": 4, "low_latency_combine": 5,
-            "clean_low_latency_buffer": 6}
-# fp8_format values (low-latency dispatch)
-FP8_FORMATS = {0: "bf16", 1: "fp8", 2: "fp8 round_scale", 3: "fp8 ue8m0"}
-_DTYPES = [getattr(torch, n) for n in (
-    "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)]
-_DTYPE_FIELDS = ("x_dtype", "scales_dtype")
+_NUM_FIELDS = len(Field)
 
 
-def dtype_code(dtype: Optional[torch.dtype]) -> int:
-    """Small int naming ``dtype`` on the wire (UNKNOWN for None)."""
-    return UNKNOWN if dtype is None else _DTYPES.index(dtype)
-
-
-def vector(fields: Mapping[str, int], send_counts: Sequence[int], expected: Optional[Sequence[int]],
+def vector(fields: Mapping[Field, int], send_counts: Sequence[int], expected: Optional[Sequence[int]],
            sent_digests: Optional[Sequence[int]], expected_digests: Optional[Sequence[int]],
            num_ranks: int) -> list[int]:
-    """One rank's vector: FIELDS, then rows sent to each rank, rows expected from each rank, digests
+    """One rank's vector: the ``Field`` slots, then rows sent to each rank, rows expected from each rank, digests
     of the rows sent, digests of the rows expected (UNKNOWN where this rank cannot know)."""
-    unknown = [name for name in fields if name not in FIELDS]
-    if unknown:
-        raise KeyError(f"handshake: unknown fields {unknown}; known: {FIELDS}")
     none = [UNKNOWN] * num_ranks
-    row = [int(fields.get(name, UNKNOWN)) for name in FIELDS]
+    row = [int(fields.get(field, UNKNOWN)) for field in Field]
     for part in (send_counts, expected, sent_digests, expected_digests):
         row += none if part is None else [int(v) for v in part]
     return row
@@ -70,13 +44,12 @@ class Handshake:
     # rows[r] = rank r's vector (see ``vector``)
     rows: list[list[int]]
 
-    def field(self, name: str) -> list[int]:
-        """Every rank's value of field ``name``."""
-        f = FIELDS.index(name)
-        return [row[f] for row in self.rows]
+    def field(self, field: Field) -> list[int]:
+        """Every rank's value of ``field``."""
+        return [row[field] for row in self.rows]
 
     def _part(self, index: int) -> list[list[int]]:
-        start = len(FIELDS) + index * len(self.rows)
+        start = _NUM_FIELDS + index * len(self.rows)
         return [row[start:start + len(self.rows)] for row in self.rows]
 
     @property
@@ -103,19 +76,19 @@ class Handshake:
         return self._part(2), self._part(3)
 
 
-def _show(field: str, value: int) -> str:
-    if field in _DTYPE_FIELDS:
-        return "none" if value < 0 else str(_DTYPES[value]).replace("torch.", "")
-    if field == "op":
-        return OPS.get(value, f"op {value}")
-    if field == "fp8_format":
-        return FP8_FORMATS.get(value, f"format {value}")
-    return "none" if value < 0 else str(value)
+def show(field: Field, value: int) -> str:
+    """``value`` of ``field`` in words (a peer may send a code this rank does not know)."""
+    named = {Field.X_DTYPE: WireDType, Field.SCALES_DTYPE: WireDType, Field.OP: Op, Field.FP8_FORMAT: Fp8Format}
+    codes = named.get(field)
+    if codes is None or value not in codes._value2member_map_:
+        return "none" if value < 0 else str(value)
+    member = codes(value)
+    return member.name.lower() if codes is WireDType else member.label
 
 
-def per_rank(shake: Handshake, name: str) -> str:
-    """``"rank 0: v0, rank 1: v1, ..."`` for field ``name``."""
-    return ", ".join(f"rank {r}: {_show(name, v)}" for r, v in enumerate(shake.field(name)))
+def per_rank(shake: Handshake, field: Field) -> str:
+    """``"rank 0: v0, rank 1: v1, ..."`` for ``field``."""
+    return ", ".join(f"rank {r}: {show(field, v)}" for r, v in enumerate(shake.field(field)))
 
 
 def _listed(pairs: list[tuple[int, int]], word: Callable[[int, int], str]) -> str:
@@ -123,17 +96,17 @@ def _listed(pairs: list[tuple[int, int]], word: Callable[[int, int], str]) -> st
     return shown + (f" (and {len(pairs) - 4} more)" if len(pairs) > 4 else "")
 
 
-def check(shake: Handshake, op: str, compare: Sequence[str]) -> None:
+def check(shake: Handshake, op: str, compare: Sequence[Field]) -> None:
     """The verdict on agreed vectors (after call numbers and rejections): operations, the
     ``compare`` fields, row counts, the handles' prefix matrices and row digests must agree, checked
     in that order. Raises the same CrossRankMismatchError on every rank."""
     hint = ("every rank must call the same operation with the same hidden size, dtypes, top-k, number of "
             "experts and config")
-    if len(set(shake.field("op"))) > 1:  # no local prefix: every rank must word it the same
-        raise CrossRankMismatchError(f"ranks called different operations: {per_rank(shake, 'op')}; {hint}")
-    for name in compare:
-        if name != "prefix_digest" and len(set(shake.field(name))) > 1:
-            raise CrossRankMismatchError(f"{op}: ranks disagree on {name}: {per_rank(shake, name)}; {hint}")
+    if len(set(shake.field(Field.OP))) > 1:  # no local prefix: every rank must word it the same
+        raise CrossRankMismatchError(f"ranks called different operations: {per_rank(shake, Field.OP)}; {hint}")
+    for field in compare:
+        if field is not Field.PREFIX_DIGEST and len(set(shake.field(field))) > 1:
+            raise CrossRankMismatchError(f"{op}: ranks disagree on {field.label}: {per_rank(shake, field)}; {hint}")
     R, sent, expected = len(shake.rows), shake.matrix, shake.expected()
     bad = [(i, j) for i in range(R) for j in range(R) if 0 <= expected[i][j] != sent[j][i]]
     if bad:
@@ -141,8 +114,8 @@ def check(shake: Handshake, op: str, compare: Sequence[str]) -> None:
                                           f"{sent[j][i]}")
         raise CrossRankMismatchError(f"{op}: row counts disagree: {shown}; every rank must pass the handle "
                                      f"of the same dispatch")
-    prefixes = shake.field("prefix_digest")
-    if "prefix_digest" in compare and len(set(prefixes)) > 1:
+    prefixes = shake.field(Field.PREFIX_DIGEST)
+    if Field.PREFIX_DIGEST in compare and len(set(prefixes)) > 1:
         odd = [r for r, v in enumerate(prefixes) if v != prefixes[0]]
         raise CrossRankMismatchError(f"{op}: the handles' rank prefix matrices (handle[0]) differ across ranks "
                                      f"(ranks {odd} differ from rank 0's); every rank must pass the unmodified "

@@ -6,8 +6,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._native import cpu_threads, native
-from .records import RecordLayout, check_index, check_on_cpu, check_records, unpack_rows
+from ..._native import cpu_threads, native
+from ...ops.rows import check_index, check_on_cpu
+from ...ops.records import RecordLayout, check_records, unpack_rows
 
 __all__ = ["send_order", "send_order_reference", "combine_rows", "combine_rows_reference", "low_latency_unpack",
            "low_latency_unpack_reference", "layout_range_check", "layout_range_check_reference"]

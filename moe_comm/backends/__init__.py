@@ -1,0 +1,135 @@
+"""Backends: the implementations of ``Buffer``'s operations, chosen by name (``base.Backend`` is the
+interface).
+
+``portable`` (``backends/portable/``) runs on every device over a ``moe_comm.transport`` and is the
+reference the others must match bit for bit. Native backends hold device kernels and initiate
+communication from the device: ``cuda`` (CUDA IPC and NVSHMEM kernels in ``csrc/cuda``), ``ascend``
+(HCCL, MC2) and ``cambricon`` (CNCL). Each is a folder beside ``portable/`` and registers here; until
+one is built, asking for it says why it is not available.
+
+``Buffer(backend="auto")`` (the default; ``MOE_COMM_BACKEND`` may name one) takes the native backend
+of the group's device when it is available, else ``portable``.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import env
+from .._native import build_info
+from ..errors import BackendUnavailableError
+from .base import Backend
+
+__all__ = ["Backend", "Choice", "KNOWN", "PORTABLE", "available", "unavailable_reason", "choose", "create", "is_sm90_compiled"]
+
+
+@dataclass(frozen=True)
+class _Native:
+    """A native backend: the device type it serves, the build flag of its kernels, and the torch
+    device module it needs."""
+
+    device_type: str
+    build_flag: str
+    torch_module: str
+    kernels: str
+
+
+PORTABLE = "portable"
+# The native backends and what each needs; none is built yet (their classes register in _built()).
+_NATIVE = {"cuda": _Native("cuda", "cuda", "torch.cuda", "csrc/cuda (CUDA IPC + NVSHMEM)"),
+           "ascend": _Native("npu", "ascend", "torch_npu", "csrc/ascend (HCCL, MC2)"),
+           "cambricon": _Native("mlu", "bang", "torch_mlu", "csrc/cambricon (CNCL)")}
+#: every backend name ``Buffer(backend=...)`` knows, built or not
+KNOWN = (PORTABLE,) + tuple(_NATIVE)
+# torch.distributed backend of a group -> the device type its tensors live on
+_GROUP_DEVICE = {"gloo": "cpu", "mpi": "cpu", "nccl": "cuda", "hccl": "npu", "cncl": "mlu"}
+
+
+def _built() -> dict[str, type[Backend]]:
+    """The backend classes this moe_comm has. Imported when a Buffer is built: the modes import
+    ``moe_comm.handle``, which imports the portable backend's wire helpers."""
+    from .portable.backend import PortableBackend
+    return {PortableBackend.name: PortableBackend}
+
+
+def unavailable_reason(name: str) -> Optional[str]:
+    """Why backend ``name`` cannot run in this process, or None when it can."""
+    if name == PORTABLE:
+        return None
+    spec = _NATIVE[name]
+    if not build_info().get(spec.build_flag, False):
+        return (f"this build of moe_comm._C has no {name} kernels (moe_comm.build_info()[{spec.build_flag!r}] is "
+                f"False; they come from {spec.kernels}, which is not built)")
+    if name not in _built():
+        return f"moe_comm._C has {name} kernels but this moe_comm has no {name} backend class to drive them"
+    if spec.device_type == "cuda":
+        return None if torch.cuda.is_available() else "torch.cuda.is_available() is False"
+    return None if importlib.util.find_spec(spec.torch_module) else f"{spec.torch_module} is not installed"
+
+
+def available() -> list[str]:
+    """The backends that can run here."""
+    return [name for name in KNOWN if unavailable_reason(name) is None]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The backend a Buffer uses, and why (for messages)."""
+
+    name: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"backend {self.name!r} ({self.why})"
+
+
+def _group_device(group: Optional[dist.ProcessGroup], comm: Any) -> tuple[str, str]:
+    """(device type, what it was read from) of the ranks' group."""
+    if comm is not None:
+        return "cpu", "an mpi4py communicator"
+    backend = str(dist.get_backend(group))
+    return _GROUP_DEVICE.get(backend, "cpu"), f"a {backend} group"
+
+
+def choose(requested: str, group: Optional[dist.ProcessGroup], comm: Any = None) -> Choice:
+    """The backend for ``requested`` (``"auto"`` or a name from ``KNOWN``) on ``group`` / ``comm``.
+
+    ``MOE_COMM_BACKEND`` replaces ``"auto"``; an explicit name wins over the environment. Raises
+    ValueError for an unknown name and BackendUnavailableError, naming the reason and the available
+    backends, for a known one that cannot run here.
+    """
+    name, source = requested, "backend="
+    if name == "auto" and env.backend():
+        name, source = env.backend(), "MOE_COMM_BACKEND="
+    if name != "auto" and name not in KNOWN:
+        raise ValueError(f"Buffer: backend must be 'auto' or one of {list(KNOWN)}, got {source}{name!r}")
+    if name != "auto":
+        reason = unavailable_reason(name)
+        if reason is not None:
+            raise BackendUnavailableError(f"Buffer: {source}{name!r} is not available: {reason}; available here: "
+                                          f"{available()}")
+        return Choice(name, f"{source}{name!r}")
+    device, seen = _group_device(group, comm)
+    native = next((n for n, spec in _NATIVE.items() if spec.device_type == device), None)
+    if native is None:
+        return Choice(PORTABLE, f"auto: {seen} holds {device} tensors, which no native backend serves")
+    reason = unavailable_reason(native)
+    if reason is None:
+        return Choice(native, f"auto: {seen} holds {device} tensors")
+    return Choice(PORTABLE, f"auto: {seen} holds {device} tensors; the {native} backend is not available "
+                                        f"({reason})")
+
+
+def create(choice: Choice, **kwargs: Any) -> Backend:
+    """Builds the chosen backend (collective); ``kwargs`` are its constructor's arguments."""
+    factory: Callable[..., Backend] = _built()[choice.name]
+    return factory(**kwargs)
+
+
+def is_sm90_compiled() -> bool:
+    """Whether any backend that can run here has kernels compiled for SM90."""
+    return any(_built()[name].is_sm90_compiled() for name in available())
