@@ -9,13 +9,14 @@
 from ._native import build_info
 from .buffer import Buffer, topk_idx_t
 from .config import Config
-from .errors import BufferUnusableError, CommTimeoutError, CrossRankMismatchError, PeerExitedError
+from .errors import (BackendUnavailableError, BufferUnusableError, CommTimeoutError, CrossRankMismatchError,
+                     PeerExitedError)
 from .event import EventHandle, EventOverlap
 from .launch import init_from_env, spawn
 from .moe import EPMoE, Experts, ep_moe
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "BufferUnusableError", "CommTimeoutError",
-           "CrossRankMismatchError", "PeerExitedError",
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "BackendUnavailableError", "BufferUnusableError",
+           "CommTimeoutError", "CrossRankMismatchError", "PeerExitedError",
            "topk_idx_t", "build_info", "EPMoE", "Experts", "ep_moe", "init_from_env", "spawn", "__version__"]

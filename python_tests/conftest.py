@@ -10,7 +10,7 @@ from typing import Callable
 import pytest
 
 from moe_comm.launch import LocalWorld
-from moe_comm.mpiexec import shm_holders
+from moe_comm.launch.mpiexec import shm_holders
 from transports import NO_MPI, TRANSPORTS, local_world
 
 # Keep each rank single-threaded: several ranks share 2 cores.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_comm import accuracy, ops
-from moe_comm.accuracy_suite import CASES, _routing
+from moe_comm.accuracy.suite import CASES, _routing
 
 from bit_checks import assert_same_bits_or_both_nan
 

@@ -153,7 +153,7 @@ def test_mpi_world_aborted_after_a_timeout_leaves_no_mpich_segment():
 def test_bare_mpiexec_job_aborted_after_a_timeout_leaves_no_mpich_segment(tmp_path):
     """Under a plain mpiexec (no LocalWorld to clean up after it) the aborting rank unlinks the
     host's MPICH segment before MPI_Abort."""
-    from moe_comm.mpiexec import find_mpiexec
+    from moe_comm.launch.mpiexec import find_mpiexec
     script = tmp_path / "abort_job.py"
     script.write_text(textwrap.dedent("""
         import json, time

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_comm.mpiexec import find_mpiexec
+from moe_comm.launch.mpiexec import find_mpiexec
 from transports import NO_MPI, TRANSPORTS
 
 SCRIPT = Path(__file__).with_name("store_host_script.py")

@@ -24,9 +24,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import ops
-from .accuracy import EXACT, check
-from .ops import backend
+from .. import ops
+from ..ops import backend
+from .standard import EXACT, check
 
 __all__ = ["run", "main", "targets", "InterpreterChildError"]
 
@@ -165,13 +165,12 @@ def targets() -> list[tuple[torch.device, str]]:
 def run(pairs: list[tuple[torch.device, str]]) -> list[dict[str, Any]]:
     """One row per check: op, check, device, backend, standard, metrics, passed, reason."""
     rows = []
-    for device, backend in pairs:
+    for device, name in pairs:
         for op, case in CASES.items():
-            for what, out, ref, dtype in case(device, backend):
+            for what, out, ref, dtype in case(device, name):
                 report = check(what, out, ref, dtype, raise_on_fail=False)
                 rows.append({"op": op, "check": what, "device": device.type,
-                             "backend": backend + (" (interpreter)" if device.type == "cpu" and backend == "triton"
-                                                   else ""),
+                             "backend": name + (" (interpreter)" if device.type == "cpu" and name == "triton" else ""),
                              "standard": report.standard, **report.metrics, "passed": report.passed,
                              "reason": report.reason})
     return rows

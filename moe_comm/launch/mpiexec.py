@@ -2,7 +2,7 @@
 
 ``mpiexec -n N python -c ...`` starts the ranks; each imports mpi4py (initialising MPI), connects
 back to the parent over an authenticated local socket (``multiprocessing.connection``), says which
-MPI rank and pid it is, and then serves ``launch.worker_loop`` with MPI rank r as torch rank r.
+MPI rank and pid it is, and then serves ``worker.worker_loop`` with MPI rank r as torch rank r.
 Like multiprocessing's spawned children, each rank first loads the parent's main script as
 ``__mp_main__``, so functions defined there can be sent.
 
@@ -28,10 +28,10 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 from typing import Any, Optional
 
-from ._native import native
-from .launch import worker_loop
-from .transport.mpi import MPICH_SHM_PREFIX, mapped_mpich_segments
-from .transport.shm_segment import process_gone, sweep_stale
+from .._native import native
+from ..transport.mpi import MPICH_SHM_PREFIX, mapped_mpich_segments
+from ..transport.shm_segment import process_gone, sweep_stale
+from .worker import worker_loop
 
 __all__ = ["MpiexecRanks", "find_mpiexec", "shm_holders"]
 
@@ -120,7 +120,7 @@ def rank_main(address: tuple[str, int], key: str, store_port: int, backend: str,
 
 
 class MpiexecRanks:
-    """``world_size`` ranks started by ``mpiexec`` (the interface of ``launch._SpawnedRanks``)."""
+    """``world_size`` ranks started by ``mpiexec``, running ``worker_loop`` (a ``worker.Ranks``)."""
 
     def __init__(self, world_size: int, store_port: int, backend: str, timeout_s: float, threads: int,
                  environ: dict[str, str]) -> None:
@@ -129,7 +129,7 @@ class MpiexecRanks:
                                "script; start it under if __name__ == '__main__':")
         key = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), backlog=world_size, authkey=key)
-        code = (f"from moe_comm.mpiexec import rank_main; rank_main({self._listener.address!r}, {key.hex()!r}, "
+        code = (f"from moe_comm.launch.mpiexec import rank_main; rank_main({self._listener.address!r}, {key.hex()!r}, "
                 f"{store_port}, {backend!r}, {timeout_s!r}, {threads}, {_main_reference()!r})")
         # The ranks import the modules of the functions they are sent, as spawned children do.
         paths = [p for p in sys.path if p and os.path.isdir(p)]

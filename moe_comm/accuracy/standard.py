@@ -12,10 +12,11 @@ Two classes of output:
   ``mare``       max relative error, ``|out - ref| / max(|ref|, floor)``, floor = ``small * rms(ref)``
   ``mere``       mean relative error, same denominator
 
-  A check passes when calc_diff, mare and mere are all within the limits and no element is NaN or Inf
-  (where the reference is finite). The floor plays the part of msprobe's small-value region: values
-  near zero after cancellation in long sums are judged against a fraction of the tensor's RMS, not
-  against themselves.
+  A check passes when calc_diff, mare and mere are all within the limits on the elements finite in both
+  tensors, and the output's NaN, +Inf and -Inf are exactly the reference's (``check``'s non-finite
+  policy: never a NaN or Inf where the reference is finite, never a vacuous pass). The floor plays the
+  part of msprobe's small-value region: values near zero after cancellation in long sums are judged
+  against a fraction of the tensor's RMS, not against themselves.
 
 Limits (``../shared/research/hetero.md`` section 6): ``mere`` is the CANN op standard's T per dtype
 (2^-13 fp32, 2^-10 fp16, 2^-7 bf16, 2^-3 e4m3, 2^-2 e5m2) and ``mare`` its 10*T. For FP8 and INT8,
@@ -71,7 +72,7 @@ class Report:
     standard: str                    # "exact" or the dtype name whose limits applied
     passed: bool
     metrics: dict[str, float] = field(default_factory=dict)
-    reason: str = ""
+    reason: str = ""                 # why it failed; on a pass, what went uncompared ("" when nothing did)
 
     def raise_if_failed(self) -> "Report":
         if not self.passed:
@@ -87,21 +88,45 @@ def calc_diff(out: torch.Tensor, ref: torch.Tensor, shift: float = 0.0) -> float
     return 0.0 if denominator == 0.0 else float(1 - 2 * (x * y).sum() / denominator)
 
 
+def _kind(x: torch.Tensor) -> torch.Tensor:
+    """Per element of ``x``: 0 finite, 1 NaN, 2 +Inf, 3 -Inf (int8, same shape)."""
+    kind = torch.zeros(x.shape, dtype=torch.int8)
+    kind[torch.isnan(x)] = 1
+    kind[torch.isposinf(x)] = 2
+    kind[torch.isneginf(x)] = 3
+    return kind
+
+
+# The metrics that count elements whose NaN/+Inf/-Inf differs from the reference's, as check names them.
+_NONFINITE_MISMATCHES = {
+    "nonfinite": "NaN/Inf elements where the reference is finite",
+    "missing_nonfinite": "finite elements where the reference is NaN/Inf",
+    "wrong_nonfinite": "NaN/Inf elements where the reference has the other one (NaN vs Inf, or the other sign)",
+}
+
+
 def metrics(out: torch.Tensor, ref: torch.Tensor, small: float) -> dict[str, float]:
-    """calc_diff, max_abs, mare, mere (see the module docstring) and ``nonfinite``: elements of ``out`` that
-    are NaN or Inf where ``ref`` is finite."""
+    """calc_diff, max_abs, mare, mere (see the module docstring) over the elements finite in both tensors;
+    ``finite_compared``: how many those are; and the elements of ``out`` whose NaN/+Inf/-Inf differs from
+    ``ref``'s: ``nonfinite`` NaN/Inf where ``ref`` is finite, ``missing_nonfinite`` finite where ``ref``
+    is NaN/Inf, ``wrong_nonfinite`` NaN where ``ref`` is Inf, Inf where it is NaN or the opposite Inf."""
     out64, ref64 = out.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
-    finite = torch.isfinite(ref64)
-    nonfinite = int((~torch.isfinite(out64) & finite).sum())
-    out64, ref64 = out64[finite], ref64[finite]
+    out_kind, ref_kind = _kind(out64), _kind(ref64)
+    both_finite = (out_kind == 0) & (ref_kind == 0)
+    differ = out_kind != ref_kind
+    counts = {"finite_compared": float(both_finite.sum()),
+              "nonfinite": float((differ & (ref_kind == 0)).sum()),
+              "missing_nonfinite": float((differ & (out_kind == 0)).sum()),
+              "wrong_nonfinite": float((differ & (out_kind != 0) & (ref_kind != 0)).sum())}
+    out64, ref64 = out64[both_finite], ref64[both_finite]
     if ref64.numel() == 0:
-        return {"calc_diff": 0.0, "max_abs": 0.0, "mare": 0.0, "mere": 0.0, "nonfinite": float(nonfinite)}
+        return {"calc_diff": 0.0, "max_abs": 0.0, "mare": 0.0, "mere": 0.0, **counts}
     error = (out64 - ref64).abs()
     rms = math.sqrt(float((ref64 * ref64).mean()))
     floor = max(small * rms, torch.finfo(torch.float64).tiny)
     relative = error / ref64.abs().clamp_min(floor)
     return {"calc_diff": calc_diff(out64, ref64), "max_abs": float(error.max()), "mare": float(relative.max()),
-            "mere": float(relative.mean()), "nonfinite": float(nonfinite)}
+            "mere": float(relative.mean()), **counts}
 
 
 def _exact(op: str, out: torch.Tensor, ref: torch.Tensor) -> Report:
@@ -121,9 +146,19 @@ def _exact(op: str, out: torch.Tensor, ref: torch.Tensor) -> Report:
 
 def check(op: str, out: torch.Tensor, ref: torch.Tensor, dtype: Union[torch.dtype, str] = EXACT,
           raise_on_fail: bool = True) -> Report:
-    """Checks ``out`` against ``ref`` by the standard: ``dtype=EXACT`` compares bytes; a torch dtype (the
-    precision the op's result was rounded to) applies ``STANDARD[dtype]`` against an fp64 ``ref``.
-    Raises AccuracyError on failure unless ``raise_on_fail`` is False; returns the Report."""
+    """Checks ``out`` against ``ref`` by the standard: ``dtype=EXACT`` compares bytes (NaNs too, payload
+    and all); a torch dtype (the precision the op's result was rounded to) applies ``STANDARD[dtype]``
+    against an fp64 ``ref``. Raises AccuracyError on failure unless ``raise_on_fail`` is False; returns
+    the Report.
+
+    Non-finite policy of a numeric check: ``out`` must have a NaN exactly where ``ref`` has one, +Inf
+    exactly where ``ref`` has +Inf and -Inf exactly where it has -Inf. Any element where that does not
+    hold fails the check, whatever the other metrics say (``metrics`` counts the three ways: NaN/Inf
+    where ``ref`` is finite, finite where it is not, the other NaN/Inf). The limits then apply to the
+    elements finite in both. A reference with no finite value is held to the same rule, so it passes
+    only when ``out`` has its NaN/Inf pattern exactly, never vacuously; the report's ``reason`` then
+    says that no finite values were compared.
+    """
     if dtype == EXACT:
         report = _exact(op, out, ref)
     else:
@@ -134,15 +169,11 @@ def check(op: str, out: torch.Tensor, ref: torch.Tensor, dtype: Union[torch.dtyp
         else:
             limits = STANDARD[dtype]
             found = metrics(out, ref, limits.small)
-            failed = [f"{name} {found[name]:.3g} > {limit:.3g}" for name, limit in
-                      (("calc_diff", limits.calc_diff), ("mere", limits.mere), ("mare", limits.mare))
-                      if not found[name] <= limit]
-            if found["nonfinite"]:
-                failed.insert(0, f"{int(found['nonfinite'])} NaN/Inf elements where the reference is finite")
-            report = Report(op, str(dtype).replace("torch.", ""), not failed, found, "; ".join(failed))
+            failed = [f"{int(found[name])} {what}" for name, what in _NONFINITE_MISMATCHES.items() if found[name]]
+            failed += [f"{name} {found[name]:.3g} > {limit:.3g}" for name, limit in
+                       (("calc_diff", limits.calc_diff), ("mere", limits.mere), ("mare", limits.mare))
+                       if not found[name] <= limit]
+            notes = failed + (["no finite values compared"] if found["finite_compared"] == 0 else [])
+            report = Report(op, str(dtype).replace("torch.", ""), not failed, found, "; ".join(notes))
     return report.raise_if_failed() if raise_on_fail else report
 
-
-if __name__ == "__main__":
-    from .accuracy_suite import main
-    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""The ranks of a ``LocalWorld`` as children of this process (multiprocessing ``spawn``)."""
+from __future__ import annotations
+
+import queue
+from typing import Any, Optional
+
+import torch.multiprocessing as mp
+
+from .worker import worker_loop
+
+__all__ = ["SpawnedRanks"]
+
+
+class SpawnedRanks:
+    """``world_size`` child processes running ``worker_loop`` (a ``worker.Ranks``), fed by queues."""
+
+    def __init__(self, world_size: int, store_port: int, backend: str, timeout_s: float, threads: int,
+                 environ: dict[str, str]) -> None:
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [ctx.Process(target=worker_loop, args=(r, world_size, store_port, backend, timeout_s, threads,
+                                                             environ, self._tasks[r], self._results), daemon=True)
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+
+    def send(self, rank: int, task: Any) -> None:
+        self._tasks[rank].put(task)
+
+    def receive(self, timeout_s: float) -> Optional[tuple[int, bool, Any]]:
+        try:
+            return self._results.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def alive(self, rank: int) -> bool:
+        return self._procs[rank].is_alive()
+
+    def stop(self, force: bool) -> None:
+        for rank in range(len(self._procs)):
+            self.send(rank, None)
+        for p in self._procs:
+            p.join(timeout=0 if force else 5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        # NOTES: every queue holds named semaphores (/dev/shm/sem.mp-*) until it is collected; let
+        # them go with the ranks rather than with this object.
+        for q in [self._results, *self._tasks]:
+            q.cancel_join_thread()
+            q.close()
+        self._results, self._tasks = None, []
