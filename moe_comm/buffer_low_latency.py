@@ -64,7 +64,8 @@ class LowLatencyAPI:
             dispatch_wait_recv_cost_stats: optional `[R]` int64, increased per source rank by the
                 nanoseconds this rank waited to receive (DeepEP counts GPU cycles; moe-comm's transports
                 wait for all sources at once, so every entry grows by the same wait).
-            use_fp8: cast to FP8 E4M3 with one scale per 128 channels (``moe_comm.ops.per_token_cast_to_fp8``);
+            use_fp8: cast to FP8 E4M3 with one scale per 128 channels (``moe_comm.ops.quantize``, bitwise
+                ``moe_comm.ops.per_token_cast_to_fp8``);
                 ``round_scale``: power-of-two scales; ``use_ue8m0``: packed UE8M0 scales (needs round_scale).
             async_finish: the receive runs in ``event.current_stream_wait()``.
             return_recv_hook: the call only sends; ``hook()`` receives and fills the outputs (once).

@@ -9,7 +9,9 @@ DeepEP's kernel (and so this module) computes, per token and 128-channel group g
 
 and returns ``scale_inv`` (the factor that dequantizes) as the scale. UE8M0 stores only the
 exponent byte of the power-of-two ``scale_inv``, four groups packed little-endian per int32.
-This is the one quantizer of the library: the low-latency dispatch and the tests both use it.
+These functions are the plain-torch statement of those formulas (``quantize_reference`` uses them).
+The low-latency dispatch casts with ``ops.quantize`` (the C++ kernel on CPU, Triton elsewhere), which
+matches them bit for bit (``python_tests/test_fused_ops.py``, ``test_ops.py``).
 """
 from __future__ import annotations
 
