@@ -1,4 +1,5 @@
-"""Checks of normal-mode arguments, turning DeepEP's loose inputs into typed ones for ``normal.py``."""
+"""Checks of normal-mode arguments, turning DeepEP's loose inputs into the typed ones a backend takes
+(``backends/base.py``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,12 +7,12 @@ from typing import Any, Optional
 
 import torch
 
+from ._native import NATIVE_DTYPES
 from .checks import check_int, check_tensor, describe
 from .errors import bad_argument
 from .handle import NormalHandle
 from .limits import check_count, check_fits
 from .ops import DispatchLayout, dispatch_layout
-from .ops.combine_reduce import REDUCE_DTYPES
 
 __all__ = ["split_x", "check_topk_idx", "check_num_experts", "check_dispatch_routing", "check_combine_args",
            "DispatchRouting", "TOPK_IDX_T"]
@@ -129,7 +130,7 @@ def check_combine_args(op: str, x: Any, handle: NormalHandle, rank: int, topk_we
     """Checks combine's x `[N, H]` (N = rows received, or the padded num_worst_tokens rows),
     topk_weights `[N, K]` float32 and bias (None, a tensor or a 2-tuple of `[T, H]`)."""
     num_recv, padded = handle.num_recv_rows(rank), handle.recv_src_idx.shape[0]
-    check_tensor(op, "x", x, shape=(None, None), dtype=tuple(REDUCE_DTYPES))
+    check_tensor(op, "x", x, shape=(None, None), dtype=NATIVE_DTYPES)
     if x.shape[0] not in (num_recv, padded):
         bad_argument(op, "x", f"[{num_recv} (rows received by dispatch), hidden]"
                      + (f" or [{padded}, hidden]" if padded != num_recv else ""), describe(x))

@@ -110,14 +110,14 @@ def _gather(path: str, rows: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_gather_rows_accepts_the_last_row_and_minus_one(path):
+def test_take_rows_accepts_the_last_row_and_minus_one(path):
     out = _gather(path, torch.tensor([6, -1, 0]))
     assert torch.equal(out, torch.tensor([[18.0, 19, 20], [0, 0, 0], [0, 1, 2]]))
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("value", _bad(7, -1))
-def test_gather_rows_rejects_rows_outside_src(path, value):
+def test_take_rows_rejects_rows_outside_src(path, value):
     with pytest.raises(ValueError,
                        match=_outside("take_rows", "rows", "1", value, -1, 7) + re.escape("rows of src)")):
         _gather(path, torch.tensor([6, value, 0]))

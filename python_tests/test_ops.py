@@ -477,7 +477,7 @@ def test_combine_reduce_per_source_records():
 
 @pytest.mark.parametrize("dtype,cols,strided", [(torch.bfloat16, 7168, False), (torch.int32, 1, False),
                                                 (torch.float32, 5, True), (torch.uint8, 37, False)])
-def test_gather_rows_matches_reference(dtype, cols, strided):
+def test_take_rows_matches_reference(dtype, cols, strided):
     gen = _gen("gather", str(dtype), cols, strided)
     src = torch.randint(0, 100, (700, cols * (2 if strided else 1)), generator=gen).to(dtype)
     src = src[:, ::2] if strided else src

@@ -4,8 +4,8 @@ Before any payload moves, each rank sends every other rank one small int64 vecto
 the Buffer this is (its number and operation), whether this rank rejected its own arguments, its
 arguments (hidden size, dtypes, top-k, number of experts, ...), the rows it will send to each rank
 and the rows it expects from each rank, and digests of which tokens those rows carry
-(``ops.digest``). Every rank
-then holds every rank's vector, so ranks out of step, one-sided rejections, argument and count
+(``digest.py``); ``codes.Field`` names its slots. Every rank then holds every rank's vector, so
+ranks out of step, one-sided rejections, argument and count
 mismatches, and handles that disagree with a peer's routing are all found before any payload
 moves, and every rank reaches the same verdict. ``agreement.CallAgreement`` runs the exchange.
 """
