@@ -2,17 +2,17 @@
 (bitwise), hand-computed examples, and independence from the kernels' thread count."""
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import pytest
 import torch
 
 import moe_comm
-from moe_comm._native import native
+from moe_comm._native import NATIVE_DTYPES, native, native_dtype
 from moe_comm.ops import DispatchLayout, dispatch_layout, dispatch_layout_reference, take_rows, take_rows_reference
 from moe_comm.ops.combine_reduce import combine_reduce, combine_reduce_reference
 from moe_comm.ops.records import RecordLayout, pack_rows, pack_rows_reference, unpack_rows, unpack_rows_reference
-from moe_comm.ops.combine_reduce import REDUCE_DTYPES
 from moe_comm.ops.quant import native_rows, quantize_reference
 
 from bit_checks import assert_same_bits_or_both_nan
@@ -212,7 +212,7 @@ def test_pack_rows_leaves_none_fields_to_the_caller():
         assert layout.view(records, "expert").view(-1).tolist() == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("dtype", list(REDUCE_DTYPES))
+@pytest.mark.parametrize("dtype", list(NATIVE_DTYPES))
 @pytest.mark.parametrize("num_sources", [1, 3, 8])
 def test_combine_reduce_weighted_matches_reference(dtype, num_sources):
     gen = _gen(str(dtype), num_sources, "weighted")
@@ -279,7 +279,7 @@ def _assert_bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(a.view(bits), b.view(bits)) if bits else torch.equal(a, b)
 
 
-@pytest.mark.parametrize("dtype", list(REDUCE_DTYPES))
+@pytest.mark.parametrize("dtype", list(NATIVE_DTYPES))
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("with_weights", [False, True])
 @pytest.mark.parametrize("num_bias", [0, 1, 2])
@@ -401,7 +401,7 @@ def test_pack_unpack_thread_count_independent():
         assert torch.equal(_as_bytes(a), _as_bytes(t[src_rows])), f"field {f.name} differs"
 
 
-@pytest.mark.parametrize("dtype", list(REDUCE_DTYPES))
+@pytest.mark.parametrize("dtype", list(NATIVE_DTYPES))
 def test_combine_reduce_thread_count_independent(dtype):
     gen = _gen(str(dtype), "threads combine")
     num_ranks, num_tokens, hidden, num_topk = 4, 1200, 256, 8
@@ -416,7 +416,7 @@ def test_combine_reduce_thread_count_independent(dtype):
         native().combine_reduce(out.data_ptr(), w.data_ptr(), [records.data_ptr()] * num_ranks,
                                 [records.shape[0]] * num_ranks, send_pos.data_ptr(), 0,
                                 biases[0].data_ptr(), biases[1].data_ptr(), num_tokens, num_ranks, hidden,
-                                REDUCE_DTYPES[dtype], layout.record_bytes, layout.field("x").offset, w_field.offset,
+                                native_dtype(dtype), layout.record_bytes, layout.field("x").offset, w_field.offset,
                                 num_topk, threads)
         outs.append((out, w))
     _assert_bitwise(outs[0][0], outs[1][0])
@@ -426,34 +426,50 @@ def test_combine_reduce_thread_count_independent(dtype):
     _assert_bitwise(outs[1][1], want_w)
 
 
-@pytest.mark.parametrize("dtype", list(REDUCE_DTYPES))
-def test_combine_reduce_builds_agree_bitwise(dtype):
-    """The AVX2 build of the reduction (where the CPU has it) and the generic build give the same bits."""
-    gen = _gen(str(dtype), "isa")
-    layout, records, send_pos, biases = _combine_case(gen, dtype, 3, 300, 1100, 4, True, 2)
+def _nonfinite_combine_case(dtype):
+    """A reduction whose rows hold NaN, infinities and the largest finite value (sums that overflow)."""
+    layout, records, send_pos, biases = _combine_case(_gen(str(dtype), "isa"), dtype, 3, 300, 1100, 4, True, 2)
     x = layout.view(records, "x").view(dtype)
-    x[::7, ::5] = float("nan")  # NaN, infinities and values that round up across the exponent
+    x[::7, ::5] = float("nan")
     x[1::7, 1::5] = float("inf")
     x[2::7, 2::5] = -float("inf")
     x[3::7, 3::5] = torch.finfo(dtype).max
+    return layout, records, send_pos, biases
+
+
+@pytest.mark.parametrize("dtype", list(NATIVE_DTYPES))
+def test_combine_reduce_nonfinite_matches_reference(dtype):
+    """On the build this CPU runs, NaN, infinities and overflowing sums reduce as the reference does
+    (test_combine_reduce_builds_agree_bitwise ties the other build to this one)."""
+    case = _nonfinite_combine_case(dtype)
+    got, _ = _run_combine(combine_reduce, *case, True)
+    want, _ = _run_combine(combine_reduce_reference, *case, True)
+    assert bool(got.isnan().any()) and bool(got.isinf().any())
+    # torch keeps a NaN's sign and payload when rounding to 16 bits, the kernels write the canonical
+    # quiet NaN: compare NaN positions, and bits elsewhere
+    assert torch.equal(got.isnan(), want.isnan())
+    _assert_bitwise(got.masked_fill(got.isnan(), 0), want.masked_fill(want.isnan(), 0))
+
+
+@pytest.mark.parametrize("dtype", list(NATIVE_DTYPES))
+def test_combine_reduce_builds_agree_bitwise(dtype):
+    """The AVX2 build of the reduction and the generic build give the same bits, NaNs included."""
+    if native().combine_reduce_isa() == "generic":
+        pytest.skip("this CPU runs only the generic build of combine_reduce (no AVX2 + F16C): no other build "
+                    "to compare it with")
+    case = _nonfinite_combine_case(dtype)
     results = []
     try:
         for generic in (False, True):
             native().set_combine_reduce_generic(generic)
-            results.append((native().combine_reduce_isa(),
-                            _run_combine(combine_reduce, layout, records, send_pos, biases, True)))
+            results.append((native().combine_reduce_isa(), _run_combine(combine_reduce, *case, True)))
     finally:
         native().set_combine_reduce_generic(False)
     (isa_a, (out_a, w_a)), (isa_b, (out_b, w_b)) = results
-    assert isa_b == "generic"
+    assert (isa_a, isa_b) == ("avx2", "generic")
     assert bool(out_a.isnan().any()) and bool(out_a.isinf().any())
     _assert_bitwise(out_a, out_b)
     _assert_bitwise(w_a, w_b)
-    # torch keeps a NaN's sign and payload when rounding to 16 bits, the kernels write the canonical
-    # quiet NaN: compare NaN positions, and bits elsewhere
-    want, _ = _run_combine(combine_reduce_reference, layout, records, send_pos, biases, True)
-    assert torch.equal(out_a.isnan(), want.isnan())
-    _assert_bitwise(out_a.masked_fill(out_a.isnan(), 0), want.masked_fill(want.isnan(), 0))
 
 
 def test_combine_reduce_per_source_records():
@@ -491,8 +507,27 @@ def test_take_rows_matches_reference(dtype, cols, strided):
     assert not bool(got[rows < 0].view(torch.uint8).any())
 
 
+# Each build of quantize_rows: the IsaLevel that caps the kernel at it, and the name quantize_rows_isa() gives it.
+QUANT_BUILDS = [("kAvx512", "avx512"), ("kAvx2", "avx2"), ("kGeneric", "generic")]
+
+
+@contextlib.contextmanager
+def _quantize_rows_build(cap: str, isa: str):
+    """Runs the block on the ``isa`` build of quantize_rows (capped at IsaLevel ``cap``); skips where this CPU
+    has no such build, so a CPU with fewer builds does not run one build several times."""
+    native().set_quantize_rows_isa_cap(getattr(native().IsaLevel, cap))
+    try:
+        if native().quantize_rows_isa() != isa:
+            pytest.skip(f"this CPU has no {isa} build of quantize_rows (capped at {cap} it runs "
+                        f"{native().quantize_rows_isa()}, which another case tests)")
+        yield
+    finally:
+        native().set_quantize_rows_isa_cap(native().IsaLevel.kAvx512)
+
+
+@pytest.mark.parametrize("cap,isa", QUANT_BUILDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_quantize_rows_builds_agree_bitwise(dtype):
+def test_quantize_rows_builds_agree_bitwise(dtype, cap, isa):
     """Each build of the C++ cast the CPU can run (AVX-512, AVX2, generic) gives the reference's codes and
     scales bit for bit, gathering rows (zero rows included) or not, with NaN and Inf present."""
     gen = _gen(str(dtype), "quant isa")
@@ -500,25 +535,19 @@ def test_quantize_rows_builds_agree_bitwise(dtype):
     x[2, 7], x[5, 1000], x[9] = float("nan"), -float("inf"), 0.0
     source = torch.randint(-1, 37 * 2, (50,), generator=gen)
     cases = (("e4m3", False, False), ("e4m3", True, True), ("e5m2", True, False), ("int8", False, False))
-    seen = set()
-    try:
-        for cap in (2, 1, 0):
-            native().set_quantize_rows_isa_cap(cap)
-            seen.add(native().quantize_rows_isa())
-            for fmt, round_scale, ue8m0 in cases:
-                q, s = native_rows(x, 50, fmt, round_scale, ue8m0, source=source, source_div=2)
-                rows = torch.where(source >= 0, source // 2, 0)
-                gathered = torch.where((source >= 0)[:, None], x[rows], torch.zeros((), dtype=dtype))
-                q_ref, s_ref = quantize_reference(gathered, fmt, round_scale=round_scale, use_ue8m0=ue8m0)
-                assert_same_bits_or_both_nan(q, q_ref, f"{fmt} codes, cap {cap}")
-                assert_same_bits_or_both_nan(s, s_ref, f"{fmt} scales, cap {cap}")
-    finally:
-        native().set_quantize_rows_isa_cap(2)
-    assert "generic" in seen
+    with _quantize_rows_build(cap, isa):
+        for fmt, round_scale, ue8m0 in cases:
+            q, s = native_rows(x, 50, fmt, round_scale, ue8m0, source=source, source_div=2)
+            rows = torch.where(source >= 0, source // 2, 0)
+            gathered = torch.where((source >= 0)[:, None], x[rows], torch.zeros((), dtype=dtype))
+            q_ref, s_ref = quantize_reference(gathered, fmt, round_scale=round_scale, use_ue8m0=ue8m0)
+            assert_same_bits_or_both_nan(q, q_ref, f"{fmt} codes, {isa}")
+            assert_same_bits_or_both_nan(s, s_ref, f"{fmt} scales, {isa}")
 
 
+@pytest.mark.parametrize("cap,isa", QUANT_BUILDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_dequantize_rows_every_code_on_every_build(dtype):
+def test_dequantize_rows_every_code_on_every_build(dtype, cap, isa):
     """The C++ dequantize gives the reference's bits for every FP8 and INT8 code, under fp32 scales from
     tiny to huge and every UE8M0 exponent byte, on each build the CPU can run."""
     gen = _gen(str(dtype), "dequant isa")
@@ -531,12 +560,8 @@ def test_dequantize_rows_every_code_on_every_build(dtype):
         cases.append((q, fp32_scales.repeat(1, 4)))
         cases.append((q, exponent_bytes.view(8, 4).view(torch.int32).reshape(8, 1)))
     cases.append((codes.view(torch.int8), fp32_scales.reshape(8)))
-    try:
-        for cap in (2, 1, 0):
-            native().set_quantize_rows_isa_cap(cap)
-            for q, scales in cases:
-                got = moe_comm.ops.dequantize(q, scales, dtype, backend="native")
-                want = moe_comm.ops.dequantize_reference(q, scales, dtype)
-                assert_same_bits_or_both_nan(got, want, f"{q.dtype} {scales.dtype} scales, cap {cap}")
-    finally:
-        native().set_quantize_rows_isa_cap(2)
+    with _quantize_rows_build(cap, isa):
+        for q, scales in cases:
+            got = moe_comm.ops.dequantize(q, scales, dtype, backend="native")
+            want = moe_comm.ops.dequantize_reference(q, scales, dtype)
+            assert_same_bits_or_both_nan(got, want, f"{q.dtype} {scales.dtype} scales, {isa}")

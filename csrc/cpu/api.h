@@ -2,7 +2,9 @@
 //
 // No torch or pybind11 types appear here: callers pass data pointers, sizes and a thread count, so
 // one build works with any torch version. Argument order: outputs, const inputs, sizes, knobs.
-// Errors are thrown as std::invalid_argument with the offending values in the message.
+// Errors are thrown as std::invalid_argument with the offending values in the message. The enums are
+// bound under their own names (moe_comm._C.DType, ...): Python passes their members, never integers.
+// The shm transport's flags are in flags.h.
 //
 // NOTES: no input makes a kernel read or write out of bounds. Every entry point that takes an index
 // checks it against the size of the memory it indexes (passed beside it, from the tensor itself),
@@ -16,8 +18,9 @@
 
 namespace moe_comm::cpu {
 
-// Element types the combine reduction reads and writes (accumulation is always fp32).
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+// Element types of the float rows the kernels read and write: combine_reduce's (accumulated in fp32),
+// quantize_rows' input and dequantize_rows' output.
+enum class DType { kFloat32, kBFloat16, kFloat16 };
 
 // One field of a row record: `num_cols` elements of `elem_bytes` bytes at `data + row * row_stride
 // + col * col_stride` for row in [0, num_rows), stored contiguously at byte `offset` inside each record.
@@ -84,7 +87,7 @@ const char* combine_reduce_isa();
 void set_combine_reduce_generic(bool generic);
 
 // Formats of quantize_rows: FP8 E4M3 / E5M2 with one scale per 128 channels, or INT8 with one per row.
-enum class QuantFormat : int { kE4M3 = 0, kE5M2 = 1, kInt8 = 2 };
+enum class QuantFormat { kE4M3, kE5M2, kInt8 };
 
 // Per-token quantization of rows, optionally gathered (moe_comm/ops/quant.py and fp8.py give the formulas
 // and the torch references it matches bit for bit). Output row r is input row source[r] / source_div
@@ -109,10 +112,14 @@ void dequantize_rows(void* out, const uint8_t* q, const uint8_t* scales,
                      int64_t num_rows, int64_t hidden, DType out_dtype, QuantFormat format, bool ue8m0,
                      int num_threads);
 
+// Builds of quantize_rows and dequantize_rows, in order: a cap admits every level up to it.
+enum class IsaLevel { kGeneric, kAvx2, kAvx512 };
+
 // Which build of quantize_rows and dequantize_rows this CPU runs: "avx512", "avx2" or "generic" (same
-// bits). Tests cap it with set_quantize_rows_isa_cap(level): 0 generic, 1 at most AVX2, 2 the best.
+// bits): the best it supports up to the cap, which tests lower to run each build (kAvx512 by default).
+// Checks: cap is a member of IsaLevel.
 const char* quantize_rows_isa();
-void set_quantize_rows_isa_cap(int level);
+void set_quantize_rows_isa_cap(IsaLevel cap);
 
 // Low-latency send order: the (token, k) messages of topk_idx [num_tokens, num_topk] with an expert
 // (-1 skipped), sorted by expert id, then by t * num_topk + k (a stable counting sort). Writes msg[i]
@@ -156,22 +163,6 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
                         int64_t scales_expert_stride, int64_t scales_row_stride, int64_t scales_col_stride,
                         int64_t src_offset, int64_t expert_offset,
                         int num_threads);
-
-// Shared-memory flags (the shm transport's synchronisation). A sender publishes data with a release
-// store after writing it; a receiver that sees the value with an acquire load also sees the data.
-void flag_store(int64_t* flag, int64_t value);
-int64_t flag_load(const int64_t* flag);
-
-// Whether process `pid` runs on this host (an exited, unreaped process counts as dead).
-bool process_alive(int64_t pid);
-
-// Waits until *flags[i] >= targets[i] (== with `exact`) for every i, polling, then yielding, then
-// sleeping in short naps. Every 20 ms it checks the deadline and whether pids[i] (the process that
-// sets flag i; <= 0: not checked) still runs. Returns -1 when every flag is reached; otherwise the
-// index of a flag not reached, with *reason = 1 when timeout_s passed, 2 when that flag's process
-// has exited, or 3 when (exact) the flag is already past its target.
-int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t* pids, int64_t n,
-                   double timeout_s, bool exact, int* reason);
 
 // Routing digests of the handshake (moe_comm/handshake.py: digests_reference is the specification).
 // Keys are int32 (key_bytes 4, sign-extended) or int64; block b holds the next counts[b] keys and

@@ -3,6 +3,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -10,8 +11,8 @@
 #include <cstring>
 #include <thread>
 
-#include "api.h"
 #include "check.h"
+#include "flags.h"
 
 namespace moe_comm::cpu {
 namespace {
@@ -69,9 +70,9 @@ bool process_alive(int64_t pid) {
 }
 
 int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t* pids, int64_t n,
-                   double timeout_s, bool exact, int* reason) {
+                   double timeout_s, bool exact, WaitOutcome* outcome) {
     MC_CHECK(n >= 0 && timeout_s >= 0, "flags_wait: n=" << n << " timeout_s=" << timeout_s);
-    *reason = 0;
+    *outcome = WaitOutcome::kReached;
     int64_t missing = 0;
     int state = 0;
     int spins = 0;
@@ -83,7 +84,7 @@ int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t*
     auto sleep = std::chrono::microseconds(1);
     while ((state = reached(flags, targets, n, exact, &missing)) != 1) {
         if (state == -1) {
-            *reason = 3;
+            *outcome = WaitOutcome::kPastTarget;
             return missing;
         }
         if (spins < kSpins) {
@@ -96,12 +97,12 @@ int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t*
             next_check = now + kCheckEvery;
             for (int64_t i = 0; i < n; ++i) {
                 if (pids[i] > 0 && flag_load(flags[i]) < targets[i] && !process_alive(pids[i])) {
-                    *reason = 2;
+                    *outcome = WaitOutcome::kProcessExited;
                     return i;
                 }
             }
             if (now >= deadline) {
-                *reason = 1;
+                *outcome = WaitOutcome::kTimeout;
                 return missing;
             }
         }

@@ -214,15 +214,15 @@ void range_avx2(const Job& job, int64_t begin, int64_t end) { job_range(job, beg
 __attribute__((flatten))
 void range_generic(const Job& job, int64_t begin, int64_t end) { job_range(job, begin, end); }
 
-std::atomic<int> isa_cap{2};  // the best build tests allow: 2 avx512, 1 avx2, 0 generic
+std::atomic<IsaLevel> isa_cap{IsaLevel::kAvx512};  // the best build tests allow
 
-int best_isa() {
-    int isa = 0;
+IsaLevel best_isa() {
+    IsaLevel isa = IsaLevel::kGeneric;
 #ifdef MC_BUILDS
-    static const int supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                         __builtin_cpu_supports("avx512vl")
-                                     ? 2
-                                     : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? 1 : 0);
+    static const IsaLevel supported =
+        __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+            ? IsaLevel::kAvx512
+            : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? IsaLevel::kAvx2 : IsaLevel::kGeneric);
     isa = supported;
 #endif
     return std::min(isa, isa_cap.load(std::memory_order_relaxed));
@@ -238,8 +238,8 @@ void run(const Job& job, int64_t num_rows, int num_threads) {
              op << ": unknown dtype code " << static_cast<int>(job.dtype));
     void (*range)(const Job&, int64_t, int64_t) = range_generic;
 #ifdef MC_BUILDS
-    const int isa = best_isa();
-    range = isa == 2 ? range_avx512 : (isa == 1 ? range_avx2 : range_generic);
+    const IsaLevel isa = best_isa();
+    range = isa == IsaLevel::kAvx512 ? range_avx512 : (isa == IsaLevel::kAvx2 ? range_avx2 : range_generic);
 #endif
     parallel_for(num_rows, grain_rows(job.hidden * 4), num_threads,
                  [&job, range](int64_t begin, int64_t end) { range(job, begin, end); });
@@ -280,10 +280,18 @@ void dequantize_rows(void* out, const uint8_t* q, const uint8_t* scales,
 }
 
 const char* quantize_rows_isa() {
-    static const char* const names[] = {"generic", "avx2", "avx512"};
-    return names[best_isa()];
+    switch (best_isa()) {
+        case IsaLevel::kAvx512: return "avx512";
+        case IsaLevel::kAvx2: return "avx2";
+        case IsaLevel::kGeneric: break;
+    }
+    return "generic";
 }
 
-void set_quantize_rows_isa_cap(int level) { isa_cap.store(std::clamp(level, 0, 2)); }
+void set_quantize_rows_isa_cap(IsaLevel cap) {
+    MC_CHECK(cap == IsaLevel::kGeneric || cap == IsaLevel::kAvx2 || cap == IsaLevel::kAvx512,
+             "set_quantize_rows_isa_cap: unknown ISA level " << static_cast<int>(cap));
+    isa_cap.store(cap);
+}
 
 }  // namespace moe_comm::cpu

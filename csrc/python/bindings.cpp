@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../cpu/api.h"
+#include "../cpu/flags.h"
 
 namespace py = pybind11;
 namespace cpu = moe_comm::cpu;
@@ -49,6 +50,26 @@ py::dict build_info() {
 
 PYBIND11_MODULE(_C, m) {
     m.doc() = "moe-comm native kernels (raw-pointer API; no libtorch linkage)";
+
+    // The codes the kernels take and return, under their C++ names. Not arithmetic: a member never
+    // equals an int, and a bound function given an int raises TypeError.
+    py::enum_<cpu::DType>(m, "DType", "Element type of float rows (csrc/cpu/api.h).")
+        .value("kFloat32", cpu::DType::kFloat32)
+        .value("kBFloat16", cpu::DType::kBFloat16)
+        .value("kFloat16", cpu::DType::kFloat16);
+    py::enum_<cpu::QuantFormat>(m, "QuantFormat", "Format of quantize_rows' codes (csrc/cpu/api.h).")
+        .value("kE4M3", cpu::QuantFormat::kE4M3)
+        .value("kE5M2", cpu::QuantFormat::kE5M2)
+        .value("kInt8", cpu::QuantFormat::kInt8);
+    py::enum_<cpu::IsaLevel>(m, "IsaLevel", "Build of quantize_rows, ordered; the cap of set_quantize_rows_isa_cap.")
+        .value("kGeneric", cpu::IsaLevel::kGeneric)
+        .value("kAvx2", cpu::IsaLevel::kAvx2)
+        .value("kAvx512", cpu::IsaLevel::kAvx512);
+    py::enum_<cpu::WaitOutcome>(m, "WaitOutcome", "How flags_wait ended (csrc/cpu/flags.h).")
+        .value("kReached", cpu::WaitOutcome::kReached)
+        .value("kTimeout", cpu::WaitOutcome::kTimeout)
+        .value("kProcessExited", cpu::WaitOutcome::kProcessExited)
+        .value("kPastTarget", cpu::WaitOutcome::kPastTarget);
     m.def("build_info", &build_info, "What this build of moe_comm._C contains.");
 
     m.def(
@@ -94,7 +115,7 @@ PYBIND11_MODULE(_C, m) {
         [](std::uintptr_t out, std::uintptr_t out_weights, const std::vector<std::uintptr_t>& sources,
            const std::vector<int64_t>& source_rows, std::uintptr_t send_pos, std::uintptr_t scale,
            std::uintptr_t bias0, std::uintptr_t bias1, int64_t num_tokens, int64_t num_sources, int64_t hidden,
-           int dtype, int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
+           cpu::DType dtype, int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
            int num_threads) {
             if (static_cast<int64_t>(sources.size()) != num_sources || source_rows.size() != sources.size())
                 throw std::invalid_argument("combine_reduce: need one records base and one row count per source (" +
@@ -105,7 +126,7 @@ PYBIND11_MODULE(_C, m) {
             py::gil_scoped_release release;
             cpu::combine_reduce(ptr<void>(out), ptr<float>(out_weights), bases.data(), source_rows.data(),
                                 ptr<const int32_t>(send_pos), ptr<const float>(scale), ptr<const void>(bias0),
-                                ptr<const void>(bias1), num_tokens, num_sources, hidden, static_cast<cpu::DType>(dtype), record_bytes,
+                                ptr<const void>(bias1), num_tokens, num_sources, hidden, dtype, record_bytes,
                                 x_offset, weights_offset, num_topk, num_threads);
         },
         py::arg("out"), py::arg("out_weights"), py::arg("sources"), py::arg("source_rows"), py::arg("send_pos"),
@@ -165,12 +186,11 @@ PYBIND11_MODULE(_C, m) {
     m.def(
         "quantize_rows",
         [](std::uintptr_t out, std::uintptr_t scales, std::uintptr_t x, std::uintptr_t source, int64_t num_rows,
-           int64_t x_rows, int64_t hidden, int64_t source_div, int in_dtype, int format, bool round_scale, bool ue8m0,
-           int num_threads) {
+           int64_t x_rows, int64_t hidden, int64_t source_div, cpu::DType in_dtype, cpu::QuantFormat format,
+           bool round_scale, bool ue8m0, int num_threads) {
             py::gil_scoped_release release;
             cpu::quantize_rows(ptr<uint8_t>(out), ptr<uint8_t>(scales), ptr<const void>(x), ptr<const int64_t>(source),
-                               num_rows, x_rows, hidden, source_div, static_cast<cpu::DType>(in_dtype),
-                               static_cast<cpu::QuantFormat>(format), round_scale, ue8m0, num_threads);
+                               num_rows, x_rows, hidden, source_div, in_dtype, format, round_scale, ue8m0, num_threads);
         },
         py::arg("out"), py::arg("scales"), py::arg("x"), py::arg("source"), py::arg("num_rows"), py::arg("x_rows"),
         py::arg("hidden"), py::arg("source_div"), py::arg("in_dtype"), py::arg("format"), py::arg("round_scale"), py::arg("ue8m0"),
@@ -179,11 +199,10 @@ PYBIND11_MODULE(_C, m) {
     m.def(
         "dequantize_rows",
         [](std::uintptr_t out, std::uintptr_t q, std::uintptr_t scales, int64_t num_rows, int64_t hidden,
-           int out_dtype, int format, bool ue8m0, int num_threads) {
+           cpu::DType out_dtype, cpu::QuantFormat format, bool ue8m0, int num_threads) {
             py::gil_scoped_release release;
             cpu::dequantize_rows(ptr<void>(out), ptr<const uint8_t>(q), ptr<const uint8_t>(scales), num_rows, hidden,
-                                 static_cast<cpu::DType>(out_dtype), static_cast<cpu::QuantFormat>(format), ue8m0,
-                                 num_threads);
+                                 out_dtype, format, ue8m0, num_threads);
         },
         py::arg("out"), py::arg("q"), py::arg("scales"), py::arg("num_rows"), py::arg("hidden"), py::arg("out_dtype"),
         py::arg("format"), py::arg("ue8m0"), py::arg("num_threads"));
@@ -203,17 +222,17 @@ PYBIND11_MODULE(_C, m) {
                 throw std::invalid_argument("flags_wait: flags, targets and pids must have the same length");
             std::vector<int64_t*> addresses(flags.size());
             for (size_t i = 0; i < flags.size(); ++i) addresses[i] = ptr<int64_t>(flags[i]);
-            int reason = 0;
+            cpu::WaitOutcome outcome = cpu::WaitOutcome::kReached;
             int64_t index;
             {
                 py::gil_scoped_release release;
-                index = cpu::flags_wait(addresses.data(), targets.data(), pids.data(), n, timeout_s, exact, &reason);
+                index = cpu::flags_wait(addresses.data(), targets.data(), pids.data(), n, timeout_s, exact, &outcome);
             }
-            return std::make_tuple(index, reason);
+            return std::make_tuple(index, outcome);
         },
         py::arg("flags"), py::arg("targets"), py::arg("pids"), py::arg("timeout_s"), py::arg("exact"),
-        "Waits for flags[i] >= targets[i] (== when exact); returns (-1, 0) or (index not reached, 1 deadline | "
-        "2 process exited | 3 flag past its target).");
+        "Waits for flags[i] >= targets[i] (== when exact); returns (-1, WaitOutcome.kReached) or (index of a flag "
+        "not reached, WaitOutcome.kTimeout | kProcessExited | kPastTarget).");
 
     m.def(
         "block_digests",
@@ -259,7 +278,7 @@ PYBIND11_MODULE(_C, m) {
 
     m.def("combine_reduce_isa", &cpu::combine_reduce_isa);
     m.def("quantize_rows_isa", &cpu::quantize_rows_isa);
-    m.def("set_quantize_rows_isa_cap", &cpu::set_quantize_rows_isa_cap, py::arg("level"));
+    m.def("set_quantize_rows_isa_cap", &cpu::set_quantize_rows_isa_cap, py::arg("cap"));
     m.def("set_combine_reduce_generic", &cpu::set_combine_reduce_generic, py::arg("generic"));
     m.def("hardware_threads", &cpu::hardware_threads);
 }

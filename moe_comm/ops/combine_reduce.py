@@ -5,11 +5,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .._native import cpu_threads, native
+from .._native import cpu_threads, native, native_dtype
 from .rows import check_index
 from .records import RecordLayout, check_records
 
-__all__ = ["combine_reduce", "combine_reduce_reference", "REDUCE_DTYPES", "Records"]
+__all__ = ["combine_reduce", "combine_reduce_reference", "Records"]
 
 #: The rows a reduction reads: one `[rows, record_bytes]` uint8 tensor for every source, or one per source.
 Records = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -23,9 +23,6 @@ def _per_source(records: Records, num_sources: int) -> list[torch.Tensor]:
                          f"got {len(records)}")
     return list(records)
 
-# dtype -> code of moe_comm::cpu::DType
-REDUCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
 
 def combine_reduce(layout: RecordLayout, records: Records, send_pos: torch.Tensor,
                    bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor],
@@ -33,7 +30,7 @@ def combine_reduce(layout: RecordLayout, records: Records, send_pos: torch.Tenso
     """Reduces returned rows per original token. Local; deterministic.
 
     Args:
-        layout: record layout with field ``x`` (`[hidden]` of a REDUCE_DTYPES dtype) and, when
+        layout: record layout with field ``x`` (`[hidden]` of a ``moe_comm._native.NATIVE_DTYPES`` dtype) and, when
             ``out_weights`` is given, field ``weights`` (`[num_topk]` float32).
         records: `[rows, record_bytes]` uint8 shared by all sources, or one such tensor per source
             (rows in place, e.g. a rank's own rows read straight from the combine input).
@@ -69,7 +66,7 @@ def combine_reduce(layout: RecordLayout, records: Records, send_pos: torch.Tenso
                             send_pos.data_ptr(), 0 if scale is None else scale.data_ptr(),
                             0 if bias0 is None else bias0.data_ptr(), 0 if bias1 is None else bias1.data_ptr(),
                             num_tokens, num_sources, x_field.num_cols,
-                            REDUCE_DTYPES[x_field.dtype], layout.record_bytes, x_field.offset, w_offset, num_topk,
+                            native_dtype(x_field.dtype), layout.record_bytes, x_field.offset, w_offset, num_topk,
                             cpu_threads())
 
 

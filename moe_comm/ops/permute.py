@@ -7,8 +7,8 @@ from typing import Optional
 
 import torch
 
+from .._native import NATIVE_DTYPES
 from .backend import kernels, resolve
-from .combine_reduce import REDUCE_DTYPES
 from .quant import check_quant_args, launch_rows, native_rows, quantize_reference
 from .rows import take_rows
 
@@ -105,7 +105,7 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, alignm
     source = torch.full((rows,), -1, dtype=torch.int64, device=x.device).index_put_((row,), routed)
     expert_of_row = torch.full((rows,), -1, dtype=torch.int32, device=x.device).index_put_((row,), expert.to(torch.int32))
     scales = None
-    if quant is not None and x.device.type == "cpu" and x.dtype in REDUCE_DTYPES:  # gather and cast in one pass
+    if quant is not None and x.device.type == "cpu" and x.dtype in NATIVE_DTYPES:  # gather and cast in one pass
         out, scales = native_rows(x, rows, quant, round_scale, use_ue8m0, source=source, source_div=topk_idx.shape[1])
     else:
         out = x.new_empty(rows, x.shape[1])

@@ -13,16 +13,14 @@ from typing import Optional
 
 import torch
 
-from .._native import cpu_threads, native
+from .._native import NATIVE_DTYPES, cpu_threads, native, native_dtype, native_format
 from .backend import kernels, next_pow2, resolve
-from .combine_reduce import REDUCE_DTYPES
 from .fp8 import GROUP, per_token_cast_back, per_token_cast_to_fp8
 
 __all__ = ["FORMATS", "quantize", "quantize_reference", "dequantize", "dequantize_reference", "launch_rows",
            "native_rows", "check_quant_args"]
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "int8": torch.int8}
-_NATIVE_FORMATS = {"e4m3": 0, "e5m2": 1, "int8": 2}  # moe_comm::cpu::QuantFormat
 _INT8_MAX = torch.tensor(127.0, dtype=torch.float32)
 _AMAX_FLOOR = 1e-4
 _ROW_BLOCK = 1024   # channels per step of the rows kernels (unquantized and INT8)
@@ -91,7 +89,7 @@ def native_rows(x: torch.Tensor, num_rows: int, fmt: str, round_scale: bool, use
         native().quantize_rows(out.data_ptr(), scales.data_ptr(), x.data_ptr(),
                                0 if source is None else source.data_ptr(), num_rows, x.shape[0], x.shape[1],
                                source_div,
-                               REDUCE_DTYPES[x.dtype], _NATIVE_FORMATS[fmt], round_scale, use_ue8m0, cpu_threads())
+                               native_dtype(x.dtype), native_format(FORMATS[fmt]), round_scale, use_ue8m0, cpu_threads())
     return out, scales
 
 
@@ -165,7 +163,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch
         raise ValueError(f"dequantize: scales for {q.dtype} {list(q.shape)} must be float32 {list(expected)}"
                          f"{' (or UE8M0 int32)' if fmt == 'fp8' else ''}, got {scales.dtype} {list(scales.shape)}")
     if resolve("dequantize", q.device, backend) != "triton":
-        if q.device.type == "cpu" and dtype in REDUCE_DTYPES:
+        if q.device.type == "cpu" and dtype in NATIVE_DTYPES:
             return _native_dequantize(q, scales, dtype, fmt, use_ue8m0)
         return dequantize_reference(q, scales, dtype)
     k = kernels("quant")
@@ -184,9 +182,8 @@ def _native_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     q, scales = q.contiguous(), scales.contiguous()
     out = torch.empty(q.shape, dtype=dtype)
     if q.numel():
-        code = _NATIVE_FORMATS["int8" if fmt == "int8" else ("e4m3" if q.dtype == torch.float8_e4m3fn else "e5m2")]
         native().dequantize_rows(out.data_ptr(), q.data_ptr(), scales.data_ptr(), q.shape[0], q.shape[1],
-                                 REDUCE_DTYPES[dtype], code, use_ue8m0, cpu_threads())
+                                 native_dtype(dtype), native_format(q.dtype), use_ue8m0, cpu_threads())
     return out
 
 

@@ -5,8 +5,9 @@ from typing import Optional
 
 import torch
 
+from .._native import NATIVE_DTYPES
 from .backend import kernels, next_pow2, resolve
-from .combine_reduce import REDUCE_DTYPES, combine_reduce
+from .combine_reduce import combine_reduce
 from .records import Field, RecordLayout
 
 __all__ = ["unpermute_reduce", "unpermute_reduce_reference"]
@@ -57,7 +58,7 @@ def unpermute_reduce(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.
                 y.contiguous(), row_of.contiguous(), topk_weights.contiguous(), out, y.shape[1],
                 NUM_TOPK=num_topk, BLOCK_H=block)
         return out
-    if y.device.type == "cpu" and out_dtype == y.dtype and y.dtype in REDUCE_DTYPES:
+    if y.device.type == "cpu" and out_dtype == y.dtype and y.dtype in NATIVE_DTYPES:
         # The combine reduction with the top-k slots as its sources: row_of is its send_pos.
         out = torch.empty(num_tokens, y.shape[1], dtype=out_dtype)
         records = y.contiguous().view(torch.uint8).view(y.shape[0], y.shape[1] * y.element_size())

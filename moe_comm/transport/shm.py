@@ -66,13 +66,14 @@ class _Waiter:
             return
         t = self._t
         pids = [t.pids[r] for r in ranks]
-        index, reason = native().flags_wait(flags, targets, pids, t.timeout_s, exact)
-        if index < 0:
+        index, outcome = native().flags_wait(flags, targets, pids, t.timeout_s, exact)
+        outcomes = native().WaitOutcome
+        if outcome == outcomes.kReached:
             return
-        if reason == 2:
+        if outcome == outcomes.kProcessExited:
             sweep_stale(exited=[pids[index]], wait_s=_DYING_PEER_S)  # what it held until it died
             raise PeerExitedError(op, t.rank, ranks[index], pids[index])
-        if reason == 3:
+        if outcome == outcomes.kPastTarget:
             raise RuntimeError(f"{op}: rank {t.rank}: rank {ranks[index]} is out of step (it published exchange "
                                f"{native().flag_load(flags[index])} where this rank waits for {targets[index]}); "
                                f"ranks must make the same calls in the same order, and a rank that was masked "
