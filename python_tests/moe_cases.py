@@ -125,12 +125,13 @@ def mismatched_chunks(group: dist.ProcessGroup) -> str:
     return "no error"
 
 
-def skip_forward(group: dist.ProcessGroup, mode: str) -> Any:
-    """The last rank never calls the layer; the others must time out naming it, not hang."""
+def skip_forward(group: dist.ProcessGroup, mode: str, timeout_s: float) -> Any:
+    """The last rank never calls the layer; the others must time out (buffers of deadline
+    ``timeout_s``) naming it, not hang."""
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     everything = global_experts(4 * ranks, 128, 128, False, seed=4)
     xs, idxs, weights = rank_inputs([8] * ranks, 128, 2, everything.num_experts, seed=4)
-    buffer = ll_buffer(group, 8, 128, everything.num_experts, timeout_s=2.0)
+    buffer = ll_buffer(group, 8, 128, everything.num_experts, timeout_s=timeout_s)
     if rank == ranks - 1:
         return "skipped"
     start = time.monotonic()

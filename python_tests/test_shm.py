@@ -8,6 +8,7 @@ import tempfile
 
 import pytest
 
+from deadlines import before
 from moe_comm.launch import LocalWorld
 from shm_cases import (both_transports, grow_with_many_in_flight, growth, killed_mid_run, many_in_flight,
                         masked_rank_survives, node_split, plant_stale_segment, rejoin_after_mask,
@@ -100,19 +101,21 @@ def test_flags_wait_outcomes():
     import torch
 
     from moe_comm._native import native
+    outcomes = native().WaitOutcome
     flags = torch.zeros(2, dtype=torch.int64)
     a, b = flags.data_ptr(), flags.data_ptr() + 8
     native().flag_store(a, 5)
     assert native().flag_load(a) == 5
-    assert native().flags_wait([a], [5], [0], 1.0, True) == (-1, 0)
-    assert native().flags_wait([a], [3], [0], 1.0, False) == (-1, 0)
-    assert native().flags_wait([a, b], [5, 3], [0, 0], 1.0, True)[1] == 1  # b never set: deadline
-    assert native().flags_wait([a], [3], [0], 1.0, True) == (0, 3)  # already past: out of step
+    assert native().flags_wait([a], [5], [0], 1.0, True) == (-1, outcomes.kReached)
+    assert native().flags_wait([a], [3], [0], 1.0, False) == (-1, outcomes.kReached)
+    assert native().flags_wait([a, b], [5, 3], [0, 0], 1.0, True)[1] == outcomes.kTimeout  # b never set: deadline
+    assert native().flags_wait([a], [3], [0], 1.0, True) == (0, outcomes.kPastTarget)  # already past: out of step
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
+    deadline_s = 30.0
     start = time.monotonic()
-    assert native().flags_wait([a, b], [5, 1], [0, dead.pid], 30.0, True) == (1, 2)
-    assert time.monotonic() - start < 1.0  # noticed at the first 20 ms check, not at the deadline
+    assert native().flags_wait([a, b], [5, 1], [0, dead.pid], deadline_s, True) == (1, outcomes.kProcessExited)
+    assert time.monotonic() - start < before(deadline_s)  # noticed at a 20 ms check, not at the deadline
 
 
 def test_segment_that_does_not_fit_is_a_clear_error_and_leaves_nothing():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from deadlines import EXIT_S, well_before
 from moe_comm.launch import LocalWorld
 from moe_comm.transport.shm_segment import COUNTERS_PREFIX, PREFIX, sweep_stale
 from shm_hygiene_cases import KILL_POINTS, identity, kill_rank, killed_at_random, killed_while_setting_up
@@ -47,7 +48,7 @@ def _files_of(ranks: list[dict]) -> list[str]:
 
 def _all_gone(pids: list[int]) -> bool:
     from moe_comm._native import native
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + EXIT_S  # the world's close ended them
     while any(native().process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not any(native().process_alive(p) for p in pids)
@@ -154,6 +155,7 @@ def test_bare_mpiexec_job_aborted_after_a_timeout_leaves_no_mpich_segment(tmp_pa
     """Under a plain mpiexec (no LocalWorld to clean up after it) the aborting rank unlinks the
     host's MPICH segment before MPI_Abort."""
     from moe_comm.launch.mpiexec import find_mpiexec
+    sleep_s = 60  # rank 1's sleep: the job ends before it only if the abort ends it
     script = tmp_path / "abort_job.py"
     script.write_text(textwrap.dedent("""
         import json, time
@@ -169,15 +171,16 @@ def test_bare_mpiexec_job_aborted_after_a_timeout_leaves_no_mpich_segment(tmp_pa
                 _dispatch(buf)
             except moe_comm.CommTimeoutError:
                 buf.destroy()  # aborts the job
-        time.sleep(60)
-    """))
+        time.sleep({sleep_s})
+    """).format(sleep_s=sleep_s))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "MOE_COMM_NUM_THREADS": "1"}
     start = time.monotonic()
     done = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, str(script)], env=env, capture_output=True,
                           text=True, timeout=120)
-    # the abort ended the job (rank 1 would sleep 60 s); Hydra may lose the ranks' stderr as it ends them
-    assert done.returncode != 0 and time.monotonic() - start < 40, (done.returncode, done.stderr[-2000:])
+    elapsed = time.monotonic() - start
+    # the abort ended the job (rank 1 would sleep sleep_s); Hydra may lose the ranks' stderr as it ends them
+    assert done.returncode != 0 and elapsed < well_before(sleep_s), (done.returncode, elapsed, done.stderr[-2000:])
     names = sorted({n for line in done.stdout.splitlines() if line.startswith("[") for n in json.loads(line)})
     assert names, done.stdout
     assert _present(names) == {}
