@@ -102,7 +102,7 @@ class Config:
                 f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})")
 
 
-# num_ranks -> (nvl_send, nvl_recv, rdma_send, rdma_recv): DeepEP v1's tuned tables (deep_ep/buffer.py).
+# num_ranks -> (nvl_send, nvl_recv, rdma_send, rdma_recv): DeepEP v1's tuned tables (Buffer.get_*_config).
 _DISPATCH = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
              24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128),
              96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}

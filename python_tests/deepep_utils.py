@@ -1,4 +1,4 @@
-"""Helpers ported from DeepEP's tests/utils.py (same formulas), for use inside ranks. The FP8 casts
+"""Helpers ported from DeepEP's test helpers (same formulas), for use inside ranks. The FP8 casts
 are the library's own (``moe_comm.ops.per_token_cast_to_fp8`` / ``per_token_cast_back``)."""
 from __future__ import annotations
 

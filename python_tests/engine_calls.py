@@ -1,6 +1,7 @@
 """The exact call forms each engine uses on ``deep_ep.Buffer``: per method, the set of
 ``(positional arguments after self, keyword names)``, read from the engines' released code
-(../shared/research/engines.md sections 1.6, 2.3 and 5). ``moe_comm.testing.contract`` records
+(vLLM 0.32.0's DeepEP all2all managers and prepare/finalize classes, SGLang 0.5.23's DeepEP
+dispatcher, Megatron-Core 0.16.1's flex token dispatcher). ``moe_comm.testing.contract`` records
 calls in the same form. The replays in ``engine_replays.py`` make exactly these calls; the
 real-engine tests (``python_tests/engines``) check that the engines still do."""
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""DeepEP's test_intranode checks, run inside each rank over gloo (see deepep.md §3.3, §3.7)."""
+"""DeepEP's test_intranode checks, run inside each rank over gloo: its inputs and assertions (rank-major
+blocks via handle[0], top-k remapping, counts, worst-token padding, cached dispatch, combine)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
-"""DeepEP's test_low_latency checks, run inside each rank over gloo (see deepep.md §3.5, §3.7)."""
+"""DeepEP's test_low_latency checks, run inside each rank over gloo: its inputs (rank-valued rows whose
+last columns carry the token index, -1 slots), per-expert counts, received blocks and combine limits."""
 from __future__ import annotations
 
 import hashlib

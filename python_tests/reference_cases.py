@@ -36,7 +36,9 @@ def make_inputs(src: int, num_ranks: int, scenario: str, seed: int, hidden: int,
 
 
 def expected_for(me: int, inputs: list, experts: int):
-    """What rank ``me`` must receive, by definition (deepep.md §2.1-2.3)."""
+    """What rank ``me`` must receive, by DeepEP's definition of a normal dispatch: rows grouped by
+    source rank ascending, each source's tokens ascending, once per destination rank; top-k ids
+    made local (-1, weight 0 off this rank); counts per expert."""
     num_ranks = len(inputs)
     per_rank = experts // num_ranks
     rows, idx_rows, w_rows, src_idx = [], [], [], []

@@ -1,5 +1,5 @@
 """``moe_comm.Config``, ``Buffer``'s static helpers, ``EventHandle``/``EventOverlap`` and ``moe_comm.env``,
-checked against DeepEP v1 (commit 567632d: ``csrc/config.hpp``, ``deep_ep/buffer.py``)."""
+checked against DeepEP v1 at commit 567632d (its C++ ``Config`` and size hints, its Python ``Buffer``)."""
 from __future__ import annotations
 
 import re
@@ -81,7 +81,7 @@ def test_config_rejects_non_int(name, bad):
 
 
 # ---------------------------------------------------------------------------------------- size hints
-# DeepEP's config.hpp, term by term (SourceMeta is two ints; an int4 is 16 bytes).
+# DeepEP's C++ size hints, term by term (SourceMeta is two ints; an int4 is 16 bytes).
 _MAX_TOPK, _MAX_SCALES, _SOURCE_META, _INT4, _NVL_PEERS = 128, 128, 8, 16, 8
 
 
@@ -138,7 +138,8 @@ def test_nvl_hint_known_value():
 
 
 # ---------------------------------------------------------------------------------------- recommended configs
-# DeepEP v1 (567632d) deep_ep/buffer.py: num_ranks -> (nvl_send, nvl_recv, rdma_send, rdma_recv).
+# DeepEP v1 (567632d) Buffer.get_dispatch_config / get_combine_config tables:
+# num_ranks -> (nvl_send, nvl_recv, rdma_send, rdma_recv).
 DEEPEP_DISPATCH = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
                    24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128),
                    96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}
@@ -230,7 +231,8 @@ def test_low_latency_rdma_size_hint_matches_deepep(args):
 
 
 def test_low_latency_rdma_size_hint_worked_example():
-    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == 1_908_410_496  # deepep.md §1.5
+    # DeepEP's own number for M=128, H=7168, E=256 (about 1.9 GB)
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == 1_908_410_496
 
 
 def test_low_latency_rdma_size_hint_ignores_num_ranks():

@@ -166,7 +166,7 @@ class Row:
     ok: bool
 
 
-# Documented A2/A3 restrictions that the front end lets through (hetero.md section 3.2).
+# A2/A3 restrictions that triton-ascend documents but its front end lets through.
 _RES = r".*->\s*(?:tensor<(?:\d+x)*)?"  # the result type of an op in TTIR
 _LINTS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"tt\.atomic_rmw f?add, " + _RES + r"(i64|f64)\b"), "atomic_add on {0}"),

@@ -18,7 +18,7 @@ Two classes of output:
   part of msprobe's small-value region: values near zero after cancellation in long sums are judged
   against a fraction of the tensor's RMS, not against themselves.
 
-Limits (``../shared/research/hetero.md`` section 6): ``mere`` is the CANN op standard's T per dtype
+Limits (after the vendors' per-op accuracy standards): ``mere`` is the CANN op standard's T per dtype
 (2^-13 fp32, 2^-10 fp16, 2^-7 bf16, 2^-3 e4m3, 2^-2 e5m2) and ``mare`` its 10*T. For FP8 and INT8,
 where 10*T would exceed 1 and accept a zeroed or sign-flipped element, ``mare`` is 2^-1: that still
 catches those, and admits what a correct kernel does, e.g. an FP8 intermediate code that rounds the
