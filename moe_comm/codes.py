@@ -104,8 +104,9 @@ class WireDType(IntEnum):
     FLOAT8_E5M2FNUZ = 13
 
     @property
-    def dtype(self) -> Optional[torch.dtype]:
-        return getattr(torch, self.name.lower(), None)
+    def label(self) -> str:
+        """The torch name (``"bfloat16"``)."""
+        return self.name.lower()
 
     @classmethod
     def code(cls, dtype: Optional[torch.dtype]) -> int:

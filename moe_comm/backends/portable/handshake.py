@@ -82,8 +82,7 @@ def show(field: Field, value: int) -> str:
     codes = named.get(field)
     if codes is None or value not in codes._value2member_map_:
         return "none" if value < 0 else str(value)
-    member = codes(value)
-    return member.name.lower() if codes is WireDType else member.label
+    return codes(value).label
 
 
 def per_rank(shake: Handshake, field: Field) -> str:
