@@ -92,7 +92,10 @@ def _group_device(group: Optional[dist.ProcessGroup], comm: Any) -> tuple[str, s
     if comm is not None:
         return "cpu", "an mpi4py communicator"
     backend = str(dist.get_backend(group))
-    return _GROUP_DEVICE.get(backend, "cpu"), f"a {backend} group"
+    # a group of several backends reads "cpu:gloo,cuda:nccl": its accelerator's backend decides
+    names = [part.split(":")[-1] for part in backend.split(",")]
+    devices = [_GROUP_DEVICE.get(name, "cpu") for name in names]
+    return next((d for d in devices if d != "cpu"), "cpu"), f"a {backend} group"
 
 
 def choose(requested: str, group: Optional[dist.ProcessGroup], comm: Any = None) -> Choice:
