@@ -77,6 +77,15 @@ class Fp8Format(IntEnum):
         """``"bf16"``, ``"fp8"``, ``"fp8 round_scale"`` or ``"fp8 ue8m0"``."""
         return self.name.lower().replace("_", " ", 1)
 
+    @property
+    def round_scale(self) -> bool:
+        """Power-of-two scales (the UE8M0 format has them too)."""
+        return self in (Fp8Format.FP8_ROUND_SCALE, Fp8Format.FP8_UE8M0)
+
+    @property
+    def ue8m0(self) -> bool:
+        return self is Fp8Format.FP8_UE8M0
+
     @classmethod
     def of(cls, use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> "Fp8Format":
         """The format of checked flags (``use_ue8m0`` implies ``round_scale``, which implies ``use_fp8``)."""

@@ -26,9 +26,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ...memory import empty, zeros
 from ...codes import Field, Fp8Format, Op
 from ...handle import LowLatencyHandle
+from ...memory import empty, zeros
 from ...ops import quantize
 from ...ops.combine_reduce import combine_reduce
 from ...ops.fp8 import FP8_DTYPE
@@ -132,8 +132,7 @@ class LowLatencyMode:
         scales = None
         data = x
         if fp8_format is not Fp8Format.BF16:
-            data, scales = quantize(x, "e4m3", round_scale=fp8_format in (Fp8Format.FP8_ROUND_SCALE, Fp8Format.FP8_UE8M0),
-                                    use_ue8m0=fp8_format is Fp8Format.FP8_UE8M0)
+            data, scales = quantize(x, "e4m3", round_scale=fp8_format.round_scale, use_ue8m0=fp8_format.ue8m0)
             data = data.view(torch.uint8)
         specs = [("x", data.dtype, hidden)]
         specs += [] if scales is None else [("scales", scales.dtype, scales.shape[1])]
@@ -210,8 +209,8 @@ class LowLatencyMode:
         start = time.perf_counter_ns()
         fields = {Field.HIDDEN: hidden, Field.NUM_EXPERTS: handle.num_experts,
                   Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: handle.num_max_dispatch_tokens_per_rank}
-        shake = self.agreement.handshake(op, Op.LOW_LATENCY_COMBINE, fields, return_counts, expected, _COMPARED, device, skip,
-                                         sent_digests=returned, expected_digests=asked)
+        shake = self.agreement.handshake(op, Op.LOW_LATENCY_COMBINE, fields, return_counts, expected, _COMPARED, device,
+                                         skip, sent_digests=returned, expected_digests=asked)
         waited = time.perf_counter_ns() - start
 
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
