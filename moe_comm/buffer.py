@@ -26,10 +26,6 @@ from .transport.mpi import as_comm
 
 __all__ = ["Buffer"]
 
-# NOTES: DeepEP's size hints cover every expert's worst case (GBs at DeepSeek shapes); the shm
-# transport's compact layout needs far less, so it preallocates at most this and grows on demand.
-_PREALLOCATE_MAX = 512 << 20
-
 
 class Buffer(LowLatencyAPI):
     """The expert-parallel communication buffer of one group (DeepEP v1 ``Buffer``).
@@ -116,7 +112,7 @@ class Buffer(LowLatencyAPI):
         #: the backend object (DeepEP's ``runtime``, its C++ buffer)
         self.runtime: Backend = backends.create(
             choice, group=group, comm=comm, transport=transport, timeout_s=self.timeout_s,
-            buffer_bytes=min(max(num_nvl_bytes, num_rdma_bytes), _PREALLOCATE_MAX), shrink=enable_shrink)
+            buffer_bytes=max(num_nvl_bytes, num_rdma_bytes), shrink=enable_shrink)
         self.transport_name = self.runtime.transport_name
         self.rank, self.group_size = self.runtime.rank, self.runtime.num_ranks
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ... import transport as transports
+from ...codes import Fp8Format
 from ...handle import LowLatencyHandle, NormalHandle
 from ...ops import DispatchLayout, dispatch_layout
 from ..base import Backend, DispatchResult, LowLatencyDispatch, Receive
@@ -24,6 +25,9 @@ __all__ = ["PortableBackend"]
 T = TypeVar("T")
 
 _LOW_LATENCY_OPS = ("low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer")
+# NOTES: DeepEP's size hints cover every expert's worst case (GBs at DeepSeek shapes); the shm
+# transport's compact layout needs far less, so it preallocates at most this and grows on demand.
+_PREALLOCATE_MAX = 512 << 20
 
 
 class PortableBackend(Backend):
@@ -33,7 +37,8 @@ class PortableBackend(Backend):
         group, comm: the ranks (a torch.distributed group, or an mpi4py communicator for ``mpi``).
         transport: ``"auto"`` or a name from ``moe_comm.transport.available()``.
         timeout_s: deadline for every wait.
-        buffer_bytes: what a transport that preallocates may allocate up front.
+        buffer_bytes: the bytes DeepEP's buffer would take (``max(num_nvl_bytes, num_rdma_bytes)``); a
+            transport that preallocates takes at most ``_PREALLOCATE_MAX`` of it up front.
         shrink: DeepEP's ``enable_shrink`` (exited peers are masked at the start of low-latency calls).
     """
 
@@ -42,7 +47,8 @@ class PortableBackend(Backend):
     def __init__(self, group: Optional[dist.ProcessGroup], comm: Any, transport: str, timeout_s: float,
                  buffer_bytes: int, shrink: bool) -> None:
         self.transport_name = transports.resolve(transport, group, comm)
-        self.transport = transports.create(self.transport_name, group, timeout_s, buffer_bytes, comm=comm)
+        self.transport = transports.create(self.transport_name, group, timeout_s,
+                                           min(buffer_bytes, _PREALLOCATE_MAX), comm=comm)
         self.rank, self.num_ranks = self.transport.rank, self.transport.num_ranks
         self.agreement = CallAgreement(self.transport)
         self.normal = NormalMode(self.transport, self.agreement)
@@ -96,7 +102,7 @@ class PortableBackend(Backend):
 
     # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, fp8_format: int, recv_stats: Optional[torch.Tensor],
+                             num_experts: int, fp8_format: Fp8Format, recv_stats: Optional[torch.Tensor],
                              wait_stats: Optional[torch.Tensor], hook: bool) -> LowLatencyDispatch:
         return self.low_latency.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, fp8_format,
                                          recv_stats, wait_stats, hook)
