@@ -28,7 +28,7 @@ BYTE_RULE = ("pack_rows: record bytes written; unpack_rows: record bytes read; c
 
 
 def _inputs(cfg: dict[str, Any]) -> dict[str, Any]:
-    """One rank's dispatch/combine working set, as the portable backend (``moe_comm.backends.portable.normal``) builds it."""
+    """One rank's dispatch/combine working set, as the portable backend builds it (``backends/portable/normal.py``)."""
     from moe_comm.ops.layout import plan_sends
     from moe_comm.ops import dispatch_layout_reference
     from moe_comm.ops.records import RecordLayout
@@ -73,9 +73,11 @@ def _cases(d: dict[str, Any], cfg: dict[str, Any]) -> list[tuple[str, str, Calla
         ("pack_rows", "_C_reused_out", lambda: native().pack_rows(reused.data_ptr(), segs, rows.data_ptr(), n, rb,
                                                                   cpu_threads()), records.numel()),
         ("unpack_rows", "_C", lambda: record_ops.unpack_rows(disp, records, d["outs"]), records.numel()),
-        ("unpack_rows", "reference", lambda: record_ops.unpack_rows_reference(disp, records, d["outs"]), records.numel()),
+        ("unpack_rows", "reference", lambda: record_ops.unpack_rows_reference(disp, records, d["outs"]),
+         records.numel()),
         ("combine_reduce", "_C", lambda: reduction.combine_reduce(*combine_args), d["returned"].numel()),
-        ("combine_reduce", "reference", lambda: reduction.combine_reduce_reference(*combine_args), d["returned"].numel()),
+        ("combine_reduce", "reference", lambda: reduction.combine_reduce_reference(*combine_args),
+         d["returned"].numel()),
         ("dispatch_layout", "_C", lambda: ops.dispatch_layout(d["topk_idx"], R, E), d["topk_idx"].numel() * 8),
         ("dispatch_layout", "reference", lambda: ops.dispatch_layout_reference(d["topk_idx"], R, E),
          d["topk_idx"].numel() * 8),
@@ -95,7 +97,8 @@ def _check(d: dict[str, Any], cfg: dict[str, Any]) -> None:
     from moe_comm.ops import combine_reduce as reduction, records as record_ops
 
     plan, disp, R, E = d["plan"], d["disp"], cfg["ranks"], cfg["experts"]
-    got, want = record_ops.pack_rows(disp, d["fields"], plan.send_rows), record_ops.pack_rows_reference(disp, d["fields"], plan.send_rows)
+    got = record_ops.pack_rows(disp, d["fields"], plan.send_rows)
+    want = record_ops.pack_rows_reference(disp, d["fields"], plan.send_rows)
     for f in disp.fields:  # bytes between fields are unspecified
         _expect(torch.equal(got[:, f.offset:f.offset + f.nbytes], want[:, f.offset:f.offset + f.nbytes]), f"pack {f.name}")
     ref_outs = [torch.empty_like(t) for t in d["outs"]]
@@ -167,7 +170,7 @@ def report(rows: list[dict[str, Any]], cfg: dict[str, Any], json_path: str) -> N
                            "notes": ["speedup_vs_ref = reference median / _C median at the same thread count",
                                      "speedup_vs_1thread = same impl's 1-thread median / this median",
                                      "pack_rows _C_reused_out: native().pack_rows into a preallocated buffer "
-                                     "(record_ops.pack_rows allocates a fresh one per call); memcpy_ceiling: torch copy_ "
+                                     "(pack_rows allocates a fresh one per call); memcpy_ceiling: torch copy_ "
                                      "of the same bytes between preallocated buffers",
                                      "each thread count runs in its own process (MOE_COMM_NUM_THREADS is read once); "
                                      "torch.set_num_threads is set to the same count for the references",

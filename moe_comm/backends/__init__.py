@@ -24,7 +24,8 @@ from .._native import build_info
 from ..errors import BackendUnavailableError
 from .base import Backend
 
-__all__ = ["Backend", "Choice", "KNOWN", "PORTABLE", "available", "unavailable_reason", "choose", "create", "is_sm90_compiled"]
+__all__ = ["Backend", "Choice", "KNOWN", "PORTABLE", "available", "unavailable_reason", "choose", "create",
+           "is_sm90_compiled"]
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any, Callable, ClassVar, Optional, TypeVar
 
 import torch
 
+from ..codes import Fp8Format
 from ..handle import LowLatencyHandle, NormalHandle
 from ..ops import DispatchLayout
 
@@ -137,9 +138,9 @@ class Backend(abc.ABC):
     # ------------------------------------------------------------------ low-latency mode
     @abc.abstractmethod
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, fp8_format: int, recv_stats: Optional[torch.Tensor],
+                             num_experts: int, fp8_format: Fp8Format, recv_stats: Optional[torch.Tensor],
                              wait_stats: Optional[torch.Tensor], hook: bool) -> LowLatencyDispatch:
-        """Low-latency dispatch; ``fp8_format`` is a ``codes.Fp8Format``; ``hook``: the caller will run
+        """Low-latency dispatch; ``fp8_format``: the cast of ``x``; ``hook``: the caller will run
         the receive itself (and a third call on its buffer must refuse until it has)."""
 
     @abc.abstractmethod

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ...codes import Field, Op
+from ...codes import UNKNOWN, Field, Op
 from ...errors import BufferUnusableError, CrossRankMismatchError
 from ...transport import Transport
 from .handshake import Handshake, check, show, vector
@@ -33,6 +33,7 @@ from .handshake import Handshake, check, show, vector
 __all__ = ["CallAgreement"]
 
 _MESSAGE_BYTES = 1024  # a rejection's message on the wire, truncated to fit
+
 
 @dataclass
 class _Call:
@@ -143,8 +144,8 @@ class CallAgreement:
         """
         call = self._current
         R = self.num_ranks
-        row = vector({**fields, Field.OP: code, Field.CALL: call.number, Field.REJECTED: int(call.rejection is not None)},
-                     send_counts, expected, sent_digests, expected_digests, R)
+        scalars = {**fields, Field.OP: code, Field.CALL: call.number, Field.REJECTED: int(call.rejection is not None)}
+        row = vector(scalars, send_counts, expected, sent_digests, expected_digests, R)
         mine = torch.tensor(row, dtype=torch.int64, device=device).expand(R, len(row)).contiguous()
         got = torch.empty_like(mine)
         call.started = True
@@ -152,7 +153,7 @@ class CallAgreement:
         rows = got.cpu().tolist()
         F = len(Field)
         for r in skip:
-            rows[r] = row[:F] + [0] * R + [-1] * (3 * R)
+            rows[r] = row[:F] + [0] * R + [UNKNOWN] * (3 * R)
         shake = Handshake(rows)
         self._judge(call, shake, op, compare, device, skip, verdict)
         return shake

@@ -5,9 +5,9 @@ the Buffer this is (its number and operation), whether this rank rejected its ow
 arguments (hidden size, dtypes, top-k, number of experts, ...), the rows it will send to each rank
 and the rows it expects from each rank, and digests of which tokens those rows carry
 (``digest.py``); ``codes.Field`` names its slots. Every rank then holds every rank's vector, so
-ranks out of step, one-sided rejections, argument and count
-mismatches, and handles that disagree with a peer's routing are all found before any payload
-moves, and every rank reaches the same verdict. ``agreement.CallAgreement`` runs the exchange.
+ranks out of step, one-sided rejections, argument and count mismatches, and handles that disagree
+with a peer's routing are all found before any payload moves, and every rank reaches the same
+verdict. ``agreement.CallAgreement`` runs the exchange.
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from ...errors import CrossRankMismatchError
 __all__ = ["Handshake", "vector", "show", "per_rank", "check"]
 
 _NUM_FIELDS = len(Field)
+# the fields whose values are codes, and the enum that words them
+_CODES = {Field.X_DTYPE: WireDType, Field.SCALES_DTYPE: WireDType, Field.OP: Op, Field.FP8_FORMAT: Fp8Format}
 
 
 def vector(fields: Mapping[Field, int], send_counts: Sequence[int], expected: Optional[Sequence[int]],
@@ -78,11 +80,10 @@ class Handshake:
 
 def show(field: Field, value: int) -> str:
     """``value`` of ``field`` in words (a peer may send a code this rank does not know)."""
-    named = {Field.X_DTYPE: WireDType, Field.SCALES_DTYPE: WireDType, Field.OP: Op, Field.FP8_FORMAT: Fp8Format}
-    codes = named.get(field)
-    if codes is None or value not in codes._value2member_map_:
-        return "none" if value < 0 else str(value)
-    return codes(value).label
+    codes = _CODES.get(field)
+    if codes is not None and value in set(codes):
+        return codes(value).label
+    return "none" if value < 0 else str(value)
 
 
 def per_rank(shake: Handshake, field: Field) -> str:

@@ -13,10 +13,10 @@ from typing import Callable, Optional
 
 import torch
 
-from ...memory import empty
 from ...codes import Field, Op, WireDType
 from ...errors import CrossRankMismatchError
 from ...handle import NormalHandle
+from ...memory import empty
 from ...ops.combine_reduce import combine_reduce
 from ...ops.layout import DispatchLayout, SendPlan, plan_sends
 from ...ops.records import RecordLayout, pack_rows, unpack_rows
