@@ -92,10 +92,14 @@ def growth(group: dist.ProcessGroup) -> dict[str, Any]:
     sized = moe_comm.Buffer(group, num_nvl_bytes=8 << 20, transport="shm", timeout_s=30, explicitly_destroy=True)
     sized_capacity = sized.runtime.transport.capacity
     sized.destroy()
+    # DeepEP's hints reach GBs; the segment is created at the cap and grows only when needed
+    huge = moe_comm.Buffer(group, num_rdma_bytes=8 << 30, transport="shm", timeout_s=30, explicitly_destroy=True)
+    huge_capacity = huge.runtime.transport.capacity
+    huge.destroy()
     ref = moe_comm.Buffer(group, transport="collective", timeout_s=30, explicitly_destroy=True)
     want = normal_digests(ref, tokens=300, hidden=2048)
     ref.destroy()
-    return dict(before=before, after=after, same=digests == want, sized=sized_capacity)
+    return dict(before=before, after=after, same=digests == want, sized=sized_capacity, huge=huge_capacity)
 
 
 def many_in_flight(group: dist.ProcessGroup, count: int) -> bool:

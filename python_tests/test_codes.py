@@ -13,6 +13,8 @@ def test_fp8_format_of_the_flags():
     assert Fp8Format.of(True, True, False) is Fp8Format.FP8_ROUND_SCALE
     assert Fp8Format.of(True, True, True) is Fp8Format.FP8_UE8M0
     assert [f.label for f in Fp8Format] == ["bf16", "fp8", "fp8 round_scale", "fp8 ue8m0"]
+    assert [(f.round_scale, f.ue8m0) for f in Fp8Format] == [(False, False), (False, False), (True, False),
+                                                             (True, True)]
 
 
 def test_ops_are_named_as_the_buffer_methods():

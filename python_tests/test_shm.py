@@ -27,6 +27,7 @@ def test_buffer_grows_and_is_sized_from_num_nvl_bytes(worlds):
         assert r["before"] == 1 << 20 and r["after"] > r["before"], r
         assert r["same"], r
         assert r["sized"] == 4 << 20, r  # two slots share num_nvl_bytes
+        assert r["huge"] == 256 << 20, r  # preallocated at most 512 MiB for both slots
 
 
 def test_more_exchanges_in_flight_than_slots(worlds):
