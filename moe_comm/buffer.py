@@ -281,14 +281,14 @@ class Buffer(LowLatencyAPI):
                 bad_argument(op, "x", f"{cached.is_token_in_rank.shape[0]} rows (the tokens of the handle's dispatch)",
                              describe(data))
             self._begin(op, previous_event, async_finish, allocate_on_comm_stream)
-            result = self.runtime.cached_dispatch(data, scales, cached)
+            result = self.runtime.cached_dispatch(data, scales, cached, config)
         else:
             routing = check_dispatch_routing(op, data, self.group_size, num_tokens_per_rank, is_token_in_rank,
                                              num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                              num_worst_tokens, num_experts)
             self._begin(op, previous_event, async_finish, allocate_on_comm_stream)
             result = self.runtime.dispatch(data, scales, routing.topk_idx, routing.topk_weights, routing.layout,
-                                           expert_alignment, num_worst_tokens, config.num_channels)
+                                           expert_alignment, num_worst_tokens, config)
         recv_x = result.recv_x if scales is None else (result.recv_x, result.recv_scales)
         outputs = (result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights)
         event = self._end(result.finish, async_finish, (data, scales) + outputs)
@@ -317,13 +317,13 @@ class Buffer(LowLatencyAPI):
             every add in fp32, rounded once: bitwise reproducible.
         """
         op = "combine"
-        self._config(op, config, Buffer.get_combine_config)
+        config = self._config(op, config, Buffer.get_combine_config)
         if not isinstance(x, torch.Tensor):
             bad_argument(op, "x", "a tensor", describe(x), kind=TypeError)
         parsed = NormalHandle.from_tuple(op, handle, self.rank, self.group_size, x.device)
         x, topk_weights, bias0, bias1 = check_combine_args(op, x, parsed, self.rank, topk_weights, bias)
         self._begin(op, previous_event, async_finish, allocate_on_comm_stream)
-        out, out_weights, finish = self.runtime.combine(x, parsed, topk_weights, bias0, bias1)
+        out, out_weights, finish = self.runtime.combine(x, parsed, topk_weights, bias0, bias1, config)
         event = self._end(finish, async_finish, (x, topk_weights, bias0, bias1, out, out_weights))
         return out, out_weights, event
 

@@ -57,6 +57,8 @@ class Field(IntEnum):
     NUM_MAX_DISPATCH_TOKENS_PER_RANK = 12
     FP8_FORMAT = 13       # an Fp8Format
     PREFIX_DIGEST = 14    # digest of a normal handle's rank prefix matrix (the same matrix on every rank)
+    NUM_MAX_NVL_CHUNKED_SEND_TOKENS = 15  # the Config's ring geometry: kernels size rings by it
+    NUM_MAX_NVL_CHUNKED_RECV_TOKENS = 16
 
     @property
     def label(self) -> str:

@@ -1,4 +1,5 @@
-// Element types of the CPU kernels: loads to fp32 and rounding stores with the bits torch gives.
+// Element types of the CPU kernels: loads to fp32 and rounding stores with the bits torch gives
+// (the scalar formats are csrc/common/numeric.h, shared with the CUDA kernels).
 // An unnamed namespace gives every file its own copy, so the builds of one file for different
 // instruction sets (reduce.cpp: generic and AVX2) never share a definition.
 #pragma once
@@ -7,31 +8,15 @@
 #include <cstring>
 
 #include "api.h"
+#include "../common/numeric.h"
 
 namespace moe_comm::cpu {
 namespace {
 
-inline uint32_t bits_of(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof(bits));
-    return bits;
-}
-
-inline float from_bits(uint32_t bits) {
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-}
-
-inline float bf16_to_float(uint16_t v) { return from_bits(static_cast<uint32_t>(v) << 16); }
-
-// Round-to-nearest-even, NaN kept quiet: the same rounding torch uses for float -> bfloat16.
-inline uint16_t float_to_bf16(float f) {
-    const uint32_t bits = bits_of(f);
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    // A select, not a branch, so the store loop vectorizes.
-    return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
-}
+using numeric::bf16_to_float;
+using numeric::bits_of;
+using numeric::float_to_bf16;
+using numeric::from_bits;
 
 template <DType kType>
 struct Elem;

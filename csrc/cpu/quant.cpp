@@ -21,35 +21,8 @@ constexpr int64_t kGroup = 128;
 constexpr float kAmaxFloor = 1e-4f;
 constexpr uint32_t kMantissa = (1u << 23) - 1;
 
-// Rounds |f| (sign cleared in `bits`) to a float8 with `kMant` mantissa bits and exponent bias `kBias`:
-// nearest even for normals; subnormals by an fp32 add that leaves the wanted bits at the bottom.
-template <int kMant, int kBias>
-inline uint32_t fp8_magnitude(uint32_t bits) {
-    constexpr int kDrop = 23 - kMant;
-    constexpr uint32_t kDenormMagic = static_cast<uint32_t>(127 - kBias + kDrop + 1) << 23;
-    constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 - kBias + 1) << 23;
-    const uint32_t odd = (bits >> kDrop) & 1u;
-    const uint32_t normal =
-        (bits + (static_cast<uint32_t>(kBias - 127) << 23) + ((1u << (kDrop - 1)) - 1) + odd) >> kDrop;
-    const uint32_t denormal = bits_of(from_bits(bits) + from_bits(kDenormMagic)) - kDenormMagic;
-    return bits < kMinNormal ? denormal : normal;
-}
-
-// E4M3 (fn: no Inf) saturates to +-448 from above, Inf included, as torch's cast does; NaN stays NaN.
-inline uint8_t to_e4m3(float f) {
-    const uint32_t all = bits_of(f), sign = all & 0x80000000u, bits = all ^ sign;
-    const uint32_t rounded = fp8_magnitude<3, 7>(bits);
-    const uint32_t mag = bits > 0x7f800000u ? 0x7fu : (rounded > 0x7eu ? 0x7eu : rounded);
-    return static_cast<uint8_t>(mag | (sign >> 24));
-}
-
-// E5M2 overflows to +-Inf from 61440 up, as torch's cast does; NaN stays NaN.
-inline uint8_t to_e5m2(float f) {
-    const uint32_t all = bits_of(f), sign = all & 0x80000000u, bits = all ^ sign;
-    const uint32_t big = bits > 0x7f800000u ? 0x7fu : 0x7cu;  // NaN stays NaN, the rest overflows to Inf
-    const uint32_t mag = bits >= (143u << 23) ? big : fp8_magnitude<2, 15>(bits);
-    return static_cast<uint8_t>(mag | (sign >> 24));
-}
+using numeric::to_e4m3;
+using numeric::to_e5m2;
 
 // max(1e-4, max |x|) of n values, NaN if any is NaN (as torch's amax and maximum). With the sign bit
 // cleared, float order is integer order of the bits and every NaN is above Inf, so this is one

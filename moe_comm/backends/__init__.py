@@ -2,7 +2,8 @@
 interface).
 
 ``portable`` (``backends/portable/``) runs on every device over a ``moe_comm.transport`` and is the
-reference the others must match bit for bit. Native backends hold device kernels and initiate
+reference the others must match bit for bit. ``cuda_host`` (``backends/cuda/``) runs the CUDA
+kernels' host build on CPU ranks of one host, so the kernels' protocol runs under every CPU test. Native backends hold device kernels and initiate
 communication from the device: ``cuda`` (CUDA IPC and NVSHMEM kernels in ``csrc/cuda``), ``ascend``
 (HCCL, MC2) and ``cambricon`` (CNCL). Each is a folder beside ``portable/`` and registers here; until
 one is built, asking for it says why it is not available.
@@ -24,7 +25,7 @@ from .._native import build_info
 from ..errors import BackendUnavailableError
 from .base import Backend
 
-__all__ = ["Backend", "Choice", "KNOWN", "PORTABLE", "available", "unavailable_reason", "choose", "create",
+__all__ = ["Backend", "Choice", "CUDA_HOST", "KNOWN", "PORTABLE", "available", "unavailable_reason", "choose", "create",
            "is_sm90_compiled"]
 
 
@@ -40,12 +41,14 @@ class _Native:
 
 
 PORTABLE = "portable"
+#: the host build of the CUDA kernels (moe_comm._cuda_host), on CPU tensors
+CUDA_HOST = "cuda_host"
 # The native backends and what each needs; none is built yet (their classes register in _built()).
 _NATIVE = {"cuda": _Native("cuda", "cuda", "torch.cuda", "csrc/cuda (CUDA IPC + NVSHMEM)"),
            "ascend": _Native("npu", "ascend", "torch_npu", "csrc/ascend (HCCL, MC2)"),
            "cambricon": _Native("mlu", "bang", "torch_mlu", "csrc/cambricon (CNCL)")}
 #: every backend name ``Buffer(backend=...)`` knows, built or not
-KNOWN = (PORTABLE,) + tuple(_NATIVE)
+KNOWN = (PORTABLE, CUDA_HOST) + tuple(_NATIVE)
 # torch.distributed backend of a group -> the device type its tensors live on
 _GROUP_DEVICE = {"gloo": "cpu", "mpi": "cpu", "nccl": "cuda", "hccl": "npu", "cncl": "mlu"}
 
@@ -54,13 +57,19 @@ def _built() -> dict[str, type[Backend]]:
     """The backend classes this moe_comm has. Imported when a Buffer is built: the modes import
     ``moe_comm.handle``, which imports the portable backend's wire helpers."""
     from .portable.backend import PortableBackend
-    return {PortableBackend.name: PortableBackend}
+    built: dict[str, type[Backend]] = {PortableBackend.name: PortableBackend}
+    if importlib.util.find_spec("moe_comm._cuda_host") is not None:
+        from .cuda.backend import CudaHostBackend
+        built[CudaHostBackend.name] = CudaHostBackend
+    return built
 
 
 def unavailable_reason(name: str) -> Optional[str]:
     """Why backend ``name`` cannot run in this process, or None when it can."""
     if name == PORTABLE:
         return None
+    if name == CUDA_HOST:
+        return None if name in _built() else "moe_comm._cuda_host (the host build of csrc/cuda) is not built"
     spec = _NATIVE[name]
     if not build_info().get(spec.build_flag, False):
         return (f"this build of moe_comm._C has no {name} kernels (moe_comm.build_info()[{spec.build_flag!r}] is "

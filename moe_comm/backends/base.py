@@ -20,6 +20,7 @@ from typing import Any, Callable, ClassVar, Optional, TypeVar
 import torch
 
 from ..codes import Fp8Format
+from ..config import Config
 from ..handle import LowLatencyHandle, NormalHandle
 from ..ops import DispatchLayout
 
@@ -121,19 +122,20 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], layout: DispatchLayout, expert_alignment: int,
-                 num_worst_tokens: int, num_channels: int) -> DispatchResult:
-        """Non-cached dispatch."""
+                 num_worst_tokens: int, config: Config) -> DispatchResult:
+        """Non-cached dispatch; ``config``: its channel count (``num_channels``) and ring geometry."""
 
     @abc.abstractmethod
     def cached_dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor],
-                        handle: NormalHandle) -> DispatchResult:
+                        handle: NormalHandle, config: Config) -> DispatchResult:
         """Dispatch with the routing of ``handle``."""
 
     @abc.abstractmethod
     def combine(self, x: torch.Tensor, handle: NormalHandle, topk_weights: Optional[torch.Tensor],
-                bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor]
+                bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor], config: Config
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Callable[[], None]]:
-        """Combine: ``(out, out_weights, finish)``; ``finish()`` fills the two outputs."""
+        """Combine: ``(out, out_weights, finish)``; ``finish()`` fills the two outputs. Channels
+        follow the handle's dispatch; ``config`` gives the ring geometry."""
 
     # ------------------------------------------------------------------ low-latency mode
     @abc.abstractmethod

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ... import transport as transports
 from ...codes import Fp8Format
+from ...config import Config
 from ...handle import LowLatencyHandle, NormalHandle
 from ...ops import DispatchLayout, dispatch_layout
 from ..base import Backend, DispatchResult, LowLatencyDispatch, Receive
@@ -87,18 +88,18 @@ class PortableBackend(Backend):
 
     def dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], layout: DispatchLayout, expert_alignment: int,
-                 num_worst_tokens: int, num_channels: int) -> DispatchResult:
+                 num_worst_tokens: int, config: Config) -> DispatchResult:
         return self.normal.dispatch(x, scales, topk_idx, topk_weights, layout, expert_alignment, num_worst_tokens,
-                                    num_channels)
+                                    config)
 
     def cached_dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor],
-                        handle: NormalHandle) -> DispatchResult:
-        return self.normal.cached_dispatch(x, scales, handle)
+                        handle: NormalHandle, config: Config) -> DispatchResult:
+        return self.normal.cached_dispatch(x, scales, handle, config)
 
     def combine(self, x: torch.Tensor, handle: NormalHandle, topk_weights: Optional[torch.Tensor],
-                bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor]
+                bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor], config: Config
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Callable[[], None]]:
-        return self.normal.combine(x, handle, topk_weights, bias0, bias1)
+        return self.normal.combine(x, handle, topk_weights, bias0, bias1, config)
 
     # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,

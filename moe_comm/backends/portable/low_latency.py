@@ -37,11 +37,30 @@ from ...transport import Transport
 from ..base import LowLatencyDispatch, Receive
 from .agreement import CallAgreement
 from .digest import low_latency_combine_digests
+from .handshake import Handshake
 from .low_latency_layout import combine_rows, low_latency_unpack, send_order
 
-__all__ = ["LowLatencyMode"]
+__all__ = ["LowLatencyMode", "dispatch_outputs"]
 
 _COMPARED = (Field.HIDDEN, Field.NUM_EXPERTS, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK)
+
+
+def dispatch_outputs(local: int, num_ranks: int, m: int, hidden: int, scales: Optional[tuple[torch.dtype, int]],
+                     device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor,
+                                                    torch.Tensor]:
+    """A dispatch's outputs before any row arrives, ``rows = num_ranks * m``: recv_x `[E_loc, rows,
+    H]` zeros (float8_e4m3fn when ``scales`` (dtype, S) is given, else bf16), recv_scales zeros
+    allocated `[E_loc, S, rows]` and returned transposed (DeepEP's layout), src_info `[E_loc, rows]`
+    int32 -1, layout_range `[E_loc, R]` int64 and recv_count `[E_loc]` int32 uninitialised. Rows
+    past a count stay zero (the zeros cost only the pages written), so outputs are bitwise reproducible."""
+    rows = num_ranks * m
+    recv_x = zeros((local, rows, hidden), torch.bfloat16 if scales is None else FP8_DTYPE, device)
+    recv_scales = None
+    if scales is not None:
+        recv_scales = zeros((local, scales[1], rows), scales[0], device).transpose(1, 2)
+    src_info = torch.full((local, rows), -1, dtype=torch.int32, device=device)
+    layout_range = torch.empty(local, num_ranks, dtype=torch.int64, device=device)
+    return recv_x, recv_scales, src_info, layout_range, torch.empty(local, dtype=torch.int32, device=device)
 
 
 @dataclass
@@ -111,6 +130,20 @@ class LowLatencyMode:
         return receive
 
     # ------------------------------------------------------------------ dispatch
+    def agree_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int,
+                       fp8_format: Fp8Format, skip: frozenset[int]
+                       ) -> tuple[Handshake, torch.Tensor, torch.Tensor, int]:
+        """A dispatch's handshake: (handshake, msg, experts, ns it waited); ``msg`` and
+        ``experts`` are ``send_order`` of the routable top-k (masked ranks' experts dropped)."""
+        msg, experts, send_counts = send_order(self._routable(topk_idx, num_experts, skip), num_experts,
+                                               self.num_ranks)
+        start = time.perf_counter_ns()
+        fields = {Field.HIDDEN: x.shape[1], Field.NUM_EXPERTS: num_experts, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: m,
+                  Field.FP8_FORMAT: fp8_format}
+        shake = self.agreement.handshake("low_latency_dispatch", Op.LOW_LATENCY_DISPATCH, fields, send_counts, None,
+                                         _COMPARED + (Field.FP8_FORMAT,), x.device, skip)
+        return shake, msg, experts, time.perf_counter_ns() - start
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int, fp8_format: Fp8Format,
                  recv_stats: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
                  hook: bool) -> LowLatencyDispatch:
@@ -120,13 +153,7 @@ class LowLatencyMode:
         local = num_experts // R
         slot = self._acquire(op)
         skip = self.skip()
-        msg, experts, send_counts = send_order(self._routable(topk_idx, num_experts, skip), num_experts, R)
-        start = time.perf_counter_ns()
-        fields = {Field.HIDDEN: hidden, Field.NUM_EXPERTS: num_experts, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: m,
-                  Field.FP8_FORMAT: fp8_format}
-        shake = self.agreement.handshake(op, Op.LOW_LATENCY_DISPATCH, fields, send_counts, None,
-                                         _COMPARED + (Field.FP8_FORMAT,), device, skip)
-        waited = time.perf_counter_ns() - start
+        shake, msg, experts, waited = self.agree_dispatch(x, topk_idx, m, num_experts, fp8_format, skip)
         recv_counts = shake.recv_counts(self.rank)
 
         scales = None
@@ -148,15 +175,8 @@ class LowLatencyMode:
 
         exchange = self.transport.exchange(shake.matrix, records.record_bytes, pack, op=op, device=device, skip=skip)
 
-        rows = R * m
-        # Zero-filled (rows past recv_count stay 0), at the cost of the pages written only.
-        recv_x = zeros((local, rows, hidden), torch.bfloat16 if scales is None else FP8_DTYPE, device)
-        recv_scales = None
-        if scales is not None:  # DeepEP's layout: allocated [E_loc, S, R * M], returned transposed
-            recv_scales = zeros((local, scales.shape[1], rows), scales.dtype, device).transpose(1, 2)
-        src_info = torch.full((local, rows), -1, dtype=torch.int32, device=device)
-        layout_range = torch.empty(local, R, dtype=torch.int64, device=device)
-        recv_count = torch.empty(local, dtype=torch.int32, device=device)
+        recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(
+            local, R, m, hidden, None if scales is None else (scales.dtype, scales.shape[1]), device)
 
         @self.agreement.deferred(op)
         def finish() -> None:
@@ -187,31 +207,39 @@ class LowLatencyMode:
         self._lent = self._idx
         return slot.combine_buffer[:nbytes].view(torch.bfloat16).view(shape)
 
-    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
-                zero_copy: bool, out: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
-                hook: bool) -> tuple[torch.Tensor, Receive]:
-        """Checked ``low_latency_combine`` (see ``Buffer``); returns (out, receive that fills it)."""
-        op = "low_latency_combine"
-        R, device = self.num_ranks, x.device
-        local, rows, hidden = x.shape
-        slot = self._acquire(op, zero_copy)
-        skip = self.skip()
-        msg, experts, expected = send_order(self._routable(topk_idx, handle.num_experts, skip), handle.num_experts, R)
+    def agree_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, handle: LowLatencyHandle, skip: frozenset[int]
+                      ) -> tuple[Handshake, torch.Tensor, LowLatencyHandle, int]:
+        """A combine's handshake: (handshake, msg, the handle with masked sources' ranges emptied, ns
+        it waited); ``msg`` is ``send_order`` of the routable top-k."""
+        R, num_experts = self.num_ranks, handle.num_experts
+        msg, experts, expected = send_order(self._routable(topk_idx, num_experts, skip), num_experts, R)
         if skip:  # nothing goes back to masked sources
             layout_range = handle.layout_range.clone()
             layout_range[:, list(skip)] = 0
             handle = dataclasses.replace(handle, layout_range=layout_range)
         return_counts = handle.counts().sum(0).tolist()  # rows going back to each source rank
-        send_rows = combine_rows(handle.layout_range, rows)  # by source rank, then local expert, then row
         # which (local expert, token) each returned row answers, as both sides see it
         returned, asked = low_latency_combine_digests(handle.layout_range, handle.src_info, msg, experts, expected,
                                                       topk_idx.shape[1])
         start = time.perf_counter_ns()
-        fields = {Field.HIDDEN: hidden, Field.NUM_EXPERTS: handle.num_experts,
+        fields = {Field.HIDDEN: x.shape[2], Field.NUM_EXPERTS: num_experts,
                   Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: handle.num_max_dispatch_tokens_per_rank}
-        shake = self.agreement.handshake(op, Op.LOW_LATENCY_COMBINE, fields, return_counts, expected, _COMPARED, device,
-                                         skip, sent_digests=returned, expected_digests=asked)
-        waited = time.perf_counter_ns() - start
+        shake = self.agreement.handshake("low_latency_combine", Op.LOW_LATENCY_COMBINE, fields, return_counts,
+                                         expected, _COMPARED, x.device, skip, sent_digests=returned,
+                                         expected_digests=asked)
+        return shake, msg, handle, time.perf_counter_ns() - start
+
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
+                zero_copy: bool, out: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
+                hook: bool) -> tuple[torch.Tensor, Receive]:
+        """Checked ``low_latency_combine`` (see ``Buffer``); returns (out, receive that fills it)."""
+        op = "low_latency_combine"
+        device = x.device
+        local, rows, hidden = x.shape
+        slot = self._acquire(op, zero_copy)
+        skip = self.skip()
+        shake, msg, handle, waited = self.agree_combine(x, topk_idx, handle, skip)
+        send_rows = combine_rows(handle.layout_range, rows)  # by source rank, then local expert, then row
 
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
         source = [source.reshape(local * rows, hidden)]

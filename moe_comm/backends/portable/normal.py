@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from ...codes import Field, Op, WireDType
+from ...config import Config
 from ...errors import CrossRankMismatchError
 from ...handle import NormalHandle
 from ...memory import empty
@@ -28,7 +29,7 @@ from .agreement import CallAgreement
 from .digest import digests
 from .handshake import Handshake
 
-__all__ = ["NormalMode"]
+__all__ = ["NormalMode", "channel_prefix", "fill_padding", "recv_channel_starts"]
 
 
 def channel_prefix(is_token_in_rank: torch.Tensor, num_channels: int) -> torch.Tensor:
@@ -41,7 +42,20 @@ def channel_prefix(is_token_in_rank: torch.Tensor, num_channels: int) -> torch.T
     return counts.cumsum(1).to(torch.int32)
 
 
+def recv_channel_starts(chan: torch.Tensor) -> torch.Tensor:
+    """``[R, C]`` int32: from each source's cumulative ``channel_prefix`` rows to this rank, the
+    first row of each channel within that source's block (DeepEP's recv_channel_prefix_matrix)."""
+    return (chan - chan.diff(dim=1, prepend=torch.zeros(chan.shape[0], 1, dtype=chan.dtype))).to(torch.int32)
+
+
 _X_FIELDS = (Field.HIDDEN, Field.X_DTYPE, Field.NUM_SCALES, Field.SCALES_DTYPE)
+_RING_FIELDS = (Field.NUM_MAX_NVL_CHUNKED_SEND_TOKENS, Field.NUM_MAX_NVL_CHUNKED_RECV_TOKENS)
+
+
+def _ring_fields(config: Config) -> dict[Field, int]:
+    """The handshake fields of a config's ring geometry (``_RING_FIELDS``): equal on every rank."""
+    return {Field.NUM_MAX_NVL_CHUNKED_SEND_TOKENS: config.num_max_nvl_chunked_send_tokens,
+            Field.NUM_MAX_NVL_CHUNKED_RECV_TOKENS: config.num_max_nvl_chunked_recv_tokens}
 
 
 def _x_fields(x: torch.Tensor, scales: Optional[torch.Tensor]) -> dict[Field, int]:
@@ -51,7 +65,8 @@ def _x_fields(x: torch.Tensor, scales: Optional[torch.Tensor]) -> dict[Field, in
             Field.SCALES_DTYPE: WireDType.code(None if scales is None else scales.dtype)}
 
 
-def _fill_padding(tensors: list[Optional[torch.Tensor]], values: list[float], start: int) -> None:
+def fill_padding(tensors: list[Optional[torch.Tensor]], values: list[float], start: int) -> None:
+    """Rows ``start:`` of each tensor (None skipped) set to its value: a dispatch's rows past those received."""
     for t, v in zip(tensors, values):
         if t is not None and t.shape[0] > start:
             t[start:].fill_(v)
@@ -123,20 +138,28 @@ class NormalMode:
         return deliver
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
-                 topk_weights: Optional[torch.Tensor], layout: DispatchLayout, expert_alignment: int,
-                 num_worst_tokens: int, num_channels: int) -> DispatchResult:
-        """Non-cached dispatch of checked arguments (see ``Buffer.dispatch``)."""
-        R, me, device = self.num_ranks, self.rank, x.device
+    def agree_dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                       layout: DispatchLayout, num_worst_tokens: int, config: Config) -> tuple[SendPlan, Handshake]:
+        """A non-cached dispatch's send plan and handshake (collective; blocks the host)."""
         num_experts = layout.num_tokens_per_expert.numel()
-        experts_per_rank = num_experts // R
         plan = plan_sends(layout.is_token_in_rank)
         fields = {**_x_fields(x, scales), Field.NUM_TOPK: -1 if topk_idx is None else topk_idx.shape[1],
-                  Field.NUM_EXPERTS: num_experts, Field.NUM_CHANNELS: num_channels,
-                  Field.NUM_WORST_TOKENS: num_worst_tokens}
+                  Field.NUM_EXPERTS: num_experts, Field.NUM_CHANNELS: config.num_channels,
+                  Field.NUM_WORST_TOKENS: num_worst_tokens, **_ring_fields(config)}
         shake = self.agreement.handshake("dispatch", Op.DISPATCH, fields, plan.send_counts, None,
-                                         _X_FIELDS + (Field.NUM_TOPK, Field.NUM_EXPERTS, Field.NUM_CHANNELS), device,
-                                         verdict=_check_worst)
+                                         _X_FIELDS + (Field.NUM_TOPK, Field.NUM_EXPERTS, Field.NUM_CHANNELS)
+                                         + _RING_FIELDS, x.device, verdict=_check_worst)
+        return plan, shake
+
+    def dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                 topk_weights: Optional[torch.Tensor], layout: DispatchLayout, expert_alignment: int,
+                 num_worst_tokens: int, config: Config) -> DispatchResult:
+        """Non-cached dispatch of checked arguments (see ``Buffer.dispatch``)."""
+        R, me, device = self.num_ranks, self.rank, x.device
+        num_channels = config.num_channels
+        num_experts = layout.num_tokens_per_expert.numel()
+        experts_per_rank = num_experts // R
+        plan, shake = self.agree_dispatch(x, scales, topk_idx, layout, num_worst_tokens, config)
         recv_counts = shake.recv_counts(me)
         num_recv = sum(recv_counts)
         rank_prefix = shake.sent.cumsum(0).to(torch.int32).to(device)
@@ -168,17 +191,11 @@ class NormalMode:
         got = got.cpu()
         per_expert = got[:, :experts_per_rank].sum(0)
         per_expert = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
-        chan = got[:, experts_per_rank:]
-        recv_chan = (chan - chan.diff(dim=1, prepend=torch.zeros(R, 1, dtype=torch.int64))).to(torch.int32).to(device)
+        recv_chan = recv_channel_starts(got[:, experts_per_rank:]).to(device)
 
         rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
-        recv_x = empty((rows, x.shape[1]), x.dtype, device)
-        recv_scales = None if scales is None else empty((rows, scales.shape[1]), scales.dtype, device)
-        recv_topk_idx = recv_topk_weights = None
-        if topk_idx is not None:
-            recv_topk_idx = empty((rows, topk_idx.shape[1]), topk_idx.dtype, device)
-            recv_topk_weights = empty((rows, topk_idx.shape[1]), torch.float32, device)
-        recv_src_idx = torch.empty(rows, dtype=torch.int32, device=device)
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = dispatch_outputs(rows, x, scales,
+                                                                                               topk_idx)
         outputs = [t for t in (recv_x, recv_scales, recv_topk_idx, recv_topk_weights) if t is not None]
         outputs.append(recv_src_idx.unsqueeze(1))
 
@@ -193,7 +210,7 @@ class NormalMode:
                 foreign = (idx < 0) | (idx >= experts_per_rank)
                 idx.masked_fill_(foreign, -1)
                 weights.masked_fill_(foreign, 0.0)
-            _fill_padding([recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx],
+            fill_padding([recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx],
                           [0, 0, -1, 0.0, -1], num_recv)
 
         handle = NormalHandle(rank_prefix, chan_prefix.to(device), recv_chan, recv_src_idx,
@@ -201,16 +218,22 @@ class NormalMode:
         expert_list = [] if num_worst_tokens > 0 else per_expert.tolist()
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_list, handle, finish)
 
+    def agree_cached(self, x: torch.Tensor, scales: Optional[torch.Tensor], handle: NormalHandle,
+                     config: Config) -> tuple[Handshake, list[int]]:
+        """A cached dispatch's handshake and the rows this rank expects from each rank."""
+        expected, expected_digests, prefix_digest = self._received_blocks(handle)
+        fields = {**_x_fields(x, scales), Field.PREFIX_DIGEST: prefix_digest, **_ring_fields(config)}
+        shake = self.agreement.handshake("dispatch", Op.CACHED_DISPATCH, fields, handle.plan.send_counts, expected,
+                                         _X_FIELDS + (Field.PREFIX_DIGEST,) + _RING_FIELDS, x.device,
+                                         sent_digests=handle.sent[1], expected_digests=expected_digests)
+        return shake, expected
+
     def cached_dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor],
-                        handle: NormalHandle) -> DispatchResult:
+                        handle: NormalHandle, config: Config) -> DispatchResult:
         """Dispatch that reuses the routing of ``handle`` (see ``Buffer.dispatch``)."""
         device = x.device
         plan = handle.plan
-        expected, expected_digests, prefix_digest = self._received_blocks(handle)
-        fields = {**_x_fields(x, scales), Field.PREFIX_DIGEST: prefix_digest}
-        shake = self.agreement.handshake("dispatch", Op.CACHED_DISPATCH, fields, plan.send_counts, expected,
-                                         _X_FIELDS + (Field.PREFIX_DIGEST,), device,
-                                         sent_digests=handle.sent[1], expected_digests=expected_digests)
+        shake, expected = self.agree_cached(x, scales, handle, config)
         num_recv = sum(expected)
         specs = [("x", x.dtype, x.shape[1])] + ([] if scales is None else [("scales", scales.dtype, scales.shape[1])])
         records_layout = RecordLayout.build(specs)
@@ -225,28 +248,34 @@ class NormalMode:
         @self.agreement.deferred("dispatch")
         def finish() -> None:
             deliver()
-            _fill_padding([recv_x, recv_scales], [0, 0], num_recv)
+            fill_padding([recv_x, recv_scales], [0, 0], num_recv)
 
         return DispatchResult(recv_x, recv_scales, None, None, None, None, finish)
 
     # ------------------------------------------------------------------ combine
-    def combine(self, x: torch.Tensor, handle: NormalHandle, topk_weights: Optional[torch.Tensor],
-                bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor]
-                ) -> tuple[torch.Tensor, Optional[torch.Tensor], Callable[[], None]]:
-        """Combine of checked arguments (see ``Buffer.combine``): returns (out, out_weights, finish)."""
-        me, device = self.rank, x.device
+    def agree_combine(self, x: torch.Tensor, handle: NormalHandle, topk_weights: Optional[torch.Tensor],
+                      config: Config) -> tuple[Handshake, list[int], list[int]]:
+        """A combine's handshake, the rows this rank returns to each rank and the rows it gets back."""
         # each received row goes back to its source; the rows each rank returns are the ones this rank sent it
         return_counts, return_digests, prefix_digest = self._received_blocks(handle)
-        num_return = sum(return_counts)
         expected, expected_digests, _ = handle.sent
         fields = {Field.HIDDEN: x.shape[1], Field.X_DTYPE: WireDType.code(x.dtype),
                   Field.NUM_TOPK: -1 if topk_weights is None else topk_weights.shape[1],
-                  Field.HAS_WEIGHTS: int(topk_weights is not None), Field.PREFIX_DIGEST: prefix_digest}
+                  Field.HAS_WEIGHTS: int(topk_weights is not None), Field.PREFIX_DIGEST: prefix_digest,
+                  **_ring_fields(config)}
         shake = self.agreement.handshake("combine", Op.COMBINE, fields, return_counts, expected,
                                          (Field.HIDDEN, Field.X_DTYPE, Field.NUM_TOPK, Field.HAS_WEIGHTS,
-                                          Field.PREFIX_DIGEST), device,
+                                          Field.PREFIX_DIGEST) + _RING_FIELDS, x.device,
                                          sent_digests=return_digests, expected_digests=expected_digests)
+        return shake, return_counts, expected
 
+    def combine(self, x: torch.Tensor, handle: NormalHandle, topk_weights: Optional[torch.Tensor],
+                bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor], config: Config
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor], Callable[[], None]]:
+        """Combine of checked arguments (see ``Buffer.combine``): returns (out, out_weights, finish)."""
+        me, device = self.rank, x.device
+        shake, return_counts, expected = self.agree_combine(x, handle, topk_weights, config)
+        num_return = sum(return_counts)
         specs = [("x", x.dtype, x.shape[1])]
         if topk_weights is not None:
             specs.append(("weights", torch.float32, topk_weights.shape[1]))
@@ -288,6 +317,22 @@ class NormalMode:
                                                      send_pos, bias0, bias1, out, out_weights))
 
         return out, out_weights, finish
+
+
+def dispatch_outputs(rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor]
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor],
+                                torch.Tensor]:
+    """A dispatch's receive tensors of ``rows`` rows, uninitialised: recv_x and recv_scales (x's and
+    scales' dtypes and widths), recv_topk_idx (topk_idx's dtype) and recv_topk_weights (float32)
+    when routing comes with top-k, and recv_src_idx (int32)."""
+    device = x.device
+    recv_x = empty((rows, x.shape[1]), x.dtype, device)
+    recv_scales = None if scales is None else empty((rows, scales.shape[1]), scales.dtype, device)
+    recv_topk_idx = recv_topk_weights = None
+    if topk_idx is not None:
+        recv_topk_idx = empty((rows, topk_idx.shape[1]), topk_idx.dtype, device)
+        recv_topk_weights = empty((rows, topk_idx.shape[1]), torch.float32, device)
+    return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, torch.empty(rows, dtype=torch.int32, device=device)
 
 
 def _check_worst(shake: Handshake) -> None:

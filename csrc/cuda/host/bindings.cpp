@@ -1,0 +1,171 @@
+// moe_comm._cuda_host: the host build of the CUDA kernels, for the cuda_host backend. Pointers are
+// Python ints (tensor.data_ptr()), sizes plain ints; every launch returns None or its error record as
+// (code, kind, rank, peer, channel, observed, expected). The GIL is released while a launch runs.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "launches.h"
+
+namespace py = pybind11;
+using namespace moe_comm::cuda;
+using moe_comm::cuda::host::Peers;
+
+namespace {
+
+using Error = std::optional<std::tuple<int, int, int, int, int, int64_t, int64_t>>;
+
+template <class T>
+T* ptr(int64_t p) {
+    return reinterpret_cast<T*>(static_cast<uintptr_t>(p));
+}
+
+Peers peers(const std::vector<int64_t>& bases, const std::vector<int64_t>& pids, int rank, double timeout_s) {
+    Peers p{{}, pids, rank, timeout_s};
+    for (int64_t b : bases) p.bases.push_back(ptr<uint8_t>(b));
+    return p;
+}
+
+Error result(const ErrorRecord& e) {
+    if (e.code == 0) return std::nullopt;
+    return std::make_tuple(e.code, e.kind, e.rank, e.peer, e.channel, e.observed, e.expected);
+}
+
+// One rank's normal-mode buffers: its own and its peers' mappings, the ring geometry.
+struct Normal {
+    Peers peers;
+    int32_t num_channels;
+    int64_t chunk;
+    NormalLayout layout;
+
+    template <class F>
+    Error launch(int64_t epoch, F body) {
+        ErrorRecord err{};
+        NormalContext k = host::normal_context(peers, num_channels, chunk, layout, epoch, &err);
+        {
+            py::gil_scoped_release unlocked;
+            body(k);
+        }
+        return result(err);
+    }
+};
+
+struct LowLatency {
+    Peers peers;
+    LowLatencyLayout layout;
+
+    template <class F>
+    Error launch(int half, int64_t skip, F body) {
+        ErrorRecord err{};
+        LowLatencyContext k = host::low_latency_context(peers, half, layout, ptr<const uint8_t>(skip), &err);
+        {
+            py::gil_scoped_release unlocked;
+            body(k);
+        }
+        return result(err);
+    }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_cuda_host, m) {
+    m.doc() = "Host build of moe-comm's CUDA kernels (csrc/cuda), for the cuda_host backend";
+
+    py::enum_<WaitKind>(m, "WaitKind")
+        .value("NONE", WaitKind::kNone).value("BARRIER", WaitKind::kBarrier)
+        .value("RING_SPACE", WaitKind::kRingSpace).value("RING_DATA", WaitKind::kRingData)
+        .value("COUNT", WaitKind::kCount).value("COMBINE_FLAG", WaitKind::kCombineFlag);
+    py::enum_<ErrorCode>(m, "ErrorCode")
+        .value("OK", ErrorCode::kOk).value("TIMEOUT", ErrorCode::kTimeout)
+        .value("PEER_EXITED", ErrorCode::kPeerExited);
+    py::enum_<RowType>(m, "RowType")
+        .value("BFLOAT16", RowType::kBFloat16).value("FLOAT16", RowType::kFloat16)
+        .value("FLOAT32", RowType::kFloat32);
+
+    m.def("normal_bytes", [](int R, int C, int L, int64_t slots, int64_t slot_bytes) {
+        return NormalLayout(R, C, L, slots, slot_bytes).total;
+    }, "Bytes of one rank's normal-mode buffer.");
+    m.def("dispatch_slot_bytes", &dispatch_slot_bytes, "Bytes of a dispatch ring slot (before alignment).");
+    m.def("low_latency_bytes", [](int R, int L, int64_t M, int64_t H) {
+        return LowLatencyLayout(R, L, M, H).total;
+    }, "Bytes of one rank's low-latency buffer (both halves and the staging rows).");
+
+    py::class_<Normal>(m, "Normal")
+        .def(py::init([](const std::vector<int64_t>& bases, const std::vector<int64_t>& pids, int rank,
+                         double timeout_s, int C, int64_t chunk, int L, int64_t slots, int64_t slot_bytes) {
+                 return Normal{peers(bases, pids, rank, timeout_s), C, chunk,
+                               NormalLayout(static_cast<int>(bases.size()), C, L, slots, slot_bytes)};
+             }))
+        .def("notify", [](Normal& n, int64_t epoch, int64_t rows_to_rank, int64_t tokens_per_expert,
+                          int64_t channel_prefix, int64_t alignment, int64_t rank_prefix, int64_t recv_offset,
+                          int64_t recv_channel_offset, int64_t recv_channel_count, int64_t recv_per_expert,
+                          int64_t num_recv) {
+            NotifyArgs a{ptr<const int64_t>(rows_to_rank), ptr<const int64_t>(tokens_per_expert),
+                         ptr<const int64_t>(channel_prefix), alignment, ptr<int32_t>(rank_prefix),
+                         ptr<int64_t>(recv_offset), ptr<int64_t>(recv_channel_offset),
+                         ptr<int64_t>(recv_channel_count), ptr<int64_t>(recv_per_expert), ptr<int64_t>(num_recv)};
+            return n.launch(epoch, [&](const NormalContext& k) { host::notify(k, a); });
+        })
+        .def("prologue", [](Normal& n, int64_t epoch) {
+            return n.launch(epoch, [&](const NormalContext& k) { host::prologue(k); });
+        })
+        .def("dispatch", [](Normal& n, int64_t num_tokens, int64_t x_bytes, int64_t scale_bytes, int num_topk,
+                            int64_t x, int64_t scales, int64_t topk_idx, int64_t topk_weights,
+                            int64_t is_token_in_rank, int64_t channel_prefix, int64_t recv_offset,
+                            int64_t recv_channel_offset, int64_t recv_channel_count, int64_t recv_x,
+                            int64_t recv_scales, int64_t recv_topk_idx, int64_t recv_topk_weights,
+                            int64_t recv_src_idx) {
+            DispatchArgs a{num_tokens, x_bytes, scale_bytes, num_topk, ptr<const uint8_t>(x),
+                           ptr<const uint8_t>(scales), ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights),
+                           ptr<const uint8_t>(is_token_in_rank), ptr<const int64_t>(channel_prefix),
+                           ptr<const int64_t>(recv_offset), ptr<const int64_t>(recv_channel_offset),
+                           ptr<const int64_t>(recv_channel_count), ptr<uint8_t>(recv_x), ptr<uint8_t>(recv_scales),
+                           ptr<int64_t>(recv_topk_idx), ptr<float>(recv_topk_weights), ptr<int32_t>(recv_src_idx)};
+            return n.launch(0, [&](const NormalContext& k) { host::dispatch(k, a); });
+        })
+        .def("combine", [](Normal& n, int64_t num_tokens, int64_t hidden, int64_t x_bytes, int num_topk, RowType type,
+                           int64_t x, int64_t topk_weights, int64_t recv_offset, int64_t recv_channel_offset,
+                           int64_t recv_channel_count, int64_t is_token_in_rank, int64_t channel_prefix,
+                           int64_t send_pos, int64_t bias0, int64_t bias1, int64_t out, int64_t out_weights) {
+            CombineArgs a{num_tokens, hidden, x_bytes, num_topk, type, ptr<const uint8_t>(x),
+                          ptr<const float>(topk_weights), ptr<const int64_t>(recv_offset),
+                          ptr<const int64_t>(recv_channel_offset), ptr<const int64_t>(recv_channel_count),
+                          ptr<const uint8_t>(is_token_in_rank), ptr<const int64_t>(channel_prefix),
+                          ptr<const int32_t>(send_pos), ptr<const uint8_t>(bias0), ptr<const uint8_t>(bias1),
+                          ptr<uint8_t>(out), ptr<float>(out_weights)};
+            return n.launch(0, [&](const NormalContext& k) { host::combine(k, a); });
+        });
+
+    py::class_<LowLatency>(m, "LowLatency")
+        .def(py::init([](const std::vector<int64_t>& bases, const std::vector<int64_t>& pids, int rank,
+                         double timeout_s, int L, int64_t M, int64_t H) {
+                 return LowLatency{peers(bases, pids, rank, timeout_s),
+                                   LowLatencyLayout(static_cast<int>(bases.size()), L, M, H)};
+             }))
+        .def("dispatch", [](LowLatency& l, bool receive, int half, int64_t skip, int64_t num_tokens,
+                            int64_t scale_bytes, int num_topk, bool fp8, bool round_scale, bool ue8m0, int64_t x,
+                            int64_t topk_idx, int64_t recv_x, int64_t recv_scales, int64_t src_info,
+                            int64_t layout_range, int64_t recv_count) {
+            LowLatencyDispatchArgs a{num_tokens, scale_bytes, num_topk, CastFormat{fp8, round_scale, ue8m0},
+                                     ptr<const uint16_t>(x), ptr<const int64_t>(topk_idx), ptr<uint8_t>(recv_x),
+                                     ptr<uint8_t>(recv_scales), ptr<int32_t>(src_info), ptr<int64_t>(layout_range),
+                                     ptr<int32_t>(recv_count)};
+            return l.launch(half, skip, [&](const LowLatencyContext& k) {
+                receive ? host::ll_dispatch_recv(k, a) : host::ll_dispatch_send(k, a);
+            });
+        }, "The send half (receive=False) or the receive half of a low-latency dispatch.")
+        .def("combine", [](LowLatency& l, bool receive, int half, int64_t skip, int64_t num_tokens, int num_topk,
+                           int64_t x, int64_t src_info, int64_t layout_range, int64_t topk_idx, int64_t topk_weights,
+                           int64_t out) {
+            LowLatencyCombineArgs a{num_tokens, num_topk, ptr<const uint16_t>(x), ptr<const int32_t>(src_info),
+                                    ptr<const int64_t>(layout_range), ptr<const int64_t>(topk_idx),
+                                    ptr<const float>(topk_weights), ptr<uint16_t>(out)};
+            return l.launch(half, skip, [&](const LowLatencyContext& k) {
+                receive ? host::ll_combine_recv(k, a) : host::ll_combine_send(k, a);
+            });
+        }, "The send half (receive=False) or the receive half of a low-latency combine.");
+}

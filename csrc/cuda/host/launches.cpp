@@ -1,0 +1,88 @@
+// Host launches of the CUDA kernel bodies (launches.h).
+#include "launches.h"
+
+#include <thread>
+
+#include "../platform/host.h"
+
+namespace moe_comm::cuda::host {
+namespace {
+
+using P = HostPlatform;
+
+Watch watch(const Peers& p, ErrorRecord* err) {
+    return Watch{err, P::now() + static_cast<int64_t>(p.timeout_s * 1e9), p.rank, p.pids.data()};
+}
+
+// Runs fn(i) for i in [0, n) on n threads (the groups of one launch wait on each other).
+template <class F>
+void run_threads(int n, F fn) {
+    std::vector<std::thread> threads;
+    threads.reserve(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) threads.emplace_back(fn, i);
+    for (auto& t : threads) t.join();
+}
+
+std::vector<int64_t*> arrive_table(const NormalContext& k) {
+    std::vector<int64_t*> arrive(static_cast<size_t>(k.num_ranks));
+    for (int i = 0; i < k.num_ranks; ++i) arrive[static_cast<size_t>(i)] = k.layout.arrive_of(k.peers[i]);
+    return arrive;
+}
+
+}  // namespace
+
+NormalContext normal_context(const Peers& p, int32_t num_channels, int64_t chunk, const NormalLayout& layout,
+                             int64_t epoch, ErrorRecord* err) {
+    return NormalContext{p.rank, static_cast<int32_t>(p.bases.size()), num_channels, chunk, layout, p.bases.data(),
+                         watch(p, err), epoch};
+}
+
+LowLatencyContext low_latency_context(const Peers& p, int32_t half, const LowLatencyLayout& layout,
+                                      const uint8_t* skip, ErrorRecord* err) {
+    return LowLatencyContext{p.rank, static_cast<int32_t>(p.bases.size()), half, layout, p.bases.data(), skip,
+                             watch(p, err)};
+}
+
+void notify(const NormalContext& k, const NotifyArgs& a) { cuda::notify<P>(k, a, arrive_table(k).data()); }
+
+void prologue(const NormalContext& k) { cuda::prologue<P>(k, arrive_table(k).data()); }
+
+void dispatch(const NormalContext& k, const DispatchArgs& a) {
+    const int R = k.num_ranks;
+    run_threads(2 * R, [&](int i) {
+        for (int c = 0; c < k.num_channels; ++c)
+            if (!(i < R ? dispatch_send<P>(k, a, c, i) : dispatch_recv<P>(k, a, c, i - R))) return;
+    });
+}
+
+void combine(const NormalContext& k, const CombineArgs& a) {
+    const int R = k.num_ranks;
+    run_threads(R + 1, [&](int i) {
+        for (int c = 0; c < k.num_channels; ++c)
+            if (!(i < R ? combine_send<P>(k, a, c, i) : combine_recv<P>(k, a, c))) return;
+    });
+}
+
+void ll_dispatch_send(const LowLatencyContext& k, const LowLatencyDispatchArgs& a) {
+    for (int64_t t = 0; t < a.num_tokens; ++t) ll_cast<P>(k, a, t);
+    const int experts = k.num_ranks * k.layout.experts_per_rank;
+    for (int e = 0; e < experts; ++e) cuda::ll_dispatch_send<P>(k, a, e);
+}
+
+void ll_dispatch_recv(const LowLatencyContext& k, const LowLatencyDispatchArgs& a) {
+    for (int e = 0; e < k.layout.experts_per_rank; ++e)
+        if (!cuda::ll_dispatch_recv<P>(k, a, e)) return;
+}
+
+void ll_combine_send(const LowLatencyContext& k, const LowLatencyCombineArgs& a) {
+    for (int e = 0; e < k.layout.experts_per_rank; ++e) cuda::ll_combine_send<P>(k, a, e);
+}
+
+void ll_combine_recv(const LowLatencyContext& k, const LowLatencyCombineArgs& a) {
+    const int experts = k.num_ranks * k.layout.experts_per_rank;
+    for (int e = 0; e < experts; ++e)
+        if (!ll_combine_wait<P>(k, e)) return;
+    for (int64_t t = 0; t < a.num_tokens; ++t) ll_combine_reduce<P>(k, a, t);
+}
+
+}  // namespace moe_comm::cuda::host

@@ -1,0 +1,42 @@
+// The host build of the CUDA kernels: each "launch" runs the kernel bodies of kernels/*.h on the host
+// platform, one std::thread per simulated group, and returns the launch's error record. Raw pointers
+// and sizes only, as the device build's entry points take. Used by the cuda_host backend
+// (moe_comm/backends/cuda_host) through moe_comm._cuda_host, and by the ThreadSanitizer stress.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "../kernels/intranode.h"
+#include "../kernels/low_latency.h"
+#include "../protocol/wait.h"
+
+namespace moe_comm::cuda::host {
+
+// The peers' buffers as this process maps them, and what every wait shares.
+struct Peers {
+    std::vector<uint8_t*> bases;   // [R]
+    std::vector<int64_t> pids;     // [R], for the peer-exited check
+    int32_t rank;
+    double timeout_s;
+};
+
+NormalContext normal_context(const Peers& p, int32_t num_channels, int64_t chunk, const NormalLayout& layout,
+                             int64_t epoch, ErrorRecord* err);
+LowLatencyContext low_latency_context(const Peers& p, int32_t half, const LowLatencyLayout& layout,
+                                      const uint8_t* skip, ErrorRecord* err);
+
+// Normal mode. `notify` and `prologue` run on the calling thread; dispatch and combine run one sender
+// thread per destination and one receiver thread per source (each over the channels in order).
+void notify(const NormalContext& k, const NotifyArgs& a);
+void prologue(const NormalContext& k);
+void dispatch(const NormalContext& k, const DispatchArgs& a);
+void combine(const NormalContext& k, const CombineArgs& a);
+
+// Low-latency mode: the send and the receive half of each operation, as separate launches.
+void ll_dispatch_send(const LowLatencyContext& k, const LowLatencyDispatchArgs& a);
+void ll_dispatch_recv(const LowLatencyContext& k, const LowLatencyDispatchArgs& a);
+void ll_combine_send(const LowLatencyContext& k, const LowLatencyCombineArgs& a);
+void ll_combine_recv(const LowLatencyContext& k, const LowLatencyCombineArgs& a);
+
+}  // namespace moe_comm::cuda::host

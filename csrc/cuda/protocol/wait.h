@@ -1,0 +1,89 @@
+// Waits with a deadline, and the error record a failed wait leaves: no wait spins forever, on the
+// host or on the device. The first failed wait of a launch writes the record (which wait, which peer,
+// what it saw and wanted); every other wait of the launch sees the record and gives up too, so the
+// launch ends and the host raises CommTimeoutError / PeerExitedError naming the peer.
+#pragma once
+
+#include <cstdint>
+
+#include "../platform/platform.h"
+
+namespace moe_comm::cuda {
+
+// Which wait failed (bound to Python as moe_comm._cuda_host.WaitKind).
+enum class WaitKind : int32_t {
+    kNone = 0,
+    kBarrier = 1,        // a peer's arrival at a barrier
+    kRingSpace = 2,      // a receiver freeing ring slots (the sender waits)
+    kRingData = 3,       // a sender publishing ring slots (the receiver waits)
+    kCount = 4,          // a low-latency dispatch count signal
+    kCombineFlag = 5,    // a low-latency combine arrival flag
+};
+
+// Why (ErrorRecord::code).
+enum class ErrorCode : int32_t { kOk = 0, kTimeout = 1, kPeerExited = 2 };
+
+// Host-visible (pinned, mapped on the device); one per rank and launch.
+struct ErrorRecord {
+    int32_t code;     // ErrorCode; written once, by compare-and-swap
+    int32_t kind;     // WaitKind
+    int32_t rank;     // the rank that waited
+    int32_t peer;     // the rank it waited for
+    int32_t channel;  // channel, local expert or expert of the wait (-1: none)
+    int32_t pad;
+    int64_t observed; // the flag's value when it gave up
+    int64_t expected; // the value it waited for (>=)
+};
+
+// What every wait of one rank's launch shares: where to report, the deadline, who is waiting, and
+// (host only) the peers' pids so a wait for an exited process fails at once.
+struct Watch {
+    ErrorRecord* err;
+    int64_t deadline;      // in P::now() units
+    int32_t rank;
+    const int64_t* pids;   // [num_ranks] or nullptr
+};
+
+template <class P>
+MC_HD bool failed(const Watch& w) {
+    return P::load_relaxed(&w.err->code) != 0;
+}
+
+template <class P>
+MC_HD void report(const Watch& w, ErrorCode code, WaitKind kind, int peer, int channel, int64_t observed,
+                  int64_t expected) {
+    if (P::cas32(&w.err->code, 0, -1)) {  // claim the record, fill it, then publish the code
+        w.err->kind = static_cast<int32_t>(kind);
+        w.err->rank = w.rank;
+        w.err->peer = peer;
+        w.err->channel = channel;
+        w.err->observed = observed;
+        w.err->expected = expected;
+        P::store_release(&w.err->code, static_cast<int32_t>(code));
+    }
+}
+
+// Spins until *flag >= target (acquire), the deadline passes, or another wait of the launch failed.
+// Returns the value seen, or INT64_MIN when it gave up (the record says why).
+template <class P>
+MC_HD int64_t wait_at_least(const Watch& w, const int64_t* flag, int64_t target, WaitKind kind, int peer,
+                            int channel) {
+    for (int64_t spins = 0;; ++spins) {
+        int64_t v = P::load_acquire(flag);
+        if (v >= target) return v;
+        if ((spins & 255) == 255) {
+            if (failed<P>(w)) return INT64_MIN;
+            if (P::now() > w.deadline) {
+                report<P>(w, ErrorCode::kTimeout, kind, peer, channel, v, target);
+                return INT64_MIN;
+            }
+            if (P::peer_exited(w.pids, peer)) {
+                report<P>(w, ErrorCode::kPeerExited, kind, peer, channel, v, target);
+                return INT64_MIN;
+            }
+        }
+        P::relax(spins);
+    }
+}
+
+}  // namespace moe_comm::cuda

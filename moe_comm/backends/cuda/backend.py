@@ -1,0 +1,47 @@
+"""The ``cuda_host`` backend: the CUDA kernels of ``csrc/cuda`` built for the host platform
+(``moe_comm._cuda_host``), on CPU tensors, ranks of one host sharing memory.
+
+It is the portable backend with its payload path replaced: the same call agreement and handshakes
+(so the same argument checks and cross-rank errors), then the kernels' own protocol (notify,
+barriers, rings, low-latency slots and signals) moves every byte through the ranks' shared buffers,
+with each kernel's groups as host threads. A failed wait inside a kernel raises CommTimeoutError or
+PeerExitedError naming the peer, and breaks the buffer like any failure mid-call.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ... import _cuda_host  # built beside moe_comm._C (CMakeLists.txt)
+from ..portable.backend import PortableBackend
+from .low_latency import KernelLowLatencyMode
+from .normal import KernelNormalMode
+from .shared_buffers import SharedBuffers
+
+__all__ = ["CudaHostBackend"]
+
+
+class CudaHostBackend(PortableBackend):
+    """The kernels' host build as a backend. Construction is collective. Arguments: as ``PortableBackend``
+    (the transport carries the handshakes; the kernels' buffers are shared memory of this host)."""
+
+    name = "cuda_host"
+
+    def __init__(self, group: Optional[dist.ProcessGroup], comm: Any, transport: str, timeout_s: float,
+                 buffer_bytes: int, shrink: bool) -> None:
+        super().__init__(group, comm, transport, timeout_s, buffer_bytes, shrink)
+        if self.transport.device.type != "cpu":
+            raise ValueError(f"Buffer: the cuda_host backend runs on CPU tensors, but the {self.transport_name} "
+                             f"transport moves {self.transport.device.type} tensors")
+        self._normal_buffers = SharedBuffers(self.transport, "normal-mode")
+        self._low_latency_buffers = SharedBuffers(self.transport, "low-latency")
+        self.normal = KernelNormalMode(self.normal, _cuda_host, self._normal_buffers, timeout_s)
+        self.low_latency = KernelLowLatencyMode(self.transport, self.agreement, shrink, _cuda_host,
+                                                self._low_latency_buffers, timeout_s)
+
+    def destroy(self) -> None:
+        if not self.agreement.destroyed:
+            self._normal_buffers.close()
+            self._low_latency_buffers.close()
+        super().destroy()

@@ -1,0 +1,28 @@
+"""A kernel launch's error record (``csrc/cuda/protocol/wait.h``) as the exception the host raises."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ...errors import CommTimeoutError, PeerExitedError
+
+__all__ = ["raise_for"]
+
+#: What each wait waited for (``WaitKind``), for messages.
+_WAITED_FOR = {"BARRIER": "its arrival at the barrier", "RING_SPACE": "free ring slots (its receiver)",
+               "RING_DATA": "ring data (its sender)", "COUNT": "its low-latency dispatch count",
+               "COMBINE_FLAG": "its low-latency combine rows"}
+
+
+def raise_for(kernels, op: str, timeout_s: float, pids: list[int],
+              record: Optional[tuple[int, int, int, int, int, int, int]]) -> None:
+    """Raises CommTimeoutError or PeerExitedError naming the peer when ``record`` (a launch's result
+    from ``kernels``, moe_comm._cuda_host or moe_comm._cuda) is an error; returns when it is None."""
+    if record is None:
+        return
+    code, kind, rank, peer, where, observed, expected = record
+    kind_name = kernels.WaitKind(kind).name
+    if kernels.ErrorCode(code) == kernels.ErrorCode.PEER_EXITED:
+        raise PeerExitedError(op, rank, peer, pids[peer])
+    detail = (f"the kernel waited for rank {peer}: {_WAITED_FOR.get(kind_name, kind_name)} (wait {kind_name}, "
+              f"channel/expert {where}; flag {observed}, wanted >= {expected})")
+    raise CommTimeoutError(op, rank, timeout_s, [peer], detail)

@@ -1,0 +1,135 @@
+"""Low-latency mode on the CUDA kernels (``csrc/cuda/kernels/low_latency.h``): the portable backend's
+handshake and double buffering (``portable.low_latency.LowLatencyMode``), the kernels' send and
+receive launches for the bytes.
+
+    dispatch:  handshake -> send launch (FP8 cast, slots into peers' halves, count signals)
+               ...  receive (the hook, or at once): receive launch (counts, rows by source rank)
+    combine:   handshake -> send launch (rows back to their sources, flags)
+               ...  receive: receive launch (flags, weighted fixed-order sum)
+
+Both halves of a call use buffer half ``idx`` of the portable mode's alternation, on every rank.
+Outputs are bitwise the portable backend's.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+from ...codes import Fp8Format
+from ...handle import LowLatencyHandle
+from ...memory import empty
+from ...transport import Transport
+from ..base import LowLatencyDispatch, Receive
+from ..portable.agreement import CallAgreement
+from ..portable.low_latency import LowLatencyMode, dispatch_outputs
+from .kernel_errors import raise_for
+from .pins import Pins
+from .shared_buffers import SharedBuffers
+
+__all__ = ["KernelLowLatencyMode"]
+
+_GROUP = 128  # channels per FP8 scale
+
+
+class KernelLowLatencyMode(LowLatencyMode):
+    """Low-latency operations of one Buffer on the kernels of ``kernels`` (moe_comm._cuda_host)."""
+
+    def __init__(self, transport: Transport, agreement: CallAgreement, shrink: bool, kernels: Any,
+                 buffers: SharedBuffers, timeout_s: float) -> None:
+        super().__init__(transport, agreement, shrink)
+        self.kernels, self.buffers, self.timeout_s = kernels, buffers, timeout_s
+
+    def _launcher(self, local: int, m: int, hidden: int) -> Any:
+        self.buffers.ensure(self.kernels.low_latency_bytes(self.num_ranks, local, m, hidden))
+        return self.kernels.LowLatency(self.buffers.bases, self.buffers.pids, self.rank, self.timeout_s, local, m,
+                                       hidden)
+
+    def _skip_mask(self, skip: frozenset[int]) -> torch.Tensor:
+        mask = torch.zeros(self.num_ranks, dtype=torch.uint8)
+        mask[list(skip)] = 1
+        return mask
+
+    def _check(self, op: str, record: Any) -> None:
+        raise_for(self.kernels, op, self.timeout_s, self.buffers.pids, record)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int, fp8_format: Fp8Format,
+                 recv_stats: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
+                 hook: bool) -> LowLatencyDispatch:
+        """Checked ``low_latency_dispatch`` (see ``Buffer``); returns outputs filled by ``receive``."""
+        op = "low_latency_dispatch"
+        R, hidden, pin = self.num_ranks, x.shape[1], Pins()
+        local = num_experts // R
+        slot = self._acquire(op)
+        half = self._idx
+        skip = self.skip()
+        _, _, _, waited = self.agree_dispatch(x, topk_idx, m, num_experts, fp8_format, skip)
+        fp8 = fp8_format is not Fp8Format.BF16
+        num_scales = (hidden // _GROUP // (4 if fp8_format.ue8m0 else 1)) if fp8 else 0
+        scales = (torch.int32 if fp8_format.ue8m0 else torch.float32, num_scales) if fp8 else None
+        recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(local, R, m, hidden, scales,
+                                                                                   x.device)
+        kernel = self._launcher(local, m, hidden)
+        mask, routable = self._skip_mask(skip), self._routable(topk_idx, num_experts, skip).to(torch.int64)
+        args = (half, pin(mask), x.shape[0], 4 * num_scales, topk_idx.shape[1], fp8, fp8_format.round_scale,
+                fp8_format.ue8m0, pin(x.contiguous()), pin(routable.contiguous()), pin(recv_x),
+                # recv_scales is the transposed view of an [E_loc, S, R * M] allocation: its storage
+                pin(None if recv_scales is None else recv_scales.transpose(1, 2)), pin(src_info), pin(layout_range),
+                pin(recv_count))
+        self._check(op, pin.launch(kernel.dispatch, False, *args))
+
+        @self.agreement.deferred(op)
+        def finish() -> None:
+            begin = time.perf_counter_ns()
+            self._check(op, pin.launch(kernel.dispatch, True, *args))
+            if recv_stats is not None:
+                recv_stats.add_(recv_count)
+            if wait_stats is not None:
+                wait_stats.add_(waited + time.perf_counter_ns() - begin)
+
+        receive = self._launch(slot, op, finish, hook)
+        handle = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts)
+        return LowLatencyDispatch(recv_x, recv_scales, recv_count, handle, receive)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
+                zero_copy: bool, out: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
+                hook: bool) -> tuple[torch.Tensor, Receive]:
+        """Checked ``low_latency_combine`` (see ``Buffer``); returns (out, receive that fills it)."""
+        op = "low_latency_combine"
+        local, _, hidden = x.shape
+        pin = Pins()
+        slot = self._acquire(op, zero_copy)
+        half = self._idx
+        skip = self.skip()
+        _, _, handle, waited = self.agree_combine(x, topk_idx, handle, skip)
+        source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
+        num_tokens, num_topk = topk_idx.shape
+        if out is None:
+            out = empty((num_tokens, hidden), torch.bfloat16, x.device)
+        kernel = self._launcher(local, handle.num_max_dispatch_tokens_per_rank, hidden)
+        routable = self._routable(topk_idx, handle.num_experts, skip).to(torch.int64)
+        args = (half, pin(self._skip_mask(skip)), num_tokens, num_topk, pin(source.contiguous()),
+                pin(handle.src_info.contiguous()), pin(handle.layout_range.contiguous()), pin(routable.contiguous()),
+                pin(topk_weights.to(torch.float32).contiguous()), pin(out))
+        self._check(op, pin.launch(kernel.combine, False, *args))
+
+        @self.agreement.deferred(op)
+        def finish() -> None:
+            begin = time.perf_counter_ns()
+            self._check(op, pin.launch(kernel.combine, True, *args))
+            if wait_stats is not None:
+                wait_stats.add_(waited + time.perf_counter_ns() - begin)
+
+        return out, self._launch(slot, op, finish, hook)
+
+    # ------------------------------------------------------------------ clean
+    def clean(self, m: int, hidden: int, num_experts: int, device: torch.device) -> None:
+        """DeepEP's ``clean_low_latency_buffer``: pending results settled, then this rank's signals and
+        flags zeroed (before the portable mode's barrier, so no peer writes one first), then the barrier."""
+        for slot in self._slots:
+            self._settle("clean_low_latency_buffer", slot)
+        self.buffers.zero_own()
+        super().clean(m, hidden, num_experts, device)

@@ -1,0 +1,191 @@
+"""Normal mode on the CUDA kernels (``csrc/cuda/kernels/intranode.h``): the portable backend's
+handshake agrees on the call (same checks, same errors), then the kernels move every byte.
+
+    dispatch:  handshake -> notify kernel (counts into peers' cells, barrier, prefixes; checked
+               against the handshake's counts) -> size outputs -> dispatch kernel (rings)
+    combine:   handshake -> combine kernel (prologue barrier, rings, fixed-order fp32 sum)
+
+Outputs are bitwise the portable backend's: rows by source rank then source token, sums over ranks
+ascending. The kernels run inside the call, so ``finish()`` has nothing left to do.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from ...config import Config
+from ...handle import NormalHandle
+from ...ops import DispatchLayout
+from ..base import DispatchResult
+from ..portable.normal import NormalMode, channel_prefix, dispatch_outputs, fill_padding
+from .kernel_errors import raise_for
+from .pins import Pins
+from .shared_buffers import SharedBuffers
+
+__all__ = ["KernelNormalMode"]
+
+_ROW_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16", torch.float32: "FLOAT32"}
+
+
+def _recv_counts(rank_prefix: torch.Tensor, rank: int) -> torch.Tensor:
+    """``[R]`` int64: rows this rank gets from each source, from the rank prefix matrix."""
+    column = rank_prefix[:, rank].to(torch.int64)
+    return column - torch.cat([column.new_zeros(1), column[:-1]])
+
+
+def _channel_counts(starts: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
+    """``[R, C]`` int64 rows per (source, channel), from each channel's first row and each source's total."""
+    ends = torch.cat([starts[:, 1:], totals.unsqueeze(1)], dim=1)
+    return (ends - starts).contiguous()
+
+
+def _rows_within_destination(handle: NormalHandle) -> torch.Tensor:
+    """``[T, R]`` int32: token t's row among the rows this rank sent rank r (-1: not sent); the
+    handle's send_head counts rows across destinations."""
+    sent = handle.is_token_in_rank.sum(0, dtype=torch.int32)
+    starts = (sent.cumsum(0, dtype=torch.int32) - sent).unsqueeze(0)
+    head = handle.send_head.to(torch.int32)
+    return torch.where(head >= 0, head - starts, -1).to(torch.int32).contiguous()
+
+
+class KernelNormalMode:
+    """Normal-mode operations of one Buffer on the kernels of ``kernels`` (moe_comm._cuda_host)."""
+
+    def __init__(self, portable: NormalMode, kernels: Any, buffers: SharedBuffers, timeout_s: float) -> None:
+        self.portable, self.kernels, self.buffers, self.timeout_s = portable, kernels, buffers, timeout_s
+        self.rank, self.num_ranks = portable.rank, portable.num_ranks
+        self._epoch = 0  # barriers this buffer's ranks have passed together
+
+    def _launcher(self, num_channels: int, config: Config, experts_per_rank: int, slot_bytes: int) -> Any:
+        """The kernels' view of the buffers for this geometry, grown (collectively) when it needs more."""
+        slots = config.num_max_nvl_chunked_recv_tokens
+        need = self.kernels.normal_bytes(self.num_ranks, num_channels, experts_per_rank, slots, slot_bytes)
+        if self.buffers.ensure(need):
+            self._epoch = 0  # fresh, zeroed buffers: the barrier counters start again
+        return self.kernels.Normal(self.buffers.bases, self.buffers.pids, self.rank, self.timeout_s, num_channels,
+                                   config.num_max_nvl_chunked_send_tokens, experts_per_rank, slots, slot_bytes)
+
+    def _next_epoch(self) -> int:
+        self._epoch += 1
+        return self._epoch
+
+    def _check(self, op: str, record: Any) -> None:
+        raise_for(self.kernels, op, self.timeout_s, self.buffers.pids, record)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                 topk_weights: Optional[torch.Tensor], layout: DispatchLayout, expert_alignment: int,
+                 num_worst_tokens: int, config: Config) -> DispatchResult:
+        """Non-cached dispatch of checked arguments (see ``Buffer.dispatch``)."""
+        R, me, pin = self.num_ranks, self.rank, Pins()
+        plan, shake = self.portable.agree_dispatch(x, scales, topk_idx, layout, num_worst_tokens, config)
+        C = config.num_channels
+        local = layout.num_tokens_per_expert.numel() // R
+        chan_prefix = channel_prefix(layout.is_token_in_rank, C)
+        x, K = x.contiguous(), 0 if topk_idx is None else topk_idx.shape[1]
+        scale_bytes = 0 if scales is None else scales.shape[1] * scales.element_size()
+        slot = self.kernels.dispatch_slot_bytes(x.shape[1] * x.element_size(), scale_bytes, K)
+        kernel = self._launcher(C, config, local, slot)
+
+        i64 = dict(dtype=torch.int64)
+        rank_prefix = torch.empty(R, R, dtype=torch.int32)
+        recv_offset, per_expert, num_recv = torch.empty(R, **i64), torch.empty(local, **i64), torch.empty(1, **i64)
+        chan_starts, chan_counts = torch.empty(R, C, **i64), torch.empty(R, C, **i64)
+        sends = chan_prefix.to(torch.int64).contiguous()
+        self._check("dispatch", kernel.notify(
+            self._next_epoch(), pin(layout.num_tokens_per_rank.to(torch.int64).contiguous()),
+            pin(layout.num_tokens_per_expert.to(torch.int64).contiguous()), pin(sends), expert_alignment,
+            pin(rank_prefix), pin(recv_offset), pin(chan_starts), pin(chan_counts), pin(per_expert),
+            pin(num_recv)))
+        agreed = shake.sent.cumsum(0).to(torch.int32)
+        if not torch.equal(rank_prefix, agreed):
+            raise RuntimeError(f"dispatch: rank {me}: the notify kernel's rank prefix matrix {rank_prefix.tolist()} "
+                               f"differs from the handshake's {agreed.tolist()} (a protocol bug in csrc/cuda)")
+        received = int(num_recv)
+        rows = num_worst_tokens if num_worst_tokens > 0 else received
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = dispatch_outputs(rows, x, scales,
+                                                                                               topk_idx)
+        idx64 = recv_topk_idx if recv_topk_idx is None or recv_topk_idx.dtype == torch.int64 else \
+            torch.empty(recv_topk_idx.shape, dtype=torch.int64)
+        self._check("dispatch", kernel.dispatch(
+            x.shape[0], x.shape[1] * x.element_size(), scale_bytes, K, pin(x),
+            pin(None if scales is None else scales.contiguous()),
+            pin(None if topk_idx is None else topk_idx.to(torch.int64).contiguous()),
+            pin(None if topk_weights is None else topk_weights.to(torch.float32).contiguous()),
+            pin(layout.is_token_in_rank.contiguous()), pin(sends), pin(recv_offset), pin(chan_starts),
+            pin(chan_counts), pin(recv_x), pin(recv_scales), pin(idx64), pin(recv_topk_weights),
+            pin(recv_src_idx)))
+        if idx64 is not recv_topk_idx:
+            recv_topk_idx[:received].copy_(idx64[:received])
+        fill_padding([recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx], [0, 0, -1, 0.0, -1],
+                     received)
+        handle = NormalHandle(rank_prefix, chan_prefix, chan_starts.to(torch.int32), recv_src_idx,
+                              layout.is_token_in_rank, plan.send_pos)
+        expert_list = [] if num_worst_tokens > 0 else per_expert.tolist()
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_list, handle,
+                              self._done("dispatch"))
+
+    def cached_dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], handle: NormalHandle,
+                        config: Config) -> DispatchResult:
+        """Dispatch with the routing of ``handle`` (see ``Buffer.dispatch``)."""
+        self.portable.agree_cached(x, scales, handle, config)
+        pin = Pins()
+        C = handle.channel_prefix_matrix.shape[1]
+        x = x.contiguous()
+        scale_bytes = 0 if scales is None else scales.shape[1] * scales.element_size()
+        kernel = self._launcher(C, config, 0, self.kernels.dispatch_slot_bytes(x.shape[1] * x.element_size(),
+                                                                              scale_bytes, 0))
+        recv_offset, chan_starts, chan_counts, received = self._received(handle)
+        rows = handle.recv_src_idx.shape[0]
+        recv_x, recv_scales, _, _, src_idx = dispatch_outputs(rows, x, scales, None)
+        self._check("dispatch", kernel.prologue(self._next_epoch()))
+        self._check("dispatch", kernel.dispatch(
+            x.shape[0], x.shape[1] * x.element_size(), scale_bytes, 0, pin(x),
+            pin(None if scales is None else scales.contiguous()), 0, 0, pin(handle.is_token_in_rank.contiguous()),
+            pin(handle.channel_prefix_matrix.to(torch.int64).contiguous()), pin(recv_offset), pin(chan_starts),
+            pin(chan_counts), pin(recv_x), pin(recv_scales), 0, 0, pin(src_idx)))
+        fill_padding([recv_x, recv_scales], [0, 0], received)
+        return DispatchResult(recv_x, recv_scales, None, None, None, None, self._done("dispatch"))
+
+    def _received(self, handle: NormalHandle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """From a handle: (first row of each source, first row of each (source, channel), rows per
+        (source, channel), rows received)."""
+        counts = _recv_counts(handle.rank_prefix_matrix.cpu(), self.rank)
+        offsets = (counts.cumsum(0) - counts).contiguous()
+        starts = handle.recv_channel_prefix_matrix.to(torch.int64).contiguous()
+        return offsets, starts, _channel_counts(starts, counts), int(counts.sum())
+
+    def _done(self, op: str) -> Callable[[], None]:
+        @self.portable.agreement.deferred(op)
+        def finish() -> None:
+            """The kernels ran in the call: nothing is pending."""
+        return finish
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: torch.Tensor, handle: NormalHandle, topk_weights: Optional[torch.Tensor],
+                bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor], config: Config
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor], Callable[[], None]]:
+        """Combine of checked arguments (see ``Buffer.combine``): returns (out, out_weights, finish)."""
+        self.portable.agree_combine(x, handle, topk_weights, config)
+        pin = Pins()
+        if x.dtype not in _ROW_TYPES:
+            raise TypeError(f"combine: the cuda_host kernels sum {list(_ROW_TYPES)} rows, got x of dtype {x.dtype}")
+        C = handle.channel_prefix_matrix.shape[1]
+        x, K = x.contiguous(), 0 if topk_weights is None else topk_weights.shape[1]
+        x_bytes = x.shape[1] * x.element_size()
+        kernel = self._launcher(C, config, 0, x_bytes + 4 * K)
+        recv_offset, chan_starts, chan_counts, _ = self._received(handle)
+        num_tokens = handle.is_token_in_rank.shape[0]
+        out = torch.empty(num_tokens, x.shape[1], dtype=x.dtype)
+        out_weights = None if topk_weights is None else torch.empty(num_tokens, K, dtype=torch.float32)
+        self._check("combine", kernel.prologue(self._next_epoch()))
+        self._check("combine", kernel.combine(
+            num_tokens, x.shape[1], x_bytes, K, getattr(self.kernels.RowType, _ROW_TYPES[x.dtype]), pin(x),
+            pin(None if topk_weights is None else topk_weights.to(torch.float32).contiguous()), pin(recv_offset),
+            pin(chan_starts), pin(chan_counts), pin(handle.is_token_in_rank.contiguous()),
+            pin(handle.channel_prefix_matrix.to(torch.int64).contiguous()),
+            pin(_rows_within_destination(handle)),
+            pin(None if bias0 is None else bias0.contiguous()), pin(None if bias1 is None else bias1.contiguous()),
+            pin(out), pin(out_weights)))
+        return out, out_weights, self._done("combine")

@@ -1,0 +1,71 @@
+"""The cuda_host backend's communication buffers: one shared-memory segment per rank, mapped by every
+rank of the host, as CUDA IPC maps every GPU's buffer into its peers (``cudaIpcOpenMemHandle``).
+
+A buffer grows on demand: its size follows from the call's agreed shapes, so every rank asks for the
+same size in the same call, and the remapping is collective over the buffer's transport.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ...transport import Transport
+from ...transport.shm_segment import Segment, segment_name, sweep_stale
+
+__all__ = ["SharedBuffers"]
+
+_NAME_BYTES = 128
+
+
+@dataclass(frozen=True)
+class _Size:
+    total_bytes: int
+
+
+class SharedBuffers:
+    """One named buffer of every rank of ``transport`` (all on this host), mapped here.
+
+    Attributes:
+        bases: ``[R]`` addresses of every rank's buffer in this process; pids: every rank's process.
+    """
+
+    def __init__(self, transport: Transport, what: str) -> None:
+        self.transport, self.what = transport, what
+        self.nbytes = 0
+        self.bases: list[int] = []
+        self._segments: list[Segment] = []
+        pid = torch.tensor([os.getpid()], dtype=torch.int64)
+        self.pids = transport.all_gather_rows(pid, op=f"cuda_host: {what} buffer").view(-1).tolist()
+
+    def ensure(self, nbytes: int) -> bool:
+        """Maps buffers of at least ``nbytes`` (collective when they must grow; every rank asks for
+        the same size). Returns whether they were (re)mapped, zeroed."""
+        if nbytes <= self.nbytes:
+            return False
+        op = f"cuda_host: mapping the {self.what} buffers"
+        sweep_stale()
+        mine = Segment.create(segment_name(), _Size(nbytes))
+        try:
+            row = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+            row[:len(mine.name)] = torch.tensor(list(mine.name.encode()), dtype=torch.uint8)
+            names = [bytes(r).rstrip(b"\0").decode()
+                     for r in self.transport.all_gather_rows(row, op=op).tolist()]
+            segments = [mine if r == self.transport.rank else Segment.open(name, _Size(nbytes))
+                        for r, name in enumerate(names)]
+            self.transport.barrier(op=op)
+        finally:
+            mine.unlink()
+        self._segments, self.nbytes = segments, nbytes
+        self.bases = [s.base for s in segments]
+        return True
+
+    def zero_own(self) -> None:
+        """Zeroes this rank's buffer (its peers must not be writing to it)."""
+        if self._segments:
+            self._segments[self.transport.rank].bytes.zero_()
+
+    def close(self) -> None:
+        """Drops the mappings (a kernel that still ran on them would fault: callers close after the last)."""
+        self._segments, self.bases, self.nbytes = [], [], 0
