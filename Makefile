@@ -33,8 +33,10 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*/*)
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,mpi]"
 	touch $(STAMP)
 
+# `make demo BACKEND=cuda_host` runs it on the CUDA kernels' host build.
+BACKEND ?= auto
 demo: setup
-	$(PY) examples/demo.py --ranks 4
+	$(PY) examples/demo.py --ranks 4 --backend $(BACKEND)
 
 test: setup $(TRITON_OVERLAYS)
 	$(PY) -m pytest -q python_tests

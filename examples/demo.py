@@ -72,8 +72,8 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     routes = [select_experts(x.float() @ router, K, renormalize=True) for x in xs]
     local = E // R
     buf = moe_comm.Buffer(group, num_rdma_bytes=moe_comm.Buffer.get_low_latency_rdma_size_hint(M, H, R, E),
-                          low_latency_mode=True)
-    res: dict[str, Any] = {"ranks": R, "transport": buf.transport_name, "runs": []}
+                          low_latency_mode=True, backend=cfg["backend"])
+    res: dict[str, Any] = {"ranks": R, "backend": buf.backend_choice.name, "transport": buf.transport_name, "runs": []}
     for mode, phase, use_fp8 in RUNS:
         experts = fp8 if use_fp8 else bf16
         tokens = M if phase == "decode" else T
@@ -103,8 +103,8 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
 def report(res: dict[str, Any], cfg: dict[str, Any], launcher: str) -> None:
     """Prints the results table and the PASS/FAIL line (rank 0)."""
     R = res["ranks"]
-    print(f"moe_comm demo: EP MoE layer (moe_comm.EPMoE) vs dense reference ({launcher}, transport "
-          f"{res['transport']}, {R} ranks)")
+    print(f"moe_comm demo: EP MoE layer (moe_comm.EPMoE) vs dense reference ({launcher}, backend "
+          f"{res['backend']}, transport {res['transport']}, {R} ranks)")
     print(f"hidden {cfg['hidden']}, ffn {cfg['ffn']}, top-{cfg['topk']} of {cfg['experts']} experts, chunked mode: "
           f"{cfg['chunks']} chunks")
     header = ["phase", "mode", "experts", "tokens/rank", "layer ms", "tokens/s (all ranks)", "= reference",
@@ -129,6 +129,7 @@ def report(res: dict[str, Any], cfg: dict[str, Any], launcher: str) -> None:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4, help="local ranks to spawn (ignored under torchrun/mpirun)")
+    p.add_argument("--backend", default="auto", help="Buffer(backend=...): auto, portable, cuda_host, ...")
     p.add_argument("--tokens", type=int, default=256, help="prefill tokens per rank")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--ffn", type=int, default=512, help="expert FFN width (a multiple of 128: FP8 experts)")
@@ -154,7 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          f"--hidden and --ffn multiples of 128, 1 <= --decode-tokens <= --tokens, positive sizes, "
                          f"--chunks and --iters; got {vars(args)}")
     cfg = {k: getattr(args, k) for k in ("tokens", "hidden", "ffn", "experts", "topk", "chunks", "decode_tokens",
-                                         "warmup", "iters", "seed")}
+                                         "warmup", "iters", "seed", "backend")}
     if found is None:
         with LocalWorld(ranks, timeout_s=600) as world:
             res = world.run(run_rank, cfg)[0]

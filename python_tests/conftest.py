@@ -11,7 +11,7 @@ import pytest
 
 from moe_comm.launch import LocalWorld
 from moe_comm.launch.mpiexec import shm_holders
-from transports import NO_MPI, TRANSPORTS, local_world
+from transports import NO_MPI, WORLD_KINDS, local_world
 
 # Keep each rank single-threaded: several ranks share 2 cores.
 os.environ.setdefault("MOE_COMM_NUM_THREADS", "1")
@@ -111,9 +111,10 @@ def _world_pool(_dev_shm_as_found):
     pool.clear()  # their multiprocessing queues (named semaphores) go with them
 
 
-@pytest.fixture(params=TRANSPORTS)
+@pytest.fixture(params=WORLD_KINDS)
 def transport(request) -> str:
-    """The transport ``Buffer(transport="auto")`` picks in the ranks of ``worlds``."""
+    """What the buffers of ``worlds`` run on: the transport ``Buffer(transport="auto")`` picks under
+    the portable backend, or ``cuda_host`` (that backend, over shm)."""
     if request.param == "mpi" and NO_MPI:
         pytest.skip(NO_MPI)
     return request.param

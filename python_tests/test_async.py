@@ -1,14 +1,19 @@
 """async_finish=True returns before the payload exchange completes; waiting on the event completes it."""
 from async_cases import overlapped, returns_before_delayed_payload
+import pytest
+
 from deadlines import well_before
 
 DELAY_S = 1.5  # how late the last rank packs its payloads
 
 
-def test_async_calls_return_before_a_late_peers_payload_arrives(worlds):
+def test_async_calls_return_before_a_late_peers_payload_arrives(worlds, transport):
     """The other ranks' async dispatch and combine return well before the late rank's rows can have
     arrived (they cannot before DELAY_S), pending and with their outputs unwritten, and the wait
     fills the outputs with the synchronous calls' results."""
+    if transport == "cuda_host":
+        pytest.skip("the late rank is made late by delaying its transport's payload, which the cuda_host kernels "
+                    "do not use (their launches run on the buffer's stream thread: test_exchanges_in_flight_*)")
     results = worlds(3).run(returns_before_delayed_payload, DELAY_S)
     for rank, result in enumerate(results):
         for op in ("dispatch", "combine"):

@@ -22,7 +22,10 @@ def test_shm_gives_the_collective_transports_bits(worlds, world_size):
         assert per_rank["shm"] == per_rank["collective"]
 
 
-def test_buffer_grows_and_is_sized_from_num_nvl_bytes(worlds):
+def test_buffer_grows_and_is_sized_from_num_nvl_bytes(worlds, transport):
+    if transport == "cuda_host":
+        pytest.skip("the shm transport's slots grow with the payload, which the cuda_host kernels move in their own "
+                    "buffers (sized by the call: backends/cuda/shared_buffers.py)")
     for r in worlds(2).run(growth):
         assert r["before"] == 1 << 20 and r["after"] > r["before"], r
         assert r["same"], r

@@ -124,8 +124,7 @@ MC_HD void ll_dispatch_send(const LowLatencyContext& k, const LowLatencyDispatch
                 copy_bytes<G>(l.slot(half, e_loc, k.rank, n++), staging + t * l.message_bytes, l.message_bytes);
     G::sync();
     if (G::leader()) {
-        P::fence();
-        P::store_release(l.count(half, e_loc, k.rank), n + 1);
+            P::store_release(l.count(half, e_loc, k.rank), n + 1);
     }
 }
 
@@ -192,8 +191,7 @@ MC_HD void ll_combine_send(const LowLatencyContext& k, const LowLatencyCombineAr
         }
         G::sync();
         if (G::leader()) {
-            P::fence();
-            P::store_release(l.flag(half, expert), int64_t{1});
+                    P::store_release(l.flag(half, expert), int64_t{1});
         }
     }
 }

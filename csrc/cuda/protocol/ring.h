@@ -5,7 +5,8 @@
 //   sender:   wait head >= sent + n - num_slots (n free slots)  ->  write slots  ->  publish tail
 //   receiver: wait tail > consumed  ->  read slots [consumed, tail)  ->  publish head
 //
-// Both publishes are release stores after a fence, both waits acquire loads: the receiver sees the
+// Both publishes are release stores (after the group's barrier, so they cover every lane's copy; a
+// release is cumulative, and compiles to a system fence and a strong store), both waits acquire loads: the receiver sees the
 // slots the tail covers, and the sender never overwrites a slot the receiver is still reading (a
 // relaxed head, as DeepEP stores it, lets the sender's write race the receiver's read: ThreadSanitizer
 // reports it). A chunk larger than the ring never finds room: callers keep n <= num_slots.
@@ -45,7 +46,6 @@ MC_HD bool ring_wait_space(const Watch& w, const Ring& ring, int64_t sent, int64
 // Sender: slots before `tail` are written.
 template <class P>
 MC_HD void ring_publish_tail(const Ring& ring, int64_t tail) {
-    P::fence();
 #ifdef MOE_COMM_PLANT_RELAXED_TAIL  // test the test: the ThreadSanitizer stress must report this
     P::store_relaxed(&ring.meta->tail.value, tail);
 #else
@@ -62,7 +62,6 @@ MC_HD int64_t ring_wait_data(const Watch& w, const Ring& ring, int64_t consumed,
 // Receiver: slots before `head` are read.
 template <class P>
 MC_HD void ring_publish_head(const Ring& ring, int64_t head) {
-    P::fence();
     P::store_release(&ring.meta->head.value, head);
 }
 

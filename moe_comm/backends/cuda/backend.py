@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from ... import _cuda_host  # built beside moe_comm._C (CMakeLists.txt)
 from ..portable.backend import PortableBackend
+from .host_stream import HostStream
+from .kernel_errors import raise_for
 from .low_latency import KernelLowLatencyMode
 from .normal import KernelNormalMode
 from .shared_buffers import SharedBuffers
@@ -36,12 +38,24 @@ class CudaHostBackend(PortableBackend):
                              f"transport moves {self.transport.device.type} tensors")
         self._normal_buffers = SharedBuffers(self.transport, "normal-mode")
         self._low_latency_buffers = SharedBuffers(self.transport, "low-latency")
-        self.normal = KernelNormalMode(self.normal, _cuda_host, self._normal_buffers, timeout_s)
+        pids = self._normal_buffers.pids
+        #: the buffer's communication stream (DeepEP's comm stream): launches in order, on a host thread
+        self.stream = HostStream(lambda op, record: raise_for(_cuda_host, op, timeout_s, pids, record))
+        self.normal = KernelNormalMode(self.normal, _cuda_host, self._normal_buffers, self.stream, timeout_s)
         self.low_latency = KernelLowLatencyMode(self.transport, self.agreement, shrink, _cuda_host,
-                                                self._low_latency_buffers, timeout_s)
+                                                self._low_latency_buffers, self.stream, timeout_s)
+
+    def get_comm_stream(self) -> Any:
+        raise NotImplementedError("Buffer.get_comm_stream: the cuda_host backend runs its launches in order on a "
+                                  "host thread, not a CUDA stream; order work with the EventOverlap objects the "
+                                  "calls return")
 
     def destroy(self) -> None:
         if not self.agreement.destroyed:
+            try:
+                self.stream.synchronize()  # the last launch may still use the buffers
+            except Exception:  # a failed launch: its error was the buffer's to raise, the memory goes anyway
+                pass
             self._normal_buffers.close()
             self._low_latency_buffers.close()
         super().destroy()

@@ -24,7 +24,7 @@ from ...transport import Transport
 from ..base import LowLatencyDispatch, Receive
 from ..portable.agreement import CallAgreement
 from ..portable.low_latency import LowLatencyMode, dispatch_outputs
-from .kernel_errors import raise_for
+from .host_stream import HostStream
 from .pins import Pins
 from .shared_buffers import SharedBuffers
 
@@ -37,11 +37,12 @@ class KernelLowLatencyMode(LowLatencyMode):
     """Low-latency operations of one Buffer on the kernels of ``kernels`` (moe_comm._cuda_host)."""
 
     def __init__(self, transport: Transport, agreement: CallAgreement, shrink: bool, kernels: Any,
-                 buffers: SharedBuffers, timeout_s: float) -> None:
+                 buffers: SharedBuffers, stream: HostStream, timeout_s: float) -> None:
         super().__init__(transport, agreement, shrink)
-        self.kernels, self.buffers, self.timeout_s = kernels, buffers, timeout_s
+        self.kernels, self.buffers, self.stream, self.timeout_s = kernels, buffers, stream, timeout_s
 
     def _launcher(self, local: int, m: int, hidden: int) -> Any:
+        self.stream.synchronize()  # no launch may run on buffers being replaced
         self.buffers.ensure(self.kernels.low_latency_bytes(self.num_ranks, local, m, hidden))
         return self.kernels.LowLatency(self.buffers.bases, self.buffers.pids, self.rank, self.timeout_s, local, m,
                                        hidden)
@@ -50,9 +51,6 @@ class KernelLowLatencyMode(LowLatencyMode):
         mask = torch.zeros(self.num_ranks, dtype=torch.uint8)
         mask[list(skip)] = 1
         return mask
-
-    def _check(self, op: str, record: Any) -> None:
-        raise_for(self.kernels, op, self.timeout_s, self.buffers.pids, record)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int, fp8_format: Fp8Format,
@@ -78,12 +76,12 @@ class KernelLowLatencyMode(LowLatencyMode):
                 # recv_scales is the transposed view of an [E_loc, S, R * M] allocation: its storage
                 pin(None if recv_scales is None else recv_scales.transpose(1, 2)), pin(src_info), pin(layout_range),
                 pin(recv_count))
-        self._check(op, pin.launch(kernel.dispatch, False, *args))
+        self.stream.submit(op, lambda: pin.launch(kernel.dispatch, False, *args))
 
         @self.agreement.deferred(op)
         def finish() -> None:
             begin = time.perf_counter_ns()
-            self._check(op, pin.launch(kernel.dispatch, True, *args))
+            self.stream.run(op, lambda: pin.launch(kernel.dispatch, True, *args))
             if recv_stats is not None:
                 recv_stats.add_(recv_count)
             if wait_stats is not None:
@@ -114,12 +112,12 @@ class KernelLowLatencyMode(LowLatencyMode):
         args = (half, pin(self._skip_mask(skip)), num_tokens, num_topk, pin(source.contiguous()),
                 pin(handle.src_info.contiguous()), pin(handle.layout_range.contiguous()), pin(routable.contiguous()),
                 pin(topk_weights.to(torch.float32).contiguous()), pin(out))
-        self._check(op, pin.launch(kernel.combine, False, *args))
+        self.stream.submit(op, lambda: pin.launch(kernel.combine, False, *args))
 
         @self.agreement.deferred(op)
         def finish() -> None:
             begin = time.perf_counter_ns()
-            self._check(op, pin.launch(kernel.combine, True, *args))
+            self.stream.run(op, lambda: pin.launch(kernel.combine, True, *args))
             if wait_stats is not None:
                 wait_stats.add_(waited + time.perf_counter_ns() - begin)
 
@@ -131,5 +129,6 @@ class KernelLowLatencyMode(LowLatencyMode):
         flags zeroed (before the portable mode's barrier, so no peer writes one first), then the barrier."""
         for slot in self._slots:
             self._settle("clean_low_latency_buffer", slot)
+        self.stream.synchronize()
         self.buffers.zero_own()
         super().clean(m, hidden, num_experts, device)

@@ -6,7 +6,8 @@ handshake agrees on the call (same checks, same errors), then the kernels move e
     combine:   handshake -> combine kernel (prologue barrier, rings, fixed-order fp32 sum)
 
 Outputs are bitwise the portable backend's: rows by source rank then source token, sums over ranks
-ascending. The kernels run inside the call, so ``finish()`` has nothing left to do.
+ascending. Launches run on the buffer's ``HostStream``: the call returns once the payload kernel is
+launched, and ``finish()`` waits for it (notify, whose counts size the outputs, is waited for at once).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from ...handle import NormalHandle
 from ...ops import DispatchLayout
 from ..base import DispatchResult
 from ..portable.normal import NormalMode, channel_prefix, dispatch_outputs, fill_padding
-from .kernel_errors import raise_for
+from .host_stream import HostStream
 from .pins import Pins
 from .shared_buffers import SharedBuffers
 
@@ -52,14 +53,17 @@ def _rows_within_destination(handle: NormalHandle) -> torch.Tensor:
 class KernelNormalMode:
     """Normal-mode operations of one Buffer on the kernels of ``kernels`` (moe_comm._cuda_host)."""
 
-    def __init__(self, portable: NormalMode, kernels: Any, buffers: SharedBuffers, timeout_s: float) -> None:
-        self.portable, self.kernels, self.buffers, self.timeout_s = portable, kernels, buffers, timeout_s
+    def __init__(self, portable: NormalMode, kernels: Any, buffers: SharedBuffers, stream: HostStream,
+                 timeout_s: float) -> None:
+        self.portable, self.kernels, self.buffers, self.stream = portable, kernels, buffers, stream
+        self.timeout_s = timeout_s
         self.rank, self.num_ranks = portable.rank, portable.num_ranks
         self._epoch = 0  # barriers this buffer's ranks have passed together
 
     def _launcher(self, num_channels: int, config: Config, experts_per_rank: int, slot_bytes: int) -> Any:
         """The kernels' view of the buffers for this geometry, grown (collectively) when it needs more."""
         slots = config.num_max_nvl_chunked_recv_tokens
+        self.stream.synchronize()  # no launch may run on buffers being replaced
         need = self.kernels.normal_bytes(self.num_ranks, num_channels, experts_per_rank, slots, slot_bytes)
         if self.buffers.ensure(need):
             self._epoch = 0  # fresh, zeroed buffers: the barrier counters start again
@@ -69,9 +73,6 @@ class KernelNormalMode:
     def _next_epoch(self) -> int:
         self._epoch += 1
         return self._epoch
-
-    def _check(self, op: str, record: Any) -> None:
-        raise_for(self.kernels, op, self.timeout_s, self.buffers.pids, record)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
@@ -93,11 +94,10 @@ class KernelNormalMode:
         recv_offset, per_expert, num_recv = torch.empty(R, **i64), torch.empty(local, **i64), torch.empty(1, **i64)
         chan_starts, chan_counts = torch.empty(R, C, **i64), torch.empty(R, C, **i64)
         sends = chan_prefix.to(torch.int64).contiguous()
-        self._check("dispatch", kernel.notify(
-            self._next_epoch(), pin(layout.num_tokens_per_rank.to(torch.int64).contiguous()),
-            pin(layout.num_tokens_per_expert.to(torch.int64).contiguous()), pin(sends), expert_alignment,
-            pin(rank_prefix), pin(recv_offset), pin(chan_starts), pin(chan_counts), pin(per_expert),
-            pin(num_recv)))
+        args = (self._next_epoch(), pin(layout.num_tokens_per_rank.to(torch.int64).contiguous()),
+                pin(layout.num_tokens_per_expert.to(torch.int64).contiguous()), pin(sends), expert_alignment,
+                pin(rank_prefix), pin(recv_offset), pin(chan_starts), pin(chan_counts), pin(per_expert), pin(num_recv))
+        self.stream.run("dispatch", lambda: pin.launch(kernel.notify, *args))
         agreed = shake.sent.cumsum(0).to(torch.int32)
         if not torch.equal(rank_prefix, agreed):
             raise RuntimeError(f"dispatch: rank {me}: the notify kernel's rank prefix matrix {rank_prefix.tolist()} "
@@ -108,23 +108,26 @@ class KernelNormalMode:
                                                                                                topk_idx)
         idx64 = recv_topk_idx if recv_topk_idx is None or recv_topk_idx.dtype == torch.int64 else \
             torch.empty(recv_topk_idx.shape, dtype=torch.int64)
-        self._check("dispatch", kernel.dispatch(
-            x.shape[0], x.shape[1] * x.element_size(), scale_bytes, K, pin(x),
-            pin(None if scales is None else scales.contiguous()),
-            pin(None if topk_idx is None else topk_idx.to(torch.int64).contiguous()),
-            pin(None if topk_weights is None else topk_weights.to(torch.float32).contiguous()),
-            pin(layout.is_token_in_rank.contiguous()), pin(sends), pin(recv_offset), pin(chan_starts),
-            pin(chan_counts), pin(recv_x), pin(recv_scales), pin(idx64), pin(recv_topk_weights),
-            pin(recv_src_idx)))
-        if idx64 is not recv_topk_idx:
-            recv_topk_idx[:received].copy_(idx64[:received])
-        fill_padding([recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx], [0, 0, -1, 0.0, -1],
-                     received)
+        args = (x.shape[0], x.shape[1] * x.element_size(), scale_bytes, K, pin(x),
+                pin(None if scales is None else scales.contiguous()),
+                pin(None if topk_idx is None else topk_idx.to(torch.int64).contiguous()),
+                pin(None if topk_weights is None else topk_weights.to(torch.float32).contiguous()),
+                pin(layout.is_token_in_rank.contiguous()), pin(sends), pin(recv_offset), pin(chan_starts),
+                pin(chan_counts), pin(recv_x), pin(recv_scales), pin(idx64), pin(recv_topk_weights), pin(recv_src_idx))
+        job = self.stream.submit("dispatch", lambda: pin.launch(kernel.dispatch, *args))
+
+        @self.portable.agreement.deferred("dispatch")
+        def finish() -> None:
+            job.wait()
+            if idx64 is not recv_topk_idx:
+                recv_topk_idx[:received].copy_(idx64[:received])
+            fill_padding([recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx], [0, 0, -1, 0.0, -1],
+                         received)
+
         handle = NormalHandle(rank_prefix, chan_prefix, chan_starts.to(torch.int32), recv_src_idx,
                               layout.is_token_in_rank, plan.send_pos)
         expert_list = [] if num_worst_tokens > 0 else per_expert.tolist()
-        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_list, handle,
-                              self._done("dispatch"))
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_list, handle, finish)
 
     def cached_dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], handle: NormalHandle,
                         config: Config) -> DispatchResult:
@@ -139,14 +142,19 @@ class KernelNormalMode:
         recv_offset, chan_starts, chan_counts, received = self._received(handle)
         rows = handle.recv_src_idx.shape[0]
         recv_x, recv_scales, _, _, src_idx = dispatch_outputs(rows, x, scales, None)
-        self._check("dispatch", kernel.prologue(self._next_epoch()))
-        self._check("dispatch", kernel.dispatch(
-            x.shape[0], x.shape[1] * x.element_size(), scale_bytes, 0, pin(x),
-            pin(None if scales is None else scales.contiguous()), 0, 0, pin(handle.is_token_in_rank.contiguous()),
-            pin(handle.channel_prefix_matrix.to(torch.int64).contiguous()), pin(recv_offset), pin(chan_starts),
-            pin(chan_counts), pin(recv_x), pin(recv_scales), 0, 0, pin(src_idx)))
-        fill_padding([recv_x, recv_scales], [0, 0], received)
-        return DispatchResult(recv_x, recv_scales, None, None, None, None, self._done("dispatch"))
+        epoch = self._next_epoch()
+        args = (x.shape[0], x.shape[1] * x.element_size(), scale_bytes, 0, pin(x),
+                pin(None if scales is None else scales.contiguous()), 0, 0, pin(handle.is_token_in_rank.contiguous()),
+                pin(handle.channel_prefix_matrix.to(torch.int64).contiguous()), pin(recv_offset), pin(chan_starts),
+                pin(chan_counts), pin(recv_x), pin(recv_scales), 0, 0, pin(src_idx))
+        job = self.stream.submit("dispatch", lambda: kernel.prologue(epoch) or pin.launch(kernel.dispatch, *args))
+
+        @self.portable.agreement.deferred("dispatch")
+        def finish() -> None:
+            job.wait()
+            fill_padding([recv_x, recv_scales], [0, 0], received)
+
+        return DispatchResult(recv_x, recv_scales, None, None, None, None, finish)
 
     def _received(self, handle: NormalHandle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """From a handle: (first row of each source, first row of each (source, channel), rows per
@@ -155,12 +163,6 @@ class KernelNormalMode:
         offsets = (counts.cumsum(0) - counts).contiguous()
         starts = handle.recv_channel_prefix_matrix.to(torch.int64).contiguous()
         return offsets, starts, _channel_counts(starts, counts), int(counts.sum())
-
-    def _done(self, op: str) -> Callable[[], None]:
-        @self.portable.agreement.deferred(op)
-        def finish() -> None:
-            """The kernels ran in the call: nothing is pending."""
-        return finish
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle: NormalHandle, topk_weights: Optional[torch.Tensor],
@@ -179,13 +181,12 @@ class KernelNormalMode:
         num_tokens = handle.is_token_in_rank.shape[0]
         out = torch.empty(num_tokens, x.shape[1], dtype=x.dtype)
         out_weights = None if topk_weights is None else torch.empty(num_tokens, K, dtype=torch.float32)
-        self._check("combine", kernel.prologue(self._next_epoch()))
-        self._check("combine", kernel.combine(
-            num_tokens, x.shape[1], x_bytes, K, getattr(self.kernels.RowType, _ROW_TYPES[x.dtype]), pin(x),
-            pin(None if topk_weights is None else topk_weights.to(torch.float32).contiguous()), pin(recv_offset),
-            pin(chan_starts), pin(chan_counts), pin(handle.is_token_in_rank.contiguous()),
-            pin(handle.channel_prefix_matrix.to(torch.int64).contiguous()),
-            pin(_rows_within_destination(handle)),
-            pin(None if bias0 is None else bias0.contiguous()), pin(None if bias1 is None else bias1.contiguous()),
-            pin(out), pin(out_weights)))
-        return out, out_weights, self._done("combine")
+        epoch = self._next_epoch()
+        args = (num_tokens, x.shape[1], x_bytes, K, getattr(self.kernels.RowType, _ROW_TYPES[x.dtype]), pin(x),
+                pin(None if topk_weights is None else topk_weights.to(torch.float32).contiguous()), pin(recv_offset),
+                pin(chan_starts), pin(chan_counts), pin(handle.is_token_in_rank.contiguous()),
+                pin(handle.channel_prefix_matrix.to(torch.int64).contiguous()), pin(_rows_within_destination(handle)),
+                pin(None if bias0 is None else bias0.contiguous()), pin(None if bias1 is None else bias1.contiguous()),
+                pin(out), pin(out_weights))
+        job = self.stream.submit("combine", lambda: kernel.prologue(epoch) or pin.launch(kernel.combine, *args))
+        return out, out_weights, self.portable.agreement.deferred("combine")(job.wait)

@@ -1,0 +1,66 @@
+"""The cuda_host backend's communication stream: host launches run in order on a background thread,
+so a call returns while its kernel still moves bytes (``async_finish=True``), as a CUDA launch does.
+
+``submit(op, launch)`` first waits for the previous launch (stream order), raising its error if
+nobody has seen it yet, then starts ``launch`` (a kernel call that releases the GIL and returns its
+error record). ``Job.wait()`` joins it and raises the record's error.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+__all__ = ["HostStream", "Job"]
+
+Check = Callable[[str, Any], None]
+
+
+class Job:
+    """One launch on a ``HostStream``."""
+
+    def __init__(self, op: str, launch: Callable[[], Any], check: Check) -> None:
+        self.op, self._check = op, check
+        self._record: Any = None
+        self._failure: Optional[BaseException] = None
+        self._seen = False
+        self._thread = threading.Thread(target=self._run, args=(launch,), name=f"moe_comm cuda_host {op}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, launch: Callable[[], Any]) -> None:
+        try:
+            self._record = launch()
+        except BaseException as exc:  # raised again by wait()
+            self._failure = exc
+
+    def wait(self) -> None:
+        """Joins the launch; raises its failure (once, to the first caller that waits)."""
+        self._thread.join()
+        if self._seen:
+            return
+        self._seen = True
+        if self._failure is not None:
+            raise self._failure
+        self._check(self.op, self._record)
+
+
+class HostStream:
+    """Launches of one buffer, in order."""
+
+    def __init__(self, check: Check) -> None:
+        self._check = check
+        self._last: Optional[Job] = None
+
+    def submit(self, op: str, launch: Callable[[], Any]) -> Job:
+        self.synchronize()
+        self._last = Job(op, launch, self._check)
+        return self._last
+
+    def run(self, op: str, launch: Callable[[], Any]) -> None:
+        """A launch the caller waits for (what needs its results on the host: notify, a receive)."""
+        self.submit(op, launch).wait()
+
+    def synchronize(self) -> None:
+        """Waits for the last launch; raises its error if nobody has seen it."""
+        if self._last is not None:
+            self._last.wait()

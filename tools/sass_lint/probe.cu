@@ -1,0 +1,73 @@
+// Probe kernels for the SASS lint (lint.py): one extern "C" kernel per protocol operation, each
+// calling the real protocol function with the real DevicePlatform, so the machine code ptxas emits
+// for the flag operations the kernels inline can be read back by name and checked. Nothing here is
+// launched; it is compiled to a cubin and disassembled.
+//
+//   probe_<op>    a publish (release store) or a wait (acquire-load spin loop) or both (barrier)
+//
+// Built with -I csrc. -DMOE_COMM_PLANT_RELAXED_TAIL turns the ring tail publish into a relaxed store
+// (protocol/ring.h): the lint must then fail probe_ring_publish_tail and only it.
+#include <cstdint>
+
+#include "cuda/platform/device.cuh"
+#include "cuda/protocol/barrier.h"
+#include "cuda/protocol/ring.h"
+#include "cuda/protocol/wait.h"
+#include "cuda/kernels/low_latency.h"
+
+using moe_comm::cuda::DevicePlatform;
+namespace mc = moe_comm::cuda;
+
+// ---- ring (normal mode) ----------------------------------------------------------------------------
+
+extern "C" __global__ void probe_ring_publish_tail(mc::Ring ring, int64_t tail) {
+    mc::ring_publish_tail<DevicePlatform>(ring, tail);
+}
+
+extern "C" __global__ void probe_ring_publish_head(mc::Ring ring, int64_t head) {
+    mc::ring_publish_head<DevicePlatform>(ring, head);
+}
+
+extern "C" __global__ void probe_ring_wait_data(mc::Watch w, mc::Ring ring, int64_t consumed, int peer,
+                                                int channel, int64_t* out) {
+    *out = mc::ring_wait_data<DevicePlatform>(w, ring, consumed, peer, channel);
+}
+
+extern "C" __global__ void probe_ring_wait_space(mc::Watch w, mc::Ring ring, int64_t sent, int64_t n, int peer,
+                                                 int channel, int* out) {
+    *out = mc::ring_wait_space<DevicePlatform>(w, ring, sent, n, peer, channel) ? 1 : 0;
+}
+
+// ---- barrier and the bare wait ---------------------------------------------------------------------
+
+extern "C" __global__ void probe_barrier(mc::Watch w, int64_t* const* arrive, int rank, int num_ranks,
+                                         int64_t epoch, int* out) {
+    *out = mc::barrier<DevicePlatform>(w, arrive, rank, num_ranks, epoch) ? 1 : 0;
+}
+
+extern "C" __global__ void probe_wait_at_least(mc::Watch w, const int64_t* flag, int64_t target, int peer,
+                                               int channel, int64_t* out) {
+    *out = mc::wait_at_least<DevicePlatform>(w, flag, target, mc::WaitKind::kBarrier, peer, channel);
+}
+
+// ---- low latency: the count signal and the combine flag, publish and wait ----------------------------
+
+extern "C" __global__ void probe_ll_dispatch_send(mc::LowLatencyContext k, mc::LowLatencyDispatchArgs a,
+                                                  int expert) {
+    mc::ll_dispatch_send<DevicePlatform>(k, a, expert);
+}
+
+extern "C" __global__ void probe_ll_dispatch_recv(mc::LowLatencyContext k, mc::LowLatencyDispatchArgs a,
+                                                  int e_loc, int* out) {
+    const bool ok = mc::ll_dispatch_recv<DevicePlatform>(k, a, e_loc);
+    if (threadIdx.x == 0) *out = ok ? 1 : 0;
+}
+
+extern "C" __global__ void probe_ll_combine_send(mc::LowLatencyContext k, mc::LowLatencyCombineArgs a,
+                                                 int e_loc) {
+    mc::ll_combine_send<DevicePlatform>(k, a, e_loc);
+}
+
+extern "C" __global__ void probe_ll_combine_wait(mc::LowLatencyContext k, int expert, int* out) {
+    *out = mc::ll_combine_wait<DevicePlatform>(k, expert) ? 1 : 0;
+}
