@@ -5,7 +5,7 @@ import pytest
 
 from deadlines import before, found_within
 from fault_cases import die_before_dispatch, ll_mismatch, mismatch, skip_dispatch, skip_ll_dispatch
-from transports import TRANSPORTS, local_world
+from transports import WORLD_KINDS, local_world
 
 TIMEOUT_S = 2.0  # the deadline of the buffers whose peer skips a call
 DEAD_TIMEOUT_S = 30.0  # the deadline of the buffers whose peer dies: never reached
@@ -34,7 +34,7 @@ def test_cross_rank_mismatch_same_error_everywhere(worlds, kind):
 
 # NOTES: on the collective transport the first rank to time out makes gloo close its connections, so
 # the other waiting ranks see "connection closed" (a RuntimeError naming the same late rank) instead.
-DEADLINE_TRANSPORTS = [t for t in TRANSPORTS if t != "collective"]
+DEADLINE_TRANSPORTS = [t for t in WORLD_KINDS if t != "collective"]
 
 
 @pytest.mark.parametrize("transport", DEADLINE_TRANSPORTS, indirect=True)
