@@ -23,7 +23,7 @@ from moe_comm._native import cpu_threads
 from moe_comm.ops import per_token_cast_back
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import (TRANSPORTS, calc_diff, case_rows, default_transports, floor_columns, format_table, gather_results,
+from common import (TRANSPORTS, runs_on, calc_diff, case_rows, default_transports, floor_columns, format_table, gather_results,
                     launch, launched_ranks, memcpy_bandwidth, mpi_all_to_all, require_all_ranks, time_cases, vs_transport,
                     write_json)
 
@@ -47,7 +47,7 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     topk_weights = torch.randn(T, K).abs()
     size = moe_comm.Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
     bufs = {name: moe_comm.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, num_qps_per_rank=E // R,
-                                  transport=name) for name in cfg["transports"]}
+                                  **runs_on(name)) for name in cfg["transports"]}
 
     # --- correctness, once per transport, before anything is timed; transports must agree bitwise
     want = x.float() * topk_weights.sum(1, keepdim=True)

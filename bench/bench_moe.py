@@ -30,7 +30,7 @@ from moe_comm._native import cpu_threads
 from moe_comm.moe import MODES, Experts, NormalStages, ep_moe, ep_moe_reference, schedules
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import (TRANSPORTS, case_rows, default_transports, format_table, gather_results, launch, launched_ranks,
+from common import (TRANSPORTS, runs_on, case_rows, default_transports, format_table, gather_results, launch, launched_ranks,
                     percentile, require_all_ranks, time_cases, write_json)
 
 
@@ -87,7 +87,7 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     x, idx, w = xs[rank], idxs[rank], weights[rank]
     m = T  # low-latency M: the whole batch fits one micro-batch
     hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(m, H, R, E)
-    bufs = {name: moe_comm.Buffer(group, transport=name, low_latency_mode=True, num_rdma_bytes=hint)
+    bufs = {name: moe_comm.Buffer(group, **runs_on(name), low_latency_mode=True, num_rdma_bytes=hint)
             for name in cfg["transports"]}
 
     checks: dict[str, float] = {}

@@ -23,7 +23,7 @@ from moe_comm._native import cpu_threads
 from moe_comm.ops import per_token_cast_back, per_token_cast_to_fp8
 
 # sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import (TRANSPORTS, calc_diff, case_rows, default_transports, floor_columns, format_table, gather_results,
+from common import (TRANSPORTS, runs_on, calc_diff, case_rows, default_transports, floor_columns, format_table, gather_results,
                     launch, launched_ranks, memcpy_bandwidth, mpi_all_to_all, require_all_ranks, time_cases, vs_transport,
                     write_json)
 
@@ -54,7 +54,7 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     x_fp8, scales = per_token_cast_to_fp8(x)
     x_e4m3 = (x_fp8, scales.T.contiguous().T)  # column-major scales, as DeepEP's tests pass them
 
-    bufs = {name: moe_comm.Buffer(group, transport=name) for name in cfg["transports"]}
+    bufs = {name: moe_comm.Buffer(group, **runs_on(name)) for name in cfg["transports"]}
     buf = bufs[cfg["transports"][0]]
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
     routing = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,

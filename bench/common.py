@@ -168,7 +168,14 @@ def require_all_ranks(ok: bool, bench: str, rank: int, checks: dict[str, float],
 
 
 #: The CPU transports the benchmarks can compare side by side.
-TRANSPORTS = ("collective", "shm", "mpi")
+#: what the benchmarks compare side by side: the portable backend on each CPU transport, and the
+#: cuda_host backend (the CUDA kernels' host build, its handshakes on shm)
+TRANSPORTS = ("collective", "shm", "mpi", "cuda_host")
+
+
+def runs_on(name: str) -> dict[str, str]:
+    """``Buffer`` keywords for a name from ``TRANSPORTS``."""
+    return {"backend": "cuda_host", "transport": "shm"} if name == "cuda_host" else {"transport": name}
 
 
 def default_transports() -> list[str]:
