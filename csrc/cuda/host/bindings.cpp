@@ -94,6 +94,15 @@ PYBIND11_MODULE(_cuda_host, m) {
         return LowLatencyLayout(R, L, M, H).total;
     }, "Bytes of one rank's low-latency buffer (both halves and the staging rows).");
 
+    m.def("layout", [](int64_t num_tokens, int num_topk, int num_ranks, int num_experts, int64_t topk_idx,
+                       int64_t per_rank, int64_t per_expert, int64_t in_rank, int64_t bad) {
+        LayoutArgs a{num_tokens, num_topk, num_ranks, num_experts, ptr<const int64_t>(topk_idx), ptr<int64_t>(per_rank),
+                     ptr<int64_t>(per_expert), ptr<uint8_t>(in_rank), ptr<int64_t>(bad)};
+        py::gil_scoped_release unlocked;
+        host::layout(a);
+    }, "The layout kernel: counts (int64, zeroed by the caller) and is_token_in_rank of topk_idx; bad[0] = 1 "
+       "when an id is outside [-1, num_experts).");
+
     py::class_<Normal>(m, "Normal")
         .def(py::init([](const std::vector<int64_t>& bases, const std::vector<int64_t>& pids, int rank,
                          double timeout_s, int C, int64_t chunk, int L, int64_t slots, int64_t slot_bytes) {

@@ -43,6 +43,10 @@ LowLatencyContext low_latency_context(const Peers& p, int32_t half, const LowLat
                              watch(p, err)};
 }
 
+void layout(const LayoutArgs& a) {
+    for (int64_t t = 0; t < a.num_tokens; ++t) layout_token<P>(a, t);
+}
+
 void notify(const NormalContext& k, const NotifyArgs& a) { cuda::notify<P>(k, a, arrive_table(k).data()); }
 
 void prologue(const NormalContext& k) { cuda::prologue<P>(k, arrive_table(k).data()); }

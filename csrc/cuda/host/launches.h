@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../kernels/intranode.h"
+#include "../kernels/layout.h"
 #include "../kernels/low_latency.h"
 #include "../protocol/wait.h"
 
@@ -25,6 +26,9 @@ NormalContext normal_context(const Peers& p, int32_t num_channels, int64_t chunk
                              int64_t epoch, ErrorRecord* err);
 LowLatencyContext low_latency_context(const Peers& p, int32_t half, const LowLatencyLayout& layout,
                                       const uint8_t* skip, ErrorRecord* err);
+
+// The layout kernel, one token after another on the calling thread.
+void layout(const LayoutArgs& a);
 
 // Normal mode. `notify` and `prologue` run on the calling thread; dispatch and combine run one sender
 // thread per destination and one receiver thread per source (each over the channels in order).

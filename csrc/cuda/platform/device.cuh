@@ -1,5 +1,5 @@
 // The device platform: the flag operations in inline PTX at system scope (peers' buffers are CUDA
-// IPC mappings another GPU writes), so the SASS lint (tools/sass_lint.py) can check that every
+// IPC mappings another GPU writes), so the SASS lint (tools/sass_lint/lint.py) can check that every
 // publish is a system-scope strong store after a fence and every wait a system-scope strong load.
 #pragma once
 

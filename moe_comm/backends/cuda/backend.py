@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from ... import _cuda_host  # built beside moe_comm._C (CMakeLists.txt)
+from ...ops import DispatchLayout
+from ...ops.rows import check_index
 from ..portable.backend import PortableBackend
 from .host_stream import HostStream
 from .kernel_errors import raise_for
@@ -44,6 +47,21 @@ class CudaHostBackend(PortableBackend):
         self.normal = KernelNormalMode(self.normal, _cuda_host, self._normal_buffers, self.stream, timeout_s)
         self.low_latency = KernelLowLatencyMode(self.transport, self.agreement, shrink, _cuda_host,
                                                 self._low_latency_buffers, self.stream, timeout_s)
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
+        """The layout kernel's histograms (the same as the portable backend's; an id out of range is the
+        same ValueError)."""
+        T, K = topk_idx.shape
+        R = self.num_ranks
+        idx = topk_idx.to(torch.int64).contiguous()
+        per_rank, per_expert, bad = torch.zeros(R, dtype=torch.int64), torch.zeros(num_experts, dtype=torch.int64), \
+            torch.zeros(1, dtype=torch.int64)
+        in_rank = torch.empty(T, R, dtype=torch.bool)
+        _cuda_host.layout(T, K, R, num_experts, idx.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(),
+                          in_rank.data_ptr(), bad.data_ptr())
+        if bad.item():
+            check_index("dispatch_layout", "topk_idx", idx, -1, num_experts, f"expert ids of {num_experts} experts")
+        return DispatchLayout(per_rank.to(torch.int32), per_expert.to(torch.int32), in_rank)
 
     def get_comm_stream(self) -> Any:
         raise NotImplementedError("Buffer.get_comm_stream: the cuda_host backend runs its launches in order on a "
