@@ -50,7 +50,7 @@ def test_barrier_wait_times_out_naming_the_peer():
     assert 0.5 <= elapsed < found_within(0.5), elapsed
     code, kind, rank, peer, channel, observed, expected = record
     assert (kernels.ErrorCode(code), kernels.WaitKind(kind), rank, peer, observed, expected) == \
-        (kernels.ErrorCode.TIMEOUT, kernels.WaitKind.BARRIER, 0, 1, 0, 1)
+        (kernels.ErrorCode.TIMEOUT, kernels.WaitKind.BARRIER, 0, 1, 0, 2)  # launch 1 opens with barrier 2
     with pytest.raises(CommTimeoutError, match=r"combine: rank 0 timed out after 0.5 s; ranks not heard from: \[1\]; "
                                                r"the kernel waited for rank 1: its arrival at the barrier"):
         raise_for(kernels, "combine", 0.5, [os.getpid()] * 2, record)

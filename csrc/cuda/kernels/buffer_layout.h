@@ -20,6 +20,7 @@ struct NormalLayout {
     int64_t num_slots, slot_bytes;
     int64_t arrive, notify, cell_words, ring_meta, ring_slots, total;
 
+    NormalLayout() = default;  // uninitialised: a slot of the device build's launch arrays (device/launch.h)
     MC_HD NormalLayout(int32_t ranks, int32_t channels, int32_t local_experts, int64_t slots, int64_t slot)
         : num_ranks(ranks), num_channels(channels), experts_per_rank(local_experts), num_slots(slots),
           slot_bytes(align_up(slot, 16)) {
@@ -52,6 +53,7 @@ struct LowLatencyLayout {
     int64_t max_tokens, hidden, message_bytes;
     int64_t counts, flags, dispatch_slots, combine_rows, half_bytes, staging, total;
 
+    LowLatencyLayout() = default;  // as NormalLayout's
     // A message slot holds the largest message of any format: bf16 x, fp32 scales, the source token.
     MC_HD LowLatencyLayout(int32_t ranks, int32_t local_experts, int64_t m, int64_t h)
         : num_ranks(ranks), experts_per_rank(local_experts), max_tokens(m), hidden(h) {

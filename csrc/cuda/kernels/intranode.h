@@ -1,7 +1,7 @@
 // Normal-mode (intranode) kernels, written once for both targets (P: a platform, platform.h).
 //
-//   notify:   reset own rings -> write this rank's counts into every peer's cell -> barrier -> read
-//             the cells: rank prefix matrix, receive offsets, per-expert counts (aligned)
+//   notify:   reset own rings -> barrier -> write this rank's counts into every peer's cell ->
+//             barrier -> read the cells: rank prefix matrix, receive offsets, per-expert counts (aligned)
 //   dispatch: per (channel c, destination d) a sender pushes channel c's tokens for d through ring
 //             (c, this rank) in d's buffer; per (c, source s) a receiver copies them to receive rows
 //             offset[s] + channel_offset[s][c] + i (so rows come by source rank, then source token)
@@ -53,7 +53,7 @@ struct NormalContext {
     NormalLayout layout;
     uint8_t* const* peers;    // [R] base of every rank's buffer, mapped here (own included)
     Watch watch;
-    int64_t epoch;            // this launch's barrier number
+    int64_t epoch;            // this launch's number: its barriers are 2 * epoch - 1 and 2 * epoch
 };
 
 // This rank's ring counters back to zero (before a barrier: no peer sends before they are).
@@ -72,7 +72,7 @@ MC_HD void reset_rings(const NormalContext& k) {
 template <class P>
 MC_HD bool prologue(const NormalContext& k, int64_t* const* arrive) {
     reset_rings<P>(k);
-    return barrier<P>(k.watch, arrive, k.rank, k.num_ranks, k.epoch);
+    return barrier<P>(k.watch, arrive, k.rank, k.num_ranks, 2 * k.epoch);
 }
 
 // ---------------------------------------------------------------------- notify
@@ -95,13 +95,16 @@ MC_HD bool notify(const NormalContext& k, const NotifyArgs& a, int64_t* const* a
     const int R = k.num_ranks, C = k.num_channels, L = k.layout.experts_per_rank;
     uint8_t* mine = k.peers[k.rank];
     reset_rings<P>(k);
+    // Peers' previous launches may still read their cells or rings (which another call's layout puts
+    // where the cells are): write into their buffers only once every rank has begun this one.
+    if (!barrier<P>(k.watch, arrive, k.rank, R, 2 * k.epoch - 1)) return false;
     for (int d = 0; d < R; ++d) {
         int64_t* cell = k.layout.cell(k.peers[d], k.rank);
         for (int j = 0; j < R; ++j) cell[j] = a.rows_to_rank[j];
         for (int e = 0; e < L; ++e) cell[R + e] = a.tokens_per_expert[d * L + e];
         for (int c = 0; c < C; ++c) cell[R + L + c] = a.channel_prefix[d * C + c];
     }
-    if (!barrier<P>(k.watch, arrive, k.rank, R, k.epoch)) return false;
+    if (!barrier<P>(k.watch, arrive, k.rank, R, 2 * k.epoch)) return false;
     int64_t offset = 0;
     for (int e = 0; e < L; ++e) a.recv_per_expert[e] = 0;
     for (int s = 0; s < R; ++s) {
