@@ -462,3 +462,63 @@ def test_emulated_normal_mode_matches_the_host_build():
 @pytest.mark.parametrize("fmt", list(_LL_FORMATS))
 def test_emulated_low_latency_matches_the_host_build(fmt):
     _assert_same(_low_latency("host", fmt)[0], _low_latency("device", fmt)[0])
+
+
+# ---------------------------------------------------------------------- emulated ranks at R = 2, 4, 8 (GPU)
+# The same comparison at every emulated rank count up to a node's 8 (MAX_EMULATED_RANKS): normal mode in bf16
+# (the harness above) and in FP8 (e4m3 codes + fp32 scales, then a bf16 combine: tools/gpu_check/harness.py,
+# the harness of tools/gpu_check.sh), low latency in bf16, FP8 and FP8 with UE8M0 scales at hidden 512
+# (4 groups of 128, so the packed UE8M0 scales are one int32, not none).
+EMULATED_RANKS = (2, 4, 8)
+
+
+def _gpu_check_harness():
+    import importlib.util
+    import sys
+    path = ROOT / "tools" / "gpu_check" / "harness.py"
+    name = "moe_comm_gpu_check_harness"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@needs_gpu
+@pytest.mark.parametrize("R", EMULATED_RANKS)
+def test_emulated_normal_mode_bf16_matches_the_host_build_at(R):
+    _assert_same(_normal("host", R=R)[0], _normal("device", R=R)[0])
+
+
+@needs_gpu
+@pytest.mark.parametrize("R", EMULATED_RANKS)
+def test_emulated_normal_mode_fp8_matches_the_host_build_at(R):
+    h = _gpu_check_harness()
+    shape = h.NormalShape(R=R, fp8=True)
+    ins = h.normal_inputs(shape)
+    ref = h.NormalCase(h.HostSide(R, TIMEOUT_S), shape, ins).run()
+    assert not h.sanity(ins, ref, shape)
+    got = h.NormalCase(h.EmulatedSide(R, TIMEOUT_S), shape, ins).run()
+    bad = h.compare(ref, got)
+    assert not bad, "\n".join(bad)
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmt", list(_LL_FORMATS))
+@pytest.mark.parametrize("R", EMULATED_RANKS)
+def test_emulated_low_latency_matches_the_host_build_at(R, fmt):
+    _assert_same(_low_latency("host", fmt, R=R, H=512)[0], _low_latency("device", fmt, R=R, H=512)[0])
+
+
+def test_emulated_cases_cover_every_rank_count_and_format():
+    """The GPU cases above span R = 2..8 emulated ranks, normal bf16 + FP8 and every low-latency format
+    (what tools/gpu_check.sh's pytest step is for); and the FP8 harness runs on the host build here."""
+    assert max(EMULATED_RANKS) == 8 and min(EMULATED_RANKS) == 2
+    assert set(_LL_FORMATS) == {"bf16", "fp8", "fp8_ue8m0"}
+    h = _gpu_check_harness()
+    shape = h.NormalShape(R=2, fp8=True)
+    ins = h.normal_inputs(shape)
+    ref = h.NormalCase(h.HostSide(2, TIMEOUT_S), shape, ins).run()
+    assert not h.sanity(ins, ref, shape)
+    assert all(o["recv_scales"].shape[1] == shape.H // 128 and (o["recv_scales"] != 0).any() for o in ref.values())
