@@ -1,4 +1,5 @@
-"""Access to the native extension ``moe_comm._C``; says what was built instead of guessing.
+"""Access to the native extensions (``moe_comm._C``, the CPU kernels; ``moe_comm._cuda``, the device
+build of ``csrc/cuda``); says what was built instead of guessing.
 
 The kernels' codes are C++ enums bound in ``_C`` (``DType``, ``QuantFormat``, ``IsaLevel``,
 ``WaitOutcome``); Python passes their members, never integers. ``native_dtype`` and ``native_format``
@@ -7,6 +8,8 @@ are the one place torch dtypes become members.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import struct
 from types import ModuleType
 from typing import Any
 
@@ -14,7 +17,8 @@ import torch
 
 from . import env
 
-__all__ = ["native", "build_info", "require", "cpu_threads", "NATIVE_DTYPES", "native_dtype", "native_format"]
+__all__ = ["native", "build_info", "require", "cpu_threads", "NATIVE_DTYPES", "native_dtype", "native_format",
+           "cuda_module", "cuda_archs", "fatbin_archs"]
 
 # torch dtype -> name of its member of moe_comm._C.DType (csrc/cpu/api.h)
 _DTYPES = {torch.float32: "kFloat32", torch.bfloat16: "kBFloat16", torch.float16: "kFloat16"}
@@ -37,12 +41,99 @@ def _load() -> tuple[ModuleType | None, str]:
 def build_info() -> dict[str, Any]:
     """What this build contains: ``{"cpu": bool, "cuda": bool, "ascend": bool, "bang": bool, ...}``.
 
-    All False (plus ``"error"``) when the extension is missing.
+    ``"cuda"``: whether ``moe_comm._cuda`` (the device build of ``csrc/cuda``, for the ``cuda`` backend)
+    was built and imports; ``"cuda_archs"``: the GPU code it holds (``"sm_90"``: a cubin for sm_90,
+    ``"compute_100"``: PTX for compute_100), ``"cuda_error"`` why it failed to import, if it did;
+    ``"cuda_host"``: whether ``moe_comm._cuda_host`` (the kernels' host build) was built. Everything
+    else comes from ``moe_comm._C``: all False (plus ``"error"``) when that extension is missing.
     """
     module, error = _load()
     if module is None:
-        return {"cpu": False, "cuda": False, "ascend": False, "bang": False, "error": error}
-    return dict(module.build_info())
+        info: dict[str, Any] = {"cpu": False, "cuda": False, "ascend": False, "bang": False, "error": error}
+    else:
+        info = dict(module.build_info())
+    cuda, cuda_error = cuda_module()
+    info["cuda"] = cuda is not None
+    info["cuda_archs"] = cuda_archs()
+    if cuda_error and importlib.util.find_spec("moe_comm._cuda") is not None:
+        info["cuda_error"] = cuda_error
+    info["cuda_host"] = importlib.util.find_spec("moe_comm._cuda_host") is not None
+    return info
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_module() -> tuple[ModuleType | None, str]:
+    """(``moe_comm._cuda``, "") when the device build of csrc/cuda imports, else (None, why). Importing
+    it makes no CUDA call (static cudart), so this works on a machine without a GPU or a driver."""
+    try:
+        from . import _cuda  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, str(exc)
+    return _cuda, ""
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_archs() -> list[str]:
+    """The GPU code in ``moe_comm._cuda``'s fat binary, read from the file (no CUDA call):
+    ``"sm_XY"`` per cubin, ``"compute_XY"`` per PTX, sorted; [] when it is not built or unreadable."""
+    spec = importlib.util.find_spec("moe_comm._cuda")
+    if spec is None or not spec.origin:
+        return []
+    try:
+        with open(spec.origin, "rb") as f:
+            return fatbin_archs(f.read())
+    except (OSError, ValueError, struct.error):
+        return []
+
+
+_FATBIN_MAGIC = 0xBA55ED50
+_FATBIN_KINDS = {1: "compute", 2: "sm"}  # an entry's kind: PTX, ELF (cubin)
+
+
+def fatbin_archs(elf: bytes) -> list[str]:
+    """The architectures of the CUDA fat binaries in the ``.nv_fatbin`` section of the ELF64 file
+    ``elf`` (little-endian): ``"sm_90"`` for an sm_90 cubin, ``"compute_100"`` for compute_100 PTX.
+
+    A fat binary is a 16-byte header (magic 0xBA55ED50, u16 version, u16 header size, u64 size of
+    the entries) and entries, each a header (u16 kind at 0, u32 header size at 4, u64 payload size
+    at 8, u32 architecture at 28) and its payload. ValueError when the file is not ELF64 or has no
+    such section."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2 or elf[5] != 1:
+        raise ValueError("fatbin_archs: not a little-endian ELF64 file")
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+
+    def section(i: int) -> tuple[int, int, int]:
+        name, _, _, _, offset, size = struct.unpack_from("<IIQQQQ", elf, shoff + i * shentsize)
+        return name, offset, size
+
+    _, names_at, _ = section(shstrndx)
+    blob = None
+    for i in range(shnum):
+        name, offset, size = section(i)
+        end = elf.index(b"\0", names_at + name)
+        if elf[names_at + name:end] == b".nv_fatbin":
+            blob = elf[offset:offset + size]
+    if blob is None:
+        raise ValueError("fatbin_archs: no .nv_fatbin section")
+    found: set[tuple[str, int]] = set()
+    pos = 0
+    while pos + 16 <= len(blob):
+        magic, _, header, size = struct.unpack_from("<IHHQ", blob, pos)
+        if magic != _FATBIN_MAGIC:
+            pos += 8  # containers are 8-byte aligned
+            continue
+        entry, end = pos + header, pos + header + size
+        while entry + 32 <= end:
+            kind, _, entry_header, payload = struct.unpack_from("<HHIQ", blob, entry)
+            arch, = struct.unpack_from("<I", blob, entry + 28)
+            if kind in _FATBIN_KINDS:
+                found.add((_FATBIN_KINDS[kind], arch))
+            if entry_header == 0:
+                break
+            entry += entry_header + payload
+        pos = max(end, pos + 8)
+    return [f"{kind}_{arch}" for kind, arch in sorted(found, key=lambda ka: (ka[1], ka[0] != "sm"))]
 
 
 def require(feature: str, needed_for: str) -> ModuleType:

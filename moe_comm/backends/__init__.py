@@ -4,9 +4,10 @@ interface).
 ``portable`` (``backends/portable/``) runs on every device over a ``moe_comm.transport`` and is the
 reference the others must match bit for bit. ``cuda_host`` (``backends/cuda/``) runs the CUDA
 kernels' host build on CPU ranks of one host, so the kernels' protocol runs under every CPU test. Native backends hold device kernels and initiate
-communication from the device: ``cuda`` (CUDA IPC and NVSHMEM kernels in ``csrc/cuda``), ``ascend``
-(HCCL, MC2) and ``cambricon`` (CNCL). Each is a folder beside ``portable/`` and registers here; until
-one is built, asking for it says why it is not available.
+communication from the device: ``cuda`` (``backends/cuda/device_backend.py``: the device build
+``moe_comm._cuda`` of ``csrc/cuda``, CUDA IPC between the GPUs of one node), ``ascend`` (HCCL, MC2) and
+``cambricon`` (CNCL). Each is a folder beside ``portable/`` and registers here; until one can run,
+asking for it says why it is not available.
 
 ``Buffer(backend="auto")`` (the default; ``MOE_COMM_BACKEND`` may name one) takes the native backend
 of the group's device when it is available, else ``portable``.
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from .._native import build_info
+from .._native import build_info, cuda_module
 from ..errors import BackendUnavailableError
 from .base import Backend
 
@@ -43,8 +44,8 @@ class _Native:
 PORTABLE = "portable"
 #: the host build of the CUDA kernels (moe_comm._cuda_host), on CPU tensors
 CUDA_HOST = "cuda_host"
-# The native backends and what each needs; none is built yet (their classes register in _built()).
-_NATIVE = {"cuda": _Native("cuda", "cuda", "torch.cuda", "csrc/cuda (CUDA IPC + NVSHMEM)"),
+# The native backends and what each needs (their classes register in _built()).
+_NATIVE = {"cuda": _Native("cuda", "cuda", "torch.cuda", "csrc/cuda (moe_comm._cuda, CUDA IPC)"),
            "ascend": _Native("npu", "ascend", "torch_npu", "csrc/ascend (HCCL, MC2)"),
            "cambricon": _Native("mlu", "bang", "torch_mlu", "csrc/cambricon (CNCL)")}
 #: every backend name ``Buffer(backend=...)`` knows, built or not
@@ -61,7 +62,26 @@ def _built() -> dict[str, type[Backend]]:
     if importlib.util.find_spec("moe_comm._cuda_host") is not None:
         from .cuda.backend import CudaHostBackend
         built[CudaHostBackend.name] = CudaHostBackend
+    if cuda_module()[0] is not None:
+        from .cuda.device_backend import CudaBackend
+        built[CudaBackend.name] = CudaBackend
     return built
+
+
+def _cuda_reason() -> Optional[str]:
+    """Why the ``cuda`` backend cannot run here: its build (moe_comm._cuda), torch's CUDA, a device."""
+    module, error = cuda_module()
+    if module is None:
+        if importlib.util.find_spec("moe_comm._cuda") is None:
+            return ("moe_comm._cuda (the device build of csrc/cuda) is not built: build with nvcc on PATH "
+                    "(MOE_COMM_CUDA=AUTO|ON)")
+        return f"moe_comm._cuda (the device build of csrc/cuda) failed to import: {error}"
+    if not torch.cuda.is_available():
+        built_without = "" if torch.version.cuda else f" (torch {torch.__version__} is built without CUDA)"
+        return f"torch.cuda.is_available() is False{built_without}"
+    if module.device_count() <= 0:
+        return "moe_comm._cuda.device_count() is 0 (moe_comm._cuda sees no CUDA device)"
+    return None
 
 
 def unavailable_reason(name: str) -> Optional[str]:
@@ -70,14 +90,14 @@ def unavailable_reason(name: str) -> Optional[str]:
         return None
     if name == CUDA_HOST:
         return None if name in _built() else "moe_comm._cuda_host (the host build of csrc/cuda) is not built"
+    if name == "cuda":
+        return _cuda_reason()
     spec = _NATIVE[name]
     if not build_info().get(spec.build_flag, False):
         return (f"this build of moe_comm._C has no {name} kernels (moe_comm.build_info()[{spec.build_flag!r}] is "
                 f"False; they come from {spec.kernels}, which is not built)")
     if name not in _built():
         return f"moe_comm._C has {name} kernels but this moe_comm has no {name} backend class to drive them"
-    if spec.device_type == "cuda":
-        return None if torch.cuda.is_available() else "torch.cuda.is_available() is False"
     return None if importlib.util.find_spec(spec.torch_module) else f"{spec.torch_module} is not installed"
 
 

@@ -8,7 +8,9 @@ receive launches for the bytes.
                ...  receive: receive launch (flags, weighted fixed-order sum)
 
 Both halves of a call use buffer half ``idx`` of the portable mode's alternation, on every rank.
-Outputs are bitwise the portable backend's.
+Outputs are bitwise the portable backend's. The same code drives the device build (``moe_comm._cuda``,
+the ``cuda`` backend, through ``device_kernels.DeviceKernels``): every tensor a kernel reads or writes
+is on x's device.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from ...memory import empty
 from ...transport import Transport
 from ..base import LowLatencyDispatch, Receive
 from ..portable.agreement import CallAgreement
-from ..portable.low_latency import LowLatencyMode, dispatch_outputs
+from ..portable.low_latency import LowLatencyMode, add_stats, dispatch_outputs
 from .host_stream import HostStream
 from .pins import Pins
 from .shared_buffers import SharedBuffers
@@ -34,7 +36,8 @@ _GROUP = 128  # channels per FP8 scale
 
 
 class KernelLowLatencyMode(LowLatencyMode):
-    """Low-latency operations of one Buffer on the kernels of ``kernels`` (moe_comm._cuda_host)."""
+    """Low-latency operations of one Buffer on the kernels of ``kernels`` (moe_comm._cuda_host, or the
+    device build's adapter ``device_kernels.DeviceKernels``)."""
 
     def __init__(self, transport: Transport, agreement: CallAgreement, shrink: bool, kernels: Any,
                  buffers: SharedBuffers, stream: HostStream, timeout_s: float) -> None:
@@ -42,13 +45,16 @@ class KernelLowLatencyMode(LowLatencyMode):
         self.kernels, self.buffers, self.stream, self.timeout_s = kernels, buffers, stream, timeout_s
 
     def _launcher(self, local: int, m: int, hidden: int) -> Any:
-        self.stream.synchronize()  # no launch may run on buffers being replaced
-        self.buffers.ensure(self.kernels.low_latency_bytes(self.num_ranks, local, m, hidden))
+        need = self.kernels.low_latency_bytes(self.num_ranks, local, m, hidden)
+        if need > self.buffers.nbytes:  # the same on every rank: the sizes follow from agreed fields
+            self.stream.synchronize()  # no launch may run on buffers being replaced
+            self.buffers.ensure(need)
         return self.kernels.LowLatency(self.buffers.bases, self.buffers.pids, self.rank, self.timeout_s, local, m,
                                        hidden)
 
-    def _skip_mask(self, skip: frozenset[int]) -> torch.Tensor:
-        mask = torch.zeros(self.num_ranks, dtype=torch.uint8)
+    def _skip_mask(self, skip: frozenset[int], device: torch.device) -> torch.Tensor:
+        """``[R]`` uint8 on ``device``: 1 for the ranks this call leaves out."""
+        mask = torch.zeros(self.num_ranks, dtype=torch.uint8, device=device)
         mask[list(skip)] = 1
         return mask
 
@@ -70,7 +76,7 @@ class KernelLowLatencyMode(LowLatencyMode):
         recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(local, R, m, hidden, scales,
                                                                                    x.device)
         kernel = self._launcher(local, m, hidden)
-        mask, routable = self._skip_mask(skip), self._routable(topk_idx, num_experts, skip).to(torch.int64)
+        mask, routable = self._skip_mask(skip, x.device), self._routable(topk_idx, num_experts, skip).to(torch.int64)
         args = (half, pin(mask), x.shape[0], 4 * num_scales, topk_idx.shape[1], fp8, fp8_format.round_scale,
                 fp8_format.ue8m0, pin(x.contiguous()), pin(routable.contiguous()), pin(recv_x),
                 # recv_scales is the transposed view of an [E_loc, S, R * M] allocation: its storage
@@ -82,10 +88,7 @@ class KernelLowLatencyMode(LowLatencyMode):
         def finish() -> None:
             begin = time.perf_counter_ns()
             self.stream.run(op, lambda: pin.launch(kernel.dispatch, True, *args))
-            if recv_stats is not None:
-                recv_stats.add_(recv_count)
-            if wait_stats is not None:
-                wait_stats.add_(waited + time.perf_counter_ns() - begin)
+            add_stats(recv_stats, recv_count, wait_stats, waited + time.perf_counter_ns() - begin)
 
         receive = self._launch(slot, op, finish, hook)
         handle = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts)
@@ -109,7 +112,7 @@ class KernelLowLatencyMode(LowLatencyMode):
             out = empty((num_tokens, hidden), torch.bfloat16, x.device)
         kernel = self._launcher(local, handle.num_max_dispatch_tokens_per_rank, hidden)
         routable = self._routable(topk_idx, handle.num_experts, skip).to(torch.int64)
-        args = (half, pin(self._skip_mask(skip)), num_tokens, num_topk, pin(source.contiguous()),
+        args = (half, pin(self._skip_mask(skip, x.device)), num_tokens, num_topk, pin(source.contiguous()),
                 pin(handle.src_info.contiguous()), pin(handle.layout_range.contiguous()), pin(routable.contiguous()),
                 pin(topk_weights.to(torch.float32).contiguous()), pin(out))
         self.stream.submit(op, lambda: pin.launch(kernel.combine, False, *args))
@@ -118,8 +121,7 @@ class KernelLowLatencyMode(LowLatencyMode):
         def finish() -> None:
             begin = time.perf_counter_ns()
             self.stream.run(op, lambda: pin.launch(kernel.combine, True, *args))
-            if wait_stats is not None:
-                wait_stats.add_(waited + time.perf_counter_ns() - begin)
+            add_stats(None, None, wait_stats, waited + time.perf_counter_ns() - begin)
 
         return out, self._launch(slot, op, finish, hook)
 

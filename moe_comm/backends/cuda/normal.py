@@ -8,10 +8,15 @@ handshake agrees on the call (same checks, same errors), then the kernels move e
 Outputs are bitwise the portable backend's: rows by source rank then source token, sums over ranks
 ascending. Launches run on the buffer's ``HostStream``: the call returns once the payload kernel is
 launched, and ``finish()`` waits for it (notify, whose counts size the outputs, is waited for at once).
+
+The same code drives the device build (``moe_comm._cuda``, the ``cuda`` backend): tensors the kernels
+read and write are allocated on x's device, notify's outputs in memory the kernel writes and the host
+reads right after the launch (``notify_outputs``: pinned host memory mapped into the GPU there), and
+the handle's tensors on x's device, as the portable backend returns them.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -27,6 +32,15 @@ from .shared_buffers import SharedBuffers
 __all__ = ["KernelNormalMode"]
 
 _ROW_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16", torch.float32: "FLOAT32"}
+
+#: ``notify_outputs(specs)``: one tensor per ``(shape, dtype)`` of ``specs``, in memory the notify kernel
+#: writes and the host reads once the launch has returned (CPU tensors; their data_ptr is the kernel's address)
+NotifyOutputs = Callable[[Sequence[tuple[tuple[int, ...], torch.dtype]]], list[torch.Tensor]]
+
+
+def host_notify_outputs(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """The host build's notify outputs: fresh CPU tensors."""
+    return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
 
 
 def _recv_counts(rank_prefix: torch.Tensor, rank: int) -> torch.Tensor:
@@ -51,21 +65,25 @@ def _rows_within_destination(handle: NormalHandle) -> torch.Tensor:
 
 
 class KernelNormalMode:
-    """Normal-mode operations of one Buffer on the kernels of ``kernels`` (moe_comm._cuda_host)."""
+    """Normal-mode operations of one Buffer on the kernels of ``kernels`` (moe_comm._cuda_host, or the
+    device build's adapter ``device_kernels.DeviceKernels``); ``name``: the backend's, for messages."""
 
     def __init__(self, portable: NormalMode, kernels: Any, buffers: SharedBuffers, stream: HostStream,
-                 timeout_s: float) -> None:
+                 timeout_s: float, notify_outputs: NotifyOutputs = host_notify_outputs,
+                 name: str = "cuda_host") -> None:
         self.portable, self.kernels, self.buffers, self.stream = portable, kernels, buffers, stream
         self.timeout_s = timeout_s
+        self.notify_outputs, self.name = notify_outputs, name
         self.rank, self.num_ranks = portable.rank, portable.num_ranks
         self._epoch = 0  # barriers this buffer's ranks have passed together
 
     def _launcher(self, num_channels: int, config: Config, experts_per_rank: int, slot_bytes: int) -> Any:
         """The kernels' view of the buffers for this geometry, grown (collectively) when it needs more."""
         slots = config.num_max_nvl_chunked_recv_tokens
-        self.stream.synchronize()  # no launch may run on buffers being replaced
         need = self.kernels.normal_bytes(self.num_ranks, num_channels, experts_per_rank, slots, slot_bytes)
-        if self.buffers.ensure(need):
+        if need > self.buffers.nbytes:  # the same on every rank: the sizes follow from agreed fields
+            self.stream.synchronize()  # no launch may run on buffers being replaced
+            self.buffers.ensure(need)
             self._epoch = 0  # fresh, zeroed buffers: the barrier counters start again
         return self.kernels.Normal(self.buffers.bases, self.buffers.pids, self.rank, self.timeout_s, num_channels,
                                    config.num_max_nvl_chunked_send_tokens, experts_per_rank, slots, slot_bytes)
@@ -79,7 +97,7 @@ class KernelNormalMode:
                  topk_weights: Optional[torch.Tensor], layout: DispatchLayout, expert_alignment: int,
                  num_worst_tokens: int, config: Config) -> DispatchResult:
         """Non-cached dispatch of checked arguments (see ``Buffer.dispatch``)."""
-        R, me, pin = self.num_ranks, self.rank, Pins()
+        R, me, pin, device = self.num_ranks, self.rank, Pins(), x.device
         plan, shake = self.portable.agree_dispatch(x, scales, topk_idx, layout, num_worst_tokens, config)
         C = config.num_channels
         local = layout.num_tokens_per_expert.numel() // R
@@ -89,13 +107,12 @@ class KernelNormalMode:
         slot = self.kernels.dispatch_slot_bytes(x.shape[1] * x.element_size(), scale_bytes, K)
         kernel = self._launcher(C, config, local, slot)
 
-        i64 = dict(dtype=torch.int64)
-        rank_prefix = torch.empty(R, R, dtype=torch.int32)
-        recv_offset, per_expert, num_recv = torch.empty(R, **i64), torch.empty(local, **i64), torch.empty(1, **i64)
-        chan_starts, chan_counts = torch.empty(R, C, **i64), torch.empty(R, C, **i64)
+        i64 = torch.int64
+        rank_prefix, recv_offset, per_expert, num_recv, chan_starts, chan_counts = self.notify_outputs(
+            [((R, R), torch.int32), ((R,), i64), ((local,), i64), ((1,), i64), ((R, C), i64), ((R, C), i64)])
         sends = chan_prefix.to(torch.int64).contiguous()
-        args = (self._next_epoch(), pin(layout.num_tokens_per_rank.to(torch.int64).contiguous()),
-                pin(layout.num_tokens_per_expert.to(torch.int64).contiguous()), pin(sends), expert_alignment,
+        args = (self._next_epoch(), pin(layout.num_tokens_per_rank.to(device, torch.int64).contiguous()),
+                pin(layout.num_tokens_per_expert.to(device, torch.int64).contiguous()), pin(sends), expert_alignment,
                 pin(rank_prefix), pin(recv_offset), pin(chan_starts), pin(chan_counts), pin(per_expert), pin(num_recv))
         self.stream.run("dispatch", lambda: pin.launch(kernel.notify, *args))
         agreed = shake.sent.cumsum(0).to(torch.int32)
@@ -107,7 +124,7 @@ class KernelNormalMode:
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = dispatch_outputs(rows, x, scales,
                                                                                                topk_idx)
         idx64 = recv_topk_idx if recv_topk_idx is None or recv_topk_idx.dtype == torch.int64 else \
-            torch.empty(recv_topk_idx.shape, dtype=torch.int64)
+            torch.empty(recv_topk_idx.shape, dtype=torch.int64, device=device)
         args = (x.shape[0], x.shape[1] * x.element_size(), scale_bytes, K, pin(x),
                 pin(None if scales is None else scales.contiguous()),
                 pin(None if topk_idx is None else topk_idx.to(torch.int64).contiguous()),
@@ -124,8 +141,9 @@ class KernelNormalMode:
             fill_padding([recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx], [0, 0, -1, 0.0, -1],
                          received)
 
-        handle = NormalHandle(rank_prefix, chan_prefix, chan_starts.to(torch.int32), recv_src_idx,
-                              layout.is_token_in_rank, plan.send_pos)
+        # (on the host build .to(device) keeps notify's own tensors; the device build copies them out)
+        handle = NormalHandle(rank_prefix.to(device), chan_prefix, chan_starts.to(torch.int32).to(device),
+                              recv_src_idx, layout.is_token_in_rank, plan.send_pos)
         expert_list = [] if num_worst_tokens > 0 else per_expert.tolist()
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_list, handle, finish)
 
@@ -139,14 +157,14 @@ class KernelNormalMode:
         scale_bytes = 0 if scales is None else scales.shape[1] * scales.element_size()
         kernel = self._launcher(C, config, 0, self.kernels.dispatch_slot_bytes(x.shape[1] * x.element_size(),
                                                                               scale_bytes, 0))
-        recv_offset, chan_starts, chan_counts, received = self._received(handle)
+        recv_offset, chan_starts, chan_counts, received = self._received(handle, x.device)
         rows = handle.recv_src_idx.shape[0]
         recv_x, recv_scales, _, _, src_idx = dispatch_outputs(rows, x, scales, None)
         epoch = self._next_epoch()
         args = (x.shape[0], x.shape[1] * x.element_size(), scale_bytes, 0, pin(x),
                 pin(None if scales is None else scales.contiguous()), 0, 0, pin(handle.is_token_in_rank.contiguous()),
-                pin(handle.channel_prefix_matrix.to(torch.int64).contiguous()), pin(recv_offset), pin(chan_starts),
-                pin(chan_counts), pin(recv_x), pin(recv_scales), 0, 0, pin(src_idx))
+                pin(handle.channel_prefix_matrix.to(x.device, torch.int64).contiguous()), pin(recv_offset),
+                pin(chan_starts), pin(chan_counts), pin(recv_x), pin(recv_scales), 0, 0, pin(src_idx))
         job = self.stream.submit("dispatch", lambda: kernel.prologue(epoch) or pin.launch(kernel.dispatch, *args))
 
         @self.portable.agreement.deferred("dispatch")
@@ -156,13 +174,15 @@ class KernelNormalMode:
 
         return DispatchResult(recv_x, recv_scales, None, None, None, None, finish)
 
-    def _received(self, handle: NormalHandle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def _received(self, handle: NormalHandle, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """From a handle: (first row of each source, first row of each (source, channel), rows per
-        (source, channel), rows received)."""
+        (source, channel), rows received), the tensors on ``device`` (where the kernel reads them)."""
         counts = _recv_counts(handle.rank_prefix_matrix.cpu(), self.rank)
         offsets = (counts.cumsum(0) - counts).contiguous()
-        starts = handle.recv_channel_prefix_matrix.to(torch.int64).contiguous()
-        return offsets, starts, _channel_counts(starts, counts), int(counts.sum())
+        starts = handle.recv_channel_prefix_matrix.cpu().to(torch.int64).contiguous()
+        return (offsets.to(device), starts.to(device), _channel_counts(starts, counts).to(device),
+                int(counts.sum()))
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle: NormalHandle, topk_weights: Optional[torch.Tensor],
@@ -172,20 +192,22 @@ class KernelNormalMode:
         self.portable.agree_combine(x, handle, topk_weights, config)
         pin = Pins()
         if x.dtype not in _ROW_TYPES:
-            raise TypeError(f"combine: the cuda_host kernels sum {list(_ROW_TYPES)} rows, got x of dtype {x.dtype}")
+            raise TypeError(f"combine: the {self.name} kernels sum {list(_ROW_TYPES)} rows, got x of dtype {x.dtype}")
         C = handle.channel_prefix_matrix.shape[1]
         x, K = x.contiguous(), 0 if topk_weights is None else topk_weights.shape[1]
         x_bytes = x.shape[1] * x.element_size()
         kernel = self._launcher(C, config, 0, x_bytes + 4 * K)
-        recv_offset, chan_starts, chan_counts, _ = self._received(handle)
+        recv_offset, chan_starts, chan_counts, _ = self._received(handle, x.device)
         num_tokens = handle.is_token_in_rank.shape[0]
-        out = torch.empty(num_tokens, x.shape[1], dtype=x.dtype)
-        out_weights = None if topk_weights is None else torch.empty(num_tokens, K, dtype=torch.float32)
+        out = torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=x.device)
+        out_weights = None if topk_weights is None else torch.empty(num_tokens, K, dtype=torch.float32,
+                                                                    device=x.device)
         epoch = self._next_epoch()
         args = (num_tokens, x.shape[1], x_bytes, K, getattr(self.kernels.RowType, _ROW_TYPES[x.dtype]), pin(x),
                 pin(None if topk_weights is None else topk_weights.to(torch.float32).contiguous()), pin(recv_offset),
                 pin(chan_starts), pin(chan_counts), pin(handle.is_token_in_rank.contiguous()),
-                pin(handle.channel_prefix_matrix.to(torch.int64).contiguous()), pin(_rows_within_destination(handle)),
+                pin(handle.channel_prefix_matrix.to(x.device, torch.int64).contiguous()),
+                pin(_rows_within_destination(handle)),
                 pin(None if bias0 is None else bias0.contiguous()), pin(None if bias1 is None else bias1.contiguous()),
                 pin(out), pin(out_weights))
         job = self.stream.submit("combine", lambda: kernel.prologue(epoch) or pin.launch(kernel.combine, *args))

@@ -131,7 +131,7 @@ class CallAgreement:
             send_counts: rows this rank will send to each rank.
             expected: rows this rank expects from each rank, or None when unknown before the exchange.
             compare: fields that must be equal on every rank.
-            device: where the vectors travel (the payload's device: NCCL moves CUDA tensors only).
+            device: where the vectors travel (the transport's device: NCCL moves CUDA tensors only, shm CPU ones).
             skip: masked ranks, left out; their vectors read as this rank's fields with no rows sent
                 or expected (this rank must send them nothing).
             sent_digests, expected_digests: ``digest.digests`` of the token keys of the rows sent

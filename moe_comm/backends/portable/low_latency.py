@@ -40,7 +40,7 @@ from .digest import low_latency_combine_digests
 from .handshake import Handshake
 from .low_latency_layout import combine_rows, low_latency_unpack, send_order
 
-__all__ = ["LowLatencyMode", "dispatch_outputs"]
+__all__ = ["LowLatencyMode", "add_stats", "dispatch_outputs"]
 
 _COMPARED = (Field.HIDDEN, Field.NUM_EXPERTS, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK)
 
@@ -61,6 +61,16 @@ def dispatch_outputs(local: int, num_ranks: int, m: int, hidden: int, scales: Op
     src_info = torch.full((local, rows), -1, dtype=torch.int32, device=device)
     layout_range = torch.empty(local, num_ranks, dtype=torch.int64, device=device)
     return recv_x, recv_scales, src_info, layout_range, torch.empty(local, dtype=torch.int32, device=device)
+
+
+def add_stats(recv_stats: Optional[torch.Tensor], recv_count: Optional[torch.Tensor],
+              wait_stats: Optional[torch.Tensor], waited_ns: int) -> None:
+    """DeepEP's optional stats tensors after a receive: ``recv_stats += recv_count`` (a dispatch's),
+    ``wait_stats += waited_ns`` (the handshake's and the receive's waits)."""
+    if recv_stats is not None:
+        recv_stats.add_(recv_count)
+    if wait_stats is not None:
+        wait_stats.add_(waited_ns)
 
 
 @dataclass
@@ -141,7 +151,7 @@ class LowLatencyMode:
         fields = {Field.HIDDEN: x.shape[1], Field.NUM_EXPERTS: num_experts, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: m,
                   Field.FP8_FORMAT: fp8_format}
         shake = self.agreement.handshake("low_latency_dispatch", Op.LOW_LATENCY_DISPATCH, fields, send_counts, None,
-                                         _COMPARED + (Field.FP8_FORMAT,), x.device, skip)
+                                         _COMPARED + (Field.FP8_FORMAT,), self.transport.device, skip)
         return shake, msg, experts, time.perf_counter_ns() - start
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int, fp8_format: Fp8Format,
@@ -186,10 +196,7 @@ class LowLatencyMode:
                                    layout_range, recv_count)
             finally:
                 exchange.release()
-            if recv_stats is not None:
-                recv_stats.add_(recv_count)
-            if wait_stats is not None:
-                wait_stats.add_(waited + time.perf_counter_ns() - begin)
+            add_stats(recv_stats, recv_count, wait_stats, waited + time.perf_counter_ns() - begin)
 
         receive = self._launch(slot, op, finish, hook)
         handle = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts)
@@ -225,7 +232,7 @@ class LowLatencyMode:
         fields = {Field.HIDDEN: x.shape[2], Field.NUM_EXPERTS: num_experts,
                   Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: handle.num_max_dispatch_tokens_per_rank}
         shake = self.agreement.handshake("low_latency_combine", Op.LOW_LATENCY_COMBINE, fields, return_counts,
-                                         expected, _COMPARED, x.device, skip, sent_digests=returned,
+                                         expected, _COMPARED, self.transport.device, skip, sent_digests=returned,
                                          expected_digests=asked)
         return shake, msg, handle, time.perf_counter_ns() - start
 
@@ -264,8 +271,7 @@ class LowLatencyMode:
                 combine_reduce(records, exchange.wait(), pos, None, None, out, None, scale=topk_weights)
             finally:
                 exchange.release()
-            if wait_stats is not None:
-                wait_stats.add_(waited + time.perf_counter_ns() - begin)
+            add_stats(None, None, wait_stats, waited + time.perf_counter_ns() - begin)
 
         return out, self._launch(slot, op, finish, hook)
 

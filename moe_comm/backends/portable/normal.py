@@ -148,7 +148,7 @@ class NormalMode:
                   Field.NUM_WORST_TOKENS: num_worst_tokens, **_ring_fields(config)}
         shake = self.agreement.handshake("dispatch", Op.DISPATCH, fields, plan.send_counts, None,
                                          _X_FIELDS + (Field.NUM_TOPK, Field.NUM_EXPERTS, Field.NUM_CHANNELS)
-                                         + _RING_FIELDS, x.device, verdict=_check_worst)
+                                         + _RING_FIELDS, self.transport.device, verdict=_check_worst)
         return plan, shake
 
     def dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
@@ -224,7 +224,7 @@ class NormalMode:
         expected, expected_digests, prefix_digest = self._received_blocks(handle)
         fields = {**_x_fields(x, scales), Field.PREFIX_DIGEST: prefix_digest, **_ring_fields(config)}
         shake = self.agreement.handshake("dispatch", Op.CACHED_DISPATCH, fields, handle.plan.send_counts, expected,
-                                         _X_FIELDS + (Field.PREFIX_DIGEST,) + _RING_FIELDS, x.device,
+                                         _X_FIELDS + (Field.PREFIX_DIGEST,) + _RING_FIELDS, self.transport.device,
                                          sent_digests=handle.sent[1], expected_digests=expected_digests)
         return shake, expected
 
@@ -265,7 +265,7 @@ class NormalMode:
                   **_ring_fields(config)}
         shake = self.agreement.handshake("combine", Op.COMBINE, fields, return_counts, expected,
                                          (Field.HIDDEN, Field.X_DTYPE, Field.NUM_TOPK, Field.HAS_WEIGHTS,
-                                          Field.PREFIX_DIGEST) + _RING_FIELDS, x.device,
+                                          Field.PREFIX_DIGEST) + _RING_FIELDS, self.transport.device,
                                          sent_digests=return_digests, expected_digests=expected_digests)
         return shake, return_counts, expected
 

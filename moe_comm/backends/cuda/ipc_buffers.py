@@ -1,0 +1,106 @@
+"""The cuda backend's communication buffers: one GPU allocation per rank (``moe_comm._cuda.SharedBuffer``,
+cudaMalloc'd and zeroed), mapped into every rank of the node with CUDA IPC. ``SharedBuffers``'
+interface (``shared_buffers.py``), so the kernel modes drive both builds alike.
+
+A buffer grows on demand: its size follows from the call's agreed shapes, so every rank asks for the
+same size in the same call, and the remapping is collective over the buffer's transport: every rank
+unmaps its peers' old buffers, allocates its new one and all-gathers its IPC handle (as a row of
+uint8; the all-gather is also the point after which no rank maps an old buffer, so each frees its own),
+opens the peers' handles, and meets the others at a barrier. Teardown is collective too
+(``close``: unmap the peers, a barrier, free), as freeing an allocation a peer still maps is undefined.
+
+Tested here with a fake ``moe_comm._cuda``: nothing of this has run on a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+
+from ...transport import Transport
+
+__all__ = ["IpcBuffers"]
+
+Guard = Callable[[], ContextManager[Any]]
+
+
+class IpcBuffers:
+    """One named GPU buffer of every rank of ``transport`` (all on one node), mapped here.
+
+    ``module`` is ``moe_comm._cuda`` (``SharedBuffer``, ``memset``, ``synchronize``); ``guard()`` makes
+    the buffer's GPU current while allocating and zeroing.
+
+    Attributes:
+        bases: ``[R]`` addresses of every rank's buffer in this process (device pointers); pids:
+            every rank's process; nbytes: the size of each buffer (0 before the first ``ensure``).
+    """
+
+    def __init__(self, transport: Transport, what: str, module: Any, guard: Guard = contextlib.nullcontext) -> None:
+        self.transport, self.what, self.module, self._guard = transport, what, module, guard
+        self.nbytes = 0
+        self.bases: list[int] = []
+        self._own: Optional[Any] = None  # this rank's SharedBuffer
+        pid = torch.tensor([os.getpid()], dtype=torch.int64, device=transport.device)
+        self.pids = transport.all_gather_rows(pid, op=f"cuda: {what} buffer").view(-1).tolist()
+
+    def ensure(self, nbytes: int) -> bool:
+        """Maps buffers of at least ``nbytes`` (collective when they must grow; every rank asks for
+        the same size). Returns whether they were (re)mapped, zeroed. The caller has waited for every
+        launch on the old buffers."""
+        if nbytes <= self.nbytes:
+            return False
+        op = f"cuda: mapping the {self.what} buffers"
+        old, self._own, self.bases, self.nbytes = self._own, None, [], 0
+        if old is not None:
+            old.close_peers()
+        with self._guard():
+            mine = self.module.SharedBuffer(nbytes)
+        try:
+            handle = mine.handle()
+            row = torch.tensor(list(handle), dtype=torch.uint8, device=self.transport.device)
+            handles = [bytes(r) for r in self.transport.all_gather_rows(row, op=op).cpu().tolist()]
+            if old is not None:  # every rank has unmapped it (they all reached the all-gather)
+                old.close()
+                old = None
+            bases = mine.open(handles, self.transport.rank)
+            self.transport.barrier(op=op)
+        except BaseException:
+            mine.close()
+            if old is not None:
+                old.close()
+            raise
+        self._own, self.bases, self.nbytes = mine, list(bases), nbytes
+        return True
+
+    def zero_own(self, stream: int = 0) -> None:
+        """Zeroes this rank's buffer (its peers must not be writing to it), waiting until it is done."""
+        if self._own is not None:
+            with self._guard():
+                self.module.memset(self._own.ptr, 0, self._own.bytes, stream)
+                self.module.synchronize(stream)
+
+    def close_peers(self) -> None:
+        """Unmaps the peers' buffers (the first step of a collective teardown). Idempotent."""
+        if self._own is not None:
+            self._own.close_peers()
+        self.bases = []
+
+    def free(self) -> None:
+        """Frees this rank's buffer: after every rank has unmapped it (``close_peers`` and a barrier). Idempotent."""
+        own, self._own, self.bases, self.nbytes = self._own, None, [], 0
+        if own is not None:
+            own.close()
+
+    def close(self, collective: bool = True) -> None:
+        """Collective teardown: unmap the peers' buffers, a barrier (unless ``collective`` is False:
+        a broken buffer's peers may never come), free this rank's. Idempotent."""
+        if self._own is None:
+            return
+        self.close_peers()
+        try:
+            if collective:
+                self.transport.barrier(op=f"cuda: unmapping the {self.what} buffers")
+        finally:
+            self.free()
