@@ -40,5 +40,9 @@ report = dict(rank=rank, seconds=time.monotonic() - start, kind=outcome[0], mess
 sys.stdout.write("RESULT " + json.dumps(report) + "\n")
 sys.stdout.flush()
 if buf.transport_name == "mpi":
-    sys.exit(0)  # the failed mpi transport aborts the job at exit (MPI cannot cancel a collective)
+    # The failed mpi transport aborts the whole job at exit (MPI cannot cancel a collective), which
+    # kills a peer that has not reported yet: give the other survivors, whose waits end at the same
+    # deadline, that long to report first.
+    time.sleep(timeout_s)
+    sys.exit(0)
 os._exit(0)  # the store's host is stopped or gone: skip the process group's teardown
