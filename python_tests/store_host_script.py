@@ -41,8 +41,12 @@ sys.stdout.write("RESULT " + json.dumps(report) + "\n")
 sys.stdout.flush()
 if buf.transport_name == "mpi":
     # The failed mpi transport aborts the whole job at exit (MPI cannot cancel a collective), which
-    # kills a peer that has not reported yet: give the other survivors, whose waits end at the same
-    # deadline, that long to report first.
-    time.sleep(timeout_s)
+    # would kill a survivor that has not reported yet: each survivor marks its report in the test's
+    # folder and exits once every survivor has (or after one more deadline).
+    reports = os.environ["MOE_COMM_TEST_REPORT_DIR"]
+    open(os.path.join(reports, str(rank)), "w").close()
+    until = time.monotonic() + timeout_s
+    while len(os.listdir(reports)) < num_ranks - 1 and time.monotonic() < until:
+        time.sleep(0.01)
     sys.exit(0)
 os._exit(0)  # the store's host is stopped or gone: skip the process group's teardown

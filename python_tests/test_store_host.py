@@ -3,10 +3,12 @@ the others fail within the deadline plus 2 s, naming the rank."""
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,6 +36,7 @@ def _run(transport: str, scenario: str) -> dict[int, dict]:
            "MOE_COMM_TRANSPORT": transport, "MOE_COMM_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     command = [sys.executable, str(SCRIPT), scenario, str(TIMEOUT_S)]
+    env["MOE_COMM_TEST_REPORT_DIR"] = report_dir = tempfile.mkdtemp(prefix="moe_comm_store_host_")
     if transport == "mpi":
         procs = [subprocess.Popen([find_mpiexec(), "-disable-auto-cleanup", "-n", str(RANKS)] + command, env=env,
                                   stdout=subprocess.PIPE, text=True, start_new_session=True)]
@@ -59,18 +62,28 @@ def _run(transport: str, scenario: str) -> dict[int, dict]:
                 report = json.loads(line[len("RESULT "):])
                 reports[report["rank"]] = report
     finally:
+        # An mpi job ends by itself (its survivors abort it, which takes the stopped rank too, and
+        # they unlink MPICH's segments first): kill the store's host only if it outlives the job.
+        # Spawned ranks: the stopped one never ends by itself.
+        if transport == "mpi":
+            _wait(procs)
         if store_host is not None:
             try:
                 os.kill(store_host, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _wait(procs)
+        shutil.rmtree(report_dir, ignore_errors=True)
     return reports
+
+
+def _wait(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.mark.parametrize("scenario", ["stall", "dead"])
