@@ -41,12 +41,11 @@ sys.stdout.write("RESULT " + json.dumps(report) + "\n")
 sys.stdout.flush()
 if buf.transport_name == "mpi":
     # The failed mpi transport aborts the whole job at exit (MPI cannot cancel a collective), which
-    # would kill a survivor that has not reported yet: each survivor marks its report in the test's
-    # folder and exits once every survivor has (or after one more deadline).
-    reports = os.environ["MOE_COMM_TEST_REPORT_DIR"]
-    open(os.path.join(reports, str(rank)), "w").close()
-    until = time.monotonic() + timeout_s
-    while len(os.listdir(reports)) < num_ranks - 1 and time.monotonic() < until:
+    # would kill a survivor whose report mpiexec has not forwarded yet: exit once the test has read
+    # every report (it marks that in its folder), or after a generous deadline.
+    read = os.path.join(os.environ["MOE_COMM_TEST_REPORT_DIR"], "read")
+    until = time.monotonic() + 10 * timeout_s
+    while not os.path.exists(read) and time.monotonic() < until:
         time.sleep(0.01)
     sys.exit(0)
 os._exit(0)  # the store's host is stopped or gone: skip the process group's teardown

@@ -62,9 +62,10 @@ def _run(transport: str, scenario: str) -> dict[int, dict]:
                 report = json.loads(line[len("RESULT "):])
                 reports[report["rank"]] = report
     finally:
-        # An mpi job ends by itself (its survivors abort it, which takes the stopped rank too, and
-        # they unlink MPICH's segments first): kill the store's host only if it outlives the job.
-        # Spawned ranks: the stopped one never ends by itself.
+        # An mpi job ends by itself once its survivors know their reports were read (they abort it,
+        # which takes the stopped rank too, and unlink MPICH's segments first): kill the store's
+        # host only if it outlives the job. Spawned ranks: the stopped one never ends by itself.
+        open(os.path.join(report_dir, "read"), "w").close()
         if transport == "mpi":
             _wait(procs)
         if store_host is not None:
