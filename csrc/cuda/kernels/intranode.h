@@ -159,31 +159,21 @@ MC_HD bool dispatch_send(const NormalContext& k, const DispatchArgs& a, int c, i
     const Ring ring = k.layout.ring(k.peers[d], c, k.rank);
     const int64_t K = a.num_topk, off_s = a.x_bytes, off_i = off_s + a.scale_bytes, off_w = off_i + 8 * K,
                   off_src = off_w + 4 * K;
-    int64_t t = channel_begin(a.num_tokens, C, c);
-    for (int64_t sent = 0; sent < count;) {
-        const int64_t n = count - sent < k.chunk ? count - sent : k.chunk;
-        int ok = 1;
-        if (G::leader()) ok = ring_wait_space<P>(k.watch, ring, sent, n, d, c);
-        if (!G::broadcast(ok)) return false;
-        for (int64_t i = 0; i < n; ++i, ++t) {
-            while (!a.is_token_in_rank[t * R + d]) ++t;
-            uint8_t* slot = ring.slot(sent + i);
-            copy_bytes<G>(slot, a.x + t * a.x_bytes, a.x_bytes);
-            if (a.scales) copy_bytes<G>(slot + off_s, a.scales + t * a.scale_bytes, a.scale_bytes);
-            if (G::leader()) {
-                if (a.topk_idx) {
-                    copy_one(slot + off_i, a.topk_idx + t * K, 8 * K);
-                    copy_one(slot + off_w, a.topk_weights + t * K, 4 * K);
-                }
-                const int32_t src = static_cast<int32_t>(t);
-                copy_one(slot + off_src, &src, 4);
+    int64_t t = channel_begin(a.num_tokens, C, c);  // the next token of the channel to look at
+    return ring_send<P>(k.watch, ring, count, k.chunk, d, c, [&](uint8_t* slot, int64_t) {
+        while (!a.is_token_in_rank[t * R + d]) ++t;
+        copy_bytes<G>(slot, a.x + t * a.x_bytes, a.x_bytes);
+        if (a.scales) copy_bytes<G>(slot + off_s, a.scales + t * a.scale_bytes, a.scale_bytes);
+        if (G::leader()) {
+            if (a.topk_idx) {
+                copy_one(slot + off_i, a.topk_idx + t * K, 8 * K);
+                copy_one(slot + off_w, a.topk_weights + t * K, 4 * K);
             }
+            const int32_t src = static_cast<int32_t>(t);
+            copy_one(slot + off_src, &src, 4);
         }
-        G::sync();
-        sent += n;
-        if (G::leader()) ring_publish_tail<P>(ring, sent);
-    }
-    return true;
+        ++t;
+    });
 }
 
 template <class P>
@@ -253,22 +243,10 @@ MC_HD bool combine_send(const NormalContext& k, const CombineArgs& a, int c, int
     const int64_t row0 = a.recv_offset[d] + a.recv_channel_offset[d * C + c];
     const Ring ring = k.layout.ring(k.peers[d], c, k.rank);
     const int64_t K = a.num_topk;
-    for (int64_t sent = 0; sent < count;) {
-        const int64_t n = count - sent < k.chunk ? count - sent : k.chunk;
-        int ok = 1;
-        if (G::leader()) ok = ring_wait_space<P>(k.watch, ring, sent, n, d, c);
-        if (!G::broadcast(ok)) return false;
-        for (int64_t i = 0; i < n; ++i) {
-            uint8_t* slot = ring.slot(sent + i);
-            const int64_t row = row0 + sent + i;
-            copy_bytes<G>(slot, a.x + row * a.x_bytes, a.x_bytes);
-            if (K) copy_bytes<G>(slot + a.x_bytes, a.topk_weights + row * K, 4 * K);
-        }
-        G::sync();
-        sent += n;
-        if (G::leader()) ring_publish_tail<P>(ring, sent);
-    }
-    return true;
+    return ring_send<P>(k.watch, ring, count, k.chunk, d, c, [&](uint8_t* slot, int64_t i) {
+        copy_bytes<G>(slot, a.x + (row0 + i) * a.x_bytes, a.x_bytes);
+        if (K) copy_bytes<G>(slot + a.x_bytes, a.topk_weights + (row0 + i) * K, 4 * K);
+    });
 }
 
 // The receiver of channel c: for each token in order, waits for the rows of every rank it went to,

@@ -65,4 +65,24 @@ MC_HD void ring_publish_head(const Ring& ring, int64_t head) {
     P::store_release(&ring.meta->head.value, head);
 }
 
+// A group's whole send through `ring`: `count` rows in chunks of at most `chunk` (<= num_slots),
+// each chunk written by fill(slot, position) on every lane in position order, then published.
+// False when a wait failed.
+template <class P, class Fill>
+MC_HD bool ring_send(const Watch& w, const Ring& ring, int64_t count, int64_t chunk, int peer, int channel,
+                     Fill fill) {
+    using G = typename P::Group;
+    for (int64_t sent = 0; sent < count;) {
+        const int64_t n = count - sent < chunk ? count - sent : chunk;
+        int ok = 1;
+        if (G::leader()) ok = ring_wait_space<P>(w, ring, sent, n, peer, channel);
+        if (!G::broadcast(ok)) return false;
+        for (int64_t i = sent; i < sent + n; ++i) fill(ring.slot(i), i);
+        G::sync();
+        sent += n;
+        if (G::leader()) ring_publish_tail<P>(ring, sent);
+    }
+    return true;
+}
+
 }  // namespace moe_comm::cuda
