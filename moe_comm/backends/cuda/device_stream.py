@@ -13,48 +13,24 @@ Tested here with fakes only: nothing of this has run on a GPU.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any
 
-__all__ = ["DeviceStream", "FinishedJob"]
+from .host_stream import Check, HostStream
 
-Check = Callable[[str, Any], None]
-
-
-class FinishedJob:
-    """A launch that has returned ``record`` (None, or an error record for ``check``)."""
-
-    def __init__(self, op: str, record: Any, check: Check) -> None:
-        self.op, self._record, self._check = op, record, check
-        self._seen = False
-
-    def wait(self) -> None:
-        """Raises the record's error, once."""
-        if self._seen:
-            return
-        self._seen = True
-        self._check(self.op, self._record)
+__all__ = ["DeviceStream"]
 
 
-class DeviceStream:
-    """Launches of one buffer in order; ``comm``: its ``CommStream`` (``synchronize()`` waits for it)."""
+class DeviceStream(HostStream):
+    """Launches of one buffer in order, each at once on the caller's thread; ``comm``: its
+    ``CommStream`` (``synchronize()`` waits for it too)."""
+
+    threaded = False
 
     def __init__(self, check: Check, comm: Any) -> None:
-        self._check, self.comm = check, comm
-        self._last: Optional[FinishedJob] = None
-
-    def submit(self, op: str, launch: Callable[[], Any]) -> FinishedJob:
-        if self._last is not None:
-            last, self._last = self._last, None
-            last.wait()
-        self._last = FinishedJob(op, launch(), self._check)
-        return self._last
-
-    def run(self, op: str, launch: Callable[[], Any]) -> None:
-        """A launch the caller waits for (what needs its results on the host: notify, a receive)."""
-        self.submit(op, launch).wait()
+        super().__init__(check)
+        self.comm = comm
 
     def synchronize(self) -> None:
         """Waits for everything on the comm stream; raises the last launch's error if nobody has seen it."""
         self.comm.synchronize()
-        if self._last is not None:
-            self._last.wait()
+        super().synchronize()

@@ -16,13 +16,18 @@ Check = Callable[[str, Any], None]
 
 
 class Job:
-    """One launch on a ``HostStream``."""
+    """One launch on a ``HostStream``: on its own thread, or (``threaded=False``) run at once on the
+    caller's, where a launch that fails to start raises from here."""
 
-    def __init__(self, op: str, launch: Callable[[], Any], check: Check) -> None:
+    def __init__(self, op: str, launch: Callable[[], Any], check: Check, threaded: bool = True) -> None:
         self.op, self._check = op, check
         self._record: Any = None
         self._failure: Optional[BaseException] = None
         self._seen = False
+        self._thread: Optional[threading.Thread] = None
+        if not threaded:
+            self._record = launch()
+            return
         self._thread = threading.Thread(target=self._run, args=(launch,), name=f"moe_comm cuda_host {op}",
                                         daemon=True)
         self._thread.start()
@@ -35,7 +40,8 @@ class Job:
 
     def wait(self) -> None:
         """Joins the launch; raises its failure (once, to the first caller that waits)."""
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if self._seen:
             return
         self._seen = True
@@ -47,13 +53,16 @@ class Job:
 class HostStream:
     """Launches of one buffer, in order."""
 
+    #: whether launches run on their own thread (the host build) or at once (see ``DeviceStream``)
+    threaded = True
+
     def __init__(self, check: Check) -> None:
         self._check = check
         self._last: Optional[Job] = None
 
     def submit(self, op: str, launch: Callable[[], Any]) -> Job:
-        self.synchronize()
-        self._last = Job(op, launch, self._check)
+        self._wait_last()  # stream order: only the previous launch, never a device-wide wait
+        self._last = Job(op, launch, self._check, self.threaded)
         return self._last
 
     def run(self, op: str, launch: Callable[[], Any]) -> None:
@@ -62,5 +71,8 @@ class HostStream:
 
     def synchronize(self) -> None:
         """Waits for the last launch; raises its error if nobody has seen it."""
+        self._wait_last()
+
+    def _wait_last(self) -> None:
         if self._last is not None:
             self._last.wait()
