@@ -24,7 +24,7 @@ from ...config import Config
 from ...handle import NormalHandle
 from ...ops import DispatchLayout
 from ..base import DispatchResult
-from ..portable.normal import NormalMode, channel_prefix, dispatch_outputs, fill_padding
+from ..portable.normal import NormalMode, channel_prefix, dispatch_outputs, fill_padding, rows_within_destination
 from .host_stream import HostStream
 from .pins import Pins
 from .shared_buffers import SharedBuffers
@@ -43,25 +43,10 @@ def host_notify_outputs(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) ->
     return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
 
 
-def _recv_counts(rank_prefix: torch.Tensor, rank: int) -> torch.Tensor:
-    """``[R]`` int64: rows this rank gets from each source, from the rank prefix matrix."""
-    column = rank_prefix[:, rank].to(torch.int64)
-    return column - torch.cat([column.new_zeros(1), column[:-1]])
-
-
 def _channel_counts(starts: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
     """``[R, C]`` int64 rows per (source, channel), from each channel's first row and each source's total."""
     ends = torch.cat([starts[:, 1:], totals.unsqueeze(1)], dim=1)
     return (ends - starts).contiguous()
-
-
-def _rows_within_destination(handle: NormalHandle) -> torch.Tensor:
-    """``[T, R]`` int32: token t's row among the rows this rank sent rank r (-1: not sent); the
-    handle's send_head counts rows across destinations."""
-    sent = handle.is_token_in_rank.sum(0, dtype=torch.int32)
-    starts = (sent.cumsum(0, dtype=torch.int32) - sent).unsqueeze(0)
-    head = handle.send_head.to(torch.int32)
-    return torch.where(head >= 0, head - starts, -1).to(torch.int32).contiguous()
 
 
 class KernelNormalMode:
@@ -178,7 +163,7 @@ class KernelNormalMode:
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """From a handle: (first row of each source, first row of each (source, channel), rows per
         (source, channel), rows received), the tensors on ``device`` (where the kernel reads them)."""
-        counts = _recv_counts(handle.rank_prefix_matrix.cpu(), self.rank)
+        counts = torch.tensor(handle.recv_counts(self.rank), dtype=torch.int64)
         offsets = (counts.cumsum(0) - counts).contiguous()
         starts = handle.recv_channel_prefix_matrix.cpu().to(torch.int64).contiguous()
         return (offsets.to(device), starts.to(device), _channel_counts(starts, counts).to(device),
@@ -207,7 +192,7 @@ class KernelNormalMode:
                 pin(None if topk_weights is None else topk_weights.to(torch.float32).contiguous()), pin(recv_offset),
                 pin(chan_starts), pin(chan_counts), pin(handle.is_token_in_rank.contiguous()),
                 pin(handle.channel_prefix_matrix.to(x.device, torch.int64).contiguous()),
-                pin(_rows_within_destination(handle)),
+                pin(rows_within_destination(handle.send_head.to(torch.int32), handle.sent[0]).contiguous()),
                 pin(None if bias0 is None else bias0.contiguous()), pin(None if bias1 is None else bias1.contiguous()),
                 pin(out), pin(out_weights))
         job = self.stream.submit("combine", lambda: kernel.prologue(epoch) or pin.launch(kernel.combine, *args))

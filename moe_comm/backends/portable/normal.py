@@ -29,7 +29,7 @@ from .agreement import CallAgreement
 from .digest import digests
 from .handshake import Handshake
 
-__all__ = ["NormalMode", "channel_prefix", "fill_padding", "recv_channel_starts"]
+__all__ = ["NormalMode", "channel_prefix", "fill_padding", "recv_channel_starts", "rows_within_destination"]
 
 
 def channel_prefix(is_token_in_rank: torch.Tensor, num_channels: int) -> torch.Tensor:
@@ -63,6 +63,13 @@ def _x_fields(x: torch.Tensor, scales: Optional[torch.Tensor]) -> dict[Field, in
     return {Field.HIDDEN: x.shape[1], Field.X_DTYPE: WireDType.code(x.dtype),
             Field.NUM_SCALES: -1 if scales is None else scales.shape[1],
             Field.SCALES_DTYPE: WireDType.code(None if scales is None else scales.dtype)}
+
+
+def rows_within_destination(send_head: torch.Tensor, sent: list[int]) -> torch.Tensor:
+    """``[T, R]`` int32: token t's row among the rows sent to rank r (-1: not sent), from a handle's
+    ``send_head`` (rows counted across destinations) and the rows sent to each rank."""
+    starts = torch.tensor(prefix_sums(sent)[:-1], dtype=torch.int32, device=send_head.device)
+    return torch.where(send_head >= 0, send_head - starts, -1).to(torch.int32)
 
 
 def fill_padding(tensors: list[Optional[torch.Tensor]], values: list[float], start: int) -> None:
@@ -288,8 +295,7 @@ class NormalMode:
         complete = self._exchange("combine", records_layout, payload, rows, shake.matrix, device, skip_self=direct)
         send_pos = handle.send_head
         if direct:
-            starts = torch.tensor(prefix_sums(expected)[:-1], dtype=torch.int32, device=device)
-            send_pos = torch.where(send_pos >= 0, send_pos - starts, -1).to(torch.int32)
+            send_pos = rows_within_destination(send_pos, expected)
             own_begin = sum(return_counts[:me])
             own = x[own_begin:own_begin + return_counts[me]].view(torch.uint8)  # a row is a record
 
