@@ -2,6 +2,10 @@
 
     python bench/bench_kernels.py [--tokens 4096 --hidden 2048 --topk 8 --ranks 4 --experts 64]
 
+A developer's benchmark (it times private entry points against the references that specify them),
+so it stays in the repository; the user benchmarks ship as ``python -m moe_comm.bench``, whose
+helpers this one shares.
+
 Shapes are one rank's share of a dispatch/combine: ``tokens`` tokens routed by random top-k to
 ``ranks`` ranks. ``moe_comm._native.cpu_threads`` reads ``MOE_COMM_NUM_THREADS`` once per process,
 so each thread count runs in a child process of this script; torch's intra-op threads (used by the
@@ -19,8 +23,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-# sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import format_table, summarize, time_calls, write_json
+from moe_comm.bench.record import write_json
+from moe_comm.bench.stats import summarize, time_calls
+from moe_comm.bench.table import format_table
 
 BYTE_RULE = ("pack_rows: record bytes written; unpack_rows: record bytes read; combine_reduce: returned "
              "record bytes read (num_records x hidden x 2); dispatch_layout: topk_idx bytes read (T x K x 8). "

@@ -94,6 +94,6 @@ sanitize sanitizer_synccheck 35 synccheck
 step accuracy 25 "$PY" -m moe_comm.accuracy --no-interpreter --json "$OUT/accuracy_rows.json"
 step pytest_legacy 30 "$PY" -m pytest -q -p no:cacheprovider python_tests/test_fused_ops.py python_tests/test_cuda.py \
   --junitxml "$OUT/pytest_legacy.xml"
-step bench_ops 25 "$PY" bench/bench_ops.py --device cuda --warmup 1 --reps 5 --json "$OUT/bench_ops_rows.json"
+step bench_ops 25 "$PY" -m moe_comm.bench ops --device cuda --warmup 1 --reps 5 --json "$OUT/bench_ops_rows.json"
 
 TAIL=200 step summary 5 "$PY" $GC/summary.py --out "$OUT"

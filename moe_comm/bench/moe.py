@@ -1,8 +1,9 @@
 """EP-MoE layer benchmark: every mode of ``moe_comm.ep_moe`` on every transport, side by side.
 
-    python bench/bench_moe.py --ranks 2                      # local ranks (moe_comm.launch.LocalWorld)
-    torchrun --nproc-per-node 2 bench/bench_moe.py           # launcher detected from the environment
-    mpirun -n 2 python bench/bench_moe.py
+    python -m moe_comm.bench moe --ranks 2                       # local ranks (moe_comm.launch.LocalWorld)
+    torchrun --nproc-per-node 2 -m moe_comm.bench moe            # launcher detected from the environment
+    mpirun -n 2 python -m moe_comm.bench moe
+    python -m moe_comm.bench moe --tokens 128 512 --plot moe.png
 
 Per (transport, mode): the layer's time; its communication alone (the mode's schedule with the
 experts replaced by a ready output); its compute alone (the experts on the micro-batches that
@@ -19,7 +20,6 @@ import functools
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -29,9 +29,16 @@ import moe_comm
 from moe_comm._native import cpu_threads
 from moe_comm.moe import MODES, Experts, NormalStages, ep_moe, ep_moe_reference, schedules
 
-# sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import (TRANSPORTS, runs_on, case_rows, default_transports, format_table, gather_results, launch, launched_ranks,
-                    percentile, require_all_ranks, time_cases, write_json)
+from .checks import require_all_ranks
+from .options import add_output_args, add_rank_args, add_tokens_arg, command_line
+from .plot import Panel, Series
+from .ranks import launch, launched_ranks
+from .record import publish
+from .stats import case_rows, gather_results, percentile, time_cases
+from .table import format_table
+from .transports import runs_on
+
+__all__ = ["run_rank", "panels", "main"]
 
 
 def _inputs(cfg: dict[str, Any], ranks: int) -> tuple[Experts, list[torch.Tensor], list[torch.Tensor],
@@ -107,7 +114,7 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
             cases[f"{name}_{mode}_comm"] = functools.partial(schedules.run, mode, comm_only, x, idx, w, chunks)
             cases[f"{name}_{mode}_compute"] = functools.partial(
                 lambda stages, got: [stages.compute(r) for r in got], recording.stages, recording.received)
-    require_all_ranks(not any(checks.values()), "bench_moe", rank, checks, group)
+    require_all_ranks(not any(checks.values()), "moe", rank, checks, group)
 
     cpu: dict[str, list[float]] = {name: [] for name in cases}
 
@@ -129,8 +136,8 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     return {**res, "threads_per_rank": torch.get_num_threads(), "kernel_threads_per_rank": cpu_threads()}
 
 
-def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str, json_path: str) -> None:
-    """Prints one row per (transport, mode) and writes the JSON record (rank 0 only)."""
+def _rows(res: dict[str, Any], cfg: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """One run's rows, one per (transport, mode), and its notes."""
     by = {r["case"]: r for r in case_rows(res)}
     cores = min(1.0, (os.cpu_count() or 1) / cfg["ranks"])  # a rank runs one torch thread: at most one core
     rows = []
@@ -153,13 +160,6 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
     for r in rows:
         if r["transport"] in base and r["mode"] in ("sequential", "chunked"):
             r["vs_sequential"] = base[r["transport"]] / r["layer_us"]
-    columns = [("transport", "transport"), ("mode", "mode"), ("layer_us", "layer_us"),
-               ("layer_p10_p90", "layer p10/p90"), ("comm_us", "comm_alone_us"), ("compute_us", "compute_alone_us"),
-               ("sum_us", "comm+compute_us"), ("overlap_eff", "overlap_eff"), ("vs_sequential", "vs_sequential(x)"),
-               ("cpu_per_wall_comm", "cpu/wall comm"), ("cpu_per_wall_compute", "cpu/wall compute"),
-               ("cpu_per_wall_layer", "cpu/wall layer"),
-               ("overlap_bound", "overlap_bound(x)")]
-    print(format_table(columns, rows))
     notes = [f"{cfg['ranks']} ranks x {cfg['tokens']} tokens, hidden {cfg['hidden']}, intermediate {cfg['inter']}, "
              f"top-{cfg['topk']} of {cfg['experts']} experts, {'FP8' if cfg['fp8'] else 'BF16'} experts; chunked mode: "
              f"{cfg['num_chunks']} chunks; low-latency M = tokens per rank",
@@ -172,18 +172,59 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
              f"(cores per rank here: {cores:g})",
              f"{cfg['ranks']} ranks share {os.cpu_count()} CPU cores ({res['threads_per_rank']} torch / "
              f"{res['kernel_threads_per_rank']} moe_comm._C thread(s) per rank); shared, noisy VM"]
-    print("\n".join(notes))
-    for r in rows:
-        r.pop("layer_p10_p90")
-    write_json(json_path, {"bench": "bench_moe", "command": command, "launcher": launcher, "config": cfg,
-                           "notes": notes, "checks_max_over_ranks": res["checks_max_over_ranks"], "rows": rows})
-    print(f"wrote {json_path}")
+    return rows, notes
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=2, help="local ranks to spawn (ignored under torchrun/mpirun)")
-    p.add_argument("--tokens", type=int, default=512, help="tokens per rank")
+COLUMNS = [("transport", "transport"), ("mode", "mode"), ("layer_us", "layer_us"),
+           ("layer_p10_p90", "layer p10/p90"), ("comm_us", "comm_alone_us"), ("compute_us", "compute_alone_us"),
+           ("sum_us", "comm+compute_us"), ("overlap_eff", "overlap_eff"), ("vs_sequential", "vs_sequential(x)"),
+           ("cpu_per_wall_comm", "cpu/wall comm"), ("cpu_per_wall_compute", "cpu/wall compute"),
+           ("cpu_per_wall_layer", "cpu/wall layer"),
+           ("overlap_bound", "overlap_bound(x)")]
+
+
+def report(results: list[dict[str, Any]], command: str, launcher: str, *, cfgs: Sequence[dict[str, Any]],
+           json_path: str, plot_path: Optional[str]) -> None:
+    """Prints a table per run (token count) and writes the JSON record, and the plot if asked (rank 0 only)."""
+    runs = []
+    for res, cfg in zip(results, cfgs):
+        rows, notes = _rows(res, cfg)
+        print(f"== moe: {cfg['tokens']} tokens/rank")
+        print(format_table(COLUMNS, rows))
+        print("\n".join(notes) + "\n")
+        for r in rows:
+            r.pop("layer_p10_p90")
+        runs.append({"tokens": cfg["tokens"], "notes": notes, "checks_max_over_ranks": res["checks_max_over_ranks"],
+                     "rows": rows})
+    record = {"bench": "moe", "command": command, "launcher": launcher,
+              "config": {**cfgs[0], "tokens": [c["tokens"] for c in cfgs]}, "runs": runs}
+    c = cfgs[0]
+    title = (f"EP-MoE layer: {c['ranks']} ranks, hidden {c['hidden']}, intermediate {c['inter']}, "
+             f"top-{c['topk']} of {c['experts']} {'FP8' if c['fp8'] else 'BF16'} experts")
+    publish(record, json_path, plot_path, title, panels)
+
+
+def panels(record: dict[str, Any]) -> list[Panel]:
+    """The plot of a JSON record: one panel per mode, latency only (no bytes are counted): the layer per
+    transport, with its communication alone and its compute alone in the same colour."""
+    out = []
+    for mode in record["config"]["modes"]:
+        series = []
+        for t in record["config"]["transports"]:
+            for key, label, kind, marker in (("layer_us", t, "ours", ""), ("comm_us", f"{t} comm alone", "part", "v"),
+                                             ("compute_us", f"{t} compute alone", "part", "D")):
+                points = tuple(sorted((run["tokens"], r[key], None) for run in record["runs"] for r in run["rows"]
+                                      if (r["transport"], r["mode"]) == (t, mode)))
+                series.append(Series(label, kind, points, colour=t, marker=marker))
+        out.append(Panel(f"mode {mode}", tuple(s for s in series if s.points)))
+    return out
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> argparse.Namespace:
+    """The options (``prog``: the command's name in usage and errors)."""
+    p = argparse.ArgumentParser(prog=prog, description=" ".join(__doc__.split("\n\n")[0].split()))
+    add_rank_args(p, ranks=2)
+    add_tokens_arg(p, 512, "tokens per rank")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--inter", type=int, default=256, help="expert intermediate size (a multiple of 128 for FP8)")
     p.add_argument("--topk", type=int, default=4)
@@ -194,22 +235,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--transports", nargs="+", default=default_transports(), choices=TRANSPORTS)
-    p.add_argument("--threads-per-rank", type=int, default=0, help="0: cpu_count // local ranks, at least 1")
-    p.add_argument("--json", default=str(Path(__file__).resolve().parent / "out" / "bench_moe.json"))
+    add_output_args(p, "moe")
     return p.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = parse_args(argv)
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m moe_comm.bench moe") -> None:
+    """Parses ``argv``, runs every token count on the launched (or spawned) ranks and reports."""
+    args = parse_args(argv, prog)
     ranks = launched_ranks(args.ranks)
-    if args.experts % ranks or args.hidden % 128 or not 1 <= args.topk <= args.experts:
-        raise SystemExit(f"bench_moe: need --experts a multiple of the rank count ({ranks}), --hidden a multiple of "
-                         f"128 and 1 <= --topk <= --experts, got {vars(args)}")
-    cfg = {k: getattr(args, k) for k in ("tokens", "hidden", "inter", "topk", "experts", "num_chunks", "fp8", "modes",
-                                         "warmup", "iters", "seed", "transports")}
-    launch(run_rank, functools.partial(report, json_path=args.json), cfg, args.ranks, args.threads_per_rank)
-
-
-if __name__ == "__main__":
-    main()
+    if args.experts % ranks or args.hidden % 128 or not 1 <= args.topk <= args.experts or args.iters < 1:
+        raise SystemExit(f"moe: need --experts a multiple of the rank count ({ranks}), --hidden a multiple of "
+                         f"128, 1 <= --topk <= --experts and --iters >= 1, got {vars(args)}")
+    cfgs = [{"tokens": t, **{k: getattr(args, k) for k in ("hidden", "inter", "topk", "experts", "num_chunks", "fp8",
+                                                            "modes", "warmup", "iters", "seed", "transports")}}
+            for t in args.tokens]
+    launch(run_rank, cfgs, functools.partial(report, cfgs=cfgs, json_path=args.json, plot_path=args.plot),
+           command=command_line(prog, argv), local_ranks=args.ranks, threads_per_rank=args.threads_per_rank)

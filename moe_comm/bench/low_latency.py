@@ -1,18 +1,20 @@
-"""Low-latency benchmark: DeepEP-style decode dispatch/combine, BF16 vs FP8, with and without hooks.
+"""Low-latency benchmark: DeepEP-style decode dispatch/combine on every transport, BF16 vs FP8, with and
+without hooks, overlap with compute, the raw all-to-all and the memory-copy floor.
 
-    python bench/bench_low_latency.py --ranks 4              # 4 local ranks (moe_comm.launch.LocalWorld)
-    torchrun --nproc-per-node 4 bench/bench_low_latency.py   # launcher detected from the environment
-    mpirun -n 4 python bench/bench_low_latency.py
+    python -m moe_comm.bench low_latency --ranks 4               # 4 local ranks (moe_comm.launch.LocalWorld)
+    torchrun --nproc-per-node 4 -m moe_comm.bench low_latency    # launcher detected from the environment
+    mpirun -n 4 python -m moe_comm.bench low_latency             # adds the mpi transport and MPI_Alltoallv
+    python -m moe_comm.bench low_latency --tokens 32 64 128 --plot ll.png
 
-Every case runs in the same launch on the same inputs; rank 0 prints a table and writes JSON.
-Time of one iteration = max over ranks of (perf_counter around the op, after a barrier).
+Every case runs in the same launch on the same inputs; rank 0 prints a table per token count and
+writes one JSON record. Time of one iteration = max over ranks of (perf_counter around the op,
+after a barrier).
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import os
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -22,10 +24,17 @@ import moe_comm
 from moe_comm._native import cpu_threads
 from moe_comm.ops import per_token_cast_back
 
-# sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import (TRANSPORTS, runs_on, calc_diff, case_rows, default_transports, floor_columns, format_table, gather_results,
-                    launch, launched_ranks, memcpy_bandwidth, mpi_all_to_all, require_all_ranks, time_cases, vs_transport,
-                    write_json)
+from .checks import calc_diff, require_all_ranks
+from .floors import floor_columns, memcpy_bandwidth, mpi_all_to_all, vs_transport
+from .options import add_output_args, add_rank_args, add_tokens_arg, command_line
+from .plot import Panel, case_series, floor_series
+from .ranks import launch, launched_ranks
+from .record import publish
+from .stats import case_rows, gather_results, time_cases
+from .table import format_table
+from .transports import runs_on
+
+__all__ = ["run_rank", "panels", "main"]
 
 BYTE_RULE = ("DeepEP test_low_latency, per (token, selected expert != -1) on the sending rank: FP8 dispatch "
              "H + H/128*4 + 16 bytes; BF16 combine 2H bytes. BF16 dispatch (DeepEP benchmarks FP8 only) counts "
@@ -33,6 +42,8 @@ BYTE_RULE = ("DeepEP test_low_latency, per (token, selected expert != -1) on the
              "a2a_ceiling_fp8 (gloo all_to_all_single) and a2a_ceiling_fp8_mpi (MPI_Alltoallv) move exactly the FP8 "
              "dispatch bytes.")
 BANDWIDTH_RULE = "GB/s per rank = (mean over ranks of that rank's bytes) / median iteration time / 1e9"
+#: The ops with a memory-copy floor (their bytes are what a rank receives); the plot's panels.
+FLOOR_OPS = ("dispatch_bf16", "dispatch_fp8", "combine_bf16")
 
 
 def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -67,7 +78,7 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     same = all(torch.equal(a, b) for other in outputs.values() for a, b in zip(first[:4], other[:4]))
     checks["transports_bitwise_equal"] = float(same)
     ok &= same
-    require_all_ranks(ok, "bench_low_latency", rank, checks, group)
+    require_all_ranks(ok, "low_latency", rank, checks, group)
     recv_bf16, handle_bf16 = first[0], first[4]
 
     # raw all-to-all of exactly the FP8 message bytes, preallocated (the transport's ceiling)
@@ -132,8 +143,8 @@ def _overlapped(result: tuple, a: torch.Tensor, b: torch.Tensor) -> None:
     result[-1]()
 
 
-def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str, json_path: str) -> None:
-    """Prints the table and writes the JSON record (rank 0 only)."""
+def _rows(res: dict[str, Any], cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """One run's table rows: send+recv of the hooked ops, GB/s, against the ceiling, collective and the floor."""
     rows = case_rows(res)
     by = {r["case"]: r for r in rows}
     for name in cfg["transports"]:
@@ -148,20 +159,16 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
     for r in rows:
         r["vs_ceiling"] = r["GBps_per_rank"] / ceiling if r["GBps_per_rank"] else None
     vs_transport(rows)
-    floor_columns(rows, res["memcpy_GBps"], ("dispatch_bf16", "dispatch_fp8", "combine_bf16"))
-    columns = [("case", "case"), ("median_us", "median_us"), ("p10_p90", "p10/p90_us"),
-               ("send_plus_recv_us", "send+recv_us"), ("GBps_per_rank", "GB/s/rank"),
-               ("vs_collective", "vs_collective(x)"), ("floor_us", "memcpy_floor_us"), ("of_floor", "floor/median"),
-               ("vs_ceiling", "vs_a2a_ceiling")]
-    print(f"ranks {cfg['ranks']}, tokens/rank (M) {cfg['tokens']}, hidden {cfg['hidden']}, topk {cfg['topk']}, "
-          f"experts {cfg['experts']}, compute {cfg['compute']}^3 fp32 matmul")
-    print(format_table(columns, rows))
-    for r in rows:
-        r.pop("p10_p90")
+    floor_columns(rows, res["memcpy_GBps"], FLOOR_OPS)
+    return rows
+
+
+def _notes(res: dict[str, Any], cfg: dict[str, Any], by: dict[str, dict[str, Any]]) -> list[str]:
+    """What one run's columns mean, with the overlap, the floor's measured bandwidth and the threads."""
     overlap = [f"{name}: dispatch_fp8_then_compute {by[f'{name}_dispatch_fp8_then_compute']['median_us']:.0f} us vs "
                f"dispatch_fp8_hook_overlap {by[f'{name}_dispatch_fp8_hook_overlap']['median_us']:.0f} us"
                for name in cfg["transports"]]
-    notes = [
+    return [
         f"overlap (compute_only {by['compute_only']['median_us']:.0f} us): " + "; ".join(overlap),
         "case names are <transport>_<op>; vs_collective = collective median / this row's median for the same op",
         f"memory-copy floor: the bytes of the op / single-thread memcpy bandwidth (the faster of libc memcpy and torch copy_) measured in this run with "
@@ -173,21 +180,68 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
         f"{cfg['ranks']} ranks share {os.cpu_count()} CPU cores ({res['threads_per_rank']} torch / "
         f"{res['kernel_threads_per_rank']} moe_comm._C thread(s) per rank); shared, noisy VM",
     ]
-    print("\n".join(notes))
-    print(f"bytes: {BYTE_RULE}\n{BANDWIDTH_RULE}\nchecks (max over ranks): "
-          f"{ {k: f'{v:.2e}' for k, v in res['checks_max_over_ranks'].items()} }")
-    write_json(json_path, {"bench": "bench_low_latency", "command": command, "launcher": launcher, "config": cfg,
-                           "byte_rule": BYTE_RULE, "bandwidth_rule": BANDWIDTH_RULE, "notes": notes,
-                           "timing": "per iteration: dist.barrier, then perf_counter around the op; max over ranks",
-                           "memcpy_GBps": res["memcpy_GBps"], "checks_max_over_ranks": res["checks_max_over_ranks"],
-                           "cases": rows})
-    print(f"wrote {json_path}")
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=4, help="local ranks to spawn (ignored under torchrun/mpirun)")
-    p.add_argument("--tokens", type=int, default=128, help="tokens per rank = num_max_dispatch_tokens_per_rank")
+COLUMNS = [("case", "case"), ("median_us", "median_us"), ("p10_p90", "p10/p90_us"),
+           ("send_plus_recv_us", "send+recv_us"), ("GBps_per_rank", "GB/s/rank"),
+           ("vs_collective", "vs_collective(x)"), ("floor_us", "memcpy_floor_us"), ("of_floor", "floor/median"),
+           ("vs_ceiling", "vs_a2a_ceiling")]
+
+
+def report(results: list[dict[str, Any]], command: str, launcher: str, *, cfgs: Sequence[dict[str, Any]],
+           json_path: str, plot_path: Optional[str]) -> None:
+    """Prints a table per run (token count) and writes the JSON record, and the plot if asked (rank 0 only)."""
+    runs = []
+    for res, cfg in zip(results, cfgs):
+        rows = _rows(res, cfg)
+        notes = _notes(res, cfg, {r["case"]: r for r in rows})
+        print(f"== low_latency: ranks {cfg['ranks']}, tokens/rank (M) {cfg['tokens']}, hidden {cfg['hidden']}, "
+              f"topk {cfg['topk']}, experts {cfg['experts']}, compute {cfg['compute']}^3 fp32 matmul")
+        print(format_table(COLUMNS, rows))
+        for r in rows:
+            r.pop("p10_p90")
+        print("\n".join(notes))
+        print(f"bytes: {BYTE_RULE}\n{BANDWIDTH_RULE}\nchecks (max over ranks): "
+              f"{ {k: f'{v:.2e}' for k, v in res['checks_max_over_ranks'].items()} }\n")
+        runs.append({"tokens": cfg["tokens"], "selections_rank0": res["selections_rank0"],
+                     "threads_per_rank": res["threads_per_rank"],
+                     "kernel_threads_per_rank": res["kernel_threads_per_rank"], "notes": notes,
+                     "memcpy_GBps": res["memcpy_GBps"], "checks_max_over_ranks": res["checks_max_over_ranks"],
+                     "cases": rows})
+    record = {"bench": "low_latency", "command": command, "launcher": launcher,
+              "config": {**cfgs[0], "tokens": [c["tokens"] for c in cfgs]}, "byte_rule": BYTE_RULE,
+              "bandwidth_rule": BANDWIDTH_RULE,
+              "timing": "per iteration: dist.barrier, then perf_counter around the op; max over ranks", "runs": runs}
+    title = (f"low latency: {cfgs[0]['ranks']} ranks, hidden {cfgs[0]['hidden']}, top-{cfgs[0]['topk']} of "
+             f"{cfgs[0]['experts']} experts")
+    publish(record, json_path, plot_path, title, panels)
+
+
+def panels(record: dict[str, Any]) -> list[Panel]:
+    """The plot of a JSON record: one panel per op with a floor, a line per transport, the hooked
+    variant's send + recv (FP8 dispatch, combine), the raw all-to-alls beside FP8 dispatch (the same
+    bytes), and the memory-copy floor."""
+    runs = [(run["tokens"], {r["case"]: r for r in run["cases"]}) for run in record["runs"]]
+    transports = record["config"]["transports"]
+    out = []
+    for op in FLOOR_OPS:
+        series = [case_series(runs, f"{t}_{op}", t, "ours") for t in transports]
+        if op != "dispatch_bf16":
+            series += [case_series(runs, f"{t}_{op}_hook_send", f"{t} hooked (send + recv)", "baseline",
+                                   latency="send_plus_recv_us", colour=t) for t in transports]
+        if op == "dispatch_fp8":
+            series += [case_series(runs, "a2a_ceiling_fp8", "raw all_to_all_single (gloo)", "ceiling"),
+                       case_series(runs, "a2a_ceiling_fp8_mpi", "raw MPI_Alltoallv", "ceiling")]
+        series.append(floor_series(runs, f"{transports[0]}_{op}"))
+        out.append(Panel(op, tuple(s for s in series if s is not None)))
+    return out
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> argparse.Namespace:
+    """The options (``prog``: the command's name in usage and errors)."""
+    p = argparse.ArgumentParser(prog=prog, description=" ".join(__doc__.split("\n\n")[0].split()))
+    add_rank_args(p, ranks=4)
+    add_tokens_arg(p, 128, "tokens per rank = num_max_dispatch_tokens_per_rank")
     p.add_argument("--hidden", type=int, default=7168, help="hidden size, a multiple of 128")
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=32, help="total experts, a multiple of the rank count")
@@ -195,23 +249,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--transports", nargs="+", default=default_transports(), choices=TRANSPORTS,
-                   help="transports compared side by side (the first one's outputs are the reference)")
-    p.add_argument("--threads-per-rank", type=int, default=0, help="0: cpu_count // local ranks, at least 1")
-    p.add_argument("--json", default=str(Path(__file__).resolve().parent / "out" / "bench_low_latency.json"))
+    add_output_args(p, "low_latency")
     return p.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = parse_args(argv)
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m moe_comm.bench low_latency") -> None:
+    """Parses ``argv``, runs every token count on the launched (or spawned) ranks and reports."""
+    args = parse_args(argv, prog)
     ranks = launched_ranks(args.ranks)
     if args.experts % ranks or args.hidden % 128 or not 1 <= args.topk <= args.experts or args.iters < 1:
-        raise SystemExit(f"bench_low_latency: need --experts a multiple of the rank count ({ranks}), --hidden a "
+        raise SystemExit(f"low_latency: need --experts a multiple of the rank count ({ranks}), --hidden a "
                          f"multiple of 128, 1 <= --topk <= --experts and --iters >= 1, got {vars(args)}")
-    cfg = {k: getattr(args, k) for k in ("tokens", "hidden", "topk", "experts", "compute", "warmup", "iters", "seed",
-                                         "transports")}
-    launch(run_rank, functools.partial(report, json_path=args.json), cfg, args.ranks, args.threads_per_rank)
-
-
-if __name__ == "__main__":
-    main()
+    cfgs = [{"tokens": t, **{k: getattr(args, k) for k in ("hidden", "topk", "experts", "compute", "warmup", "iters",
+                                                            "seed", "transports")}} for t in args.tokens]
+    launch(run_rank, cfgs, functools.partial(report, cfgs=cfgs, json_path=args.json, plot_path=args.plot),
+           command=command_line(prog, argv), local_ranks=args.ranks, threads_per_rank=args.threads_per_rank)

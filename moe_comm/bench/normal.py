@@ -1,18 +1,20 @@
-"""Normal-mode benchmark: moe-comm dispatch/combine vs the naive all-gather / reduce-scatter baseline.
+"""Normal-mode benchmark: moe-comm dispatch/combine on every transport vs the naive all-gather /
+reduce-scatter baseline, the raw all-to-all and the memory-copy floor.
 
-    python bench/bench_normal.py --ranks 4                   # 4 local ranks (moe_comm.launch.LocalWorld)
-    torchrun --nproc-per-node 4 bench/bench_normal.py        # launcher detected from the environment
-    mpirun -n 4 python bench/bench_normal.py
+    python -m moe_comm.bench normal --ranks 4                    # 4 local ranks (moe_comm.launch.LocalWorld)
+    torchrun --nproc-per-node 4 -m moe_comm.bench normal         # launcher detected from the environment
+    mpirun -n 4 python -m moe_comm.bench normal                  # adds the mpi transport and MPI_Alltoallv
+    python -m moe_comm.bench normal --tokens 128 512 2048 --plot normal.png
 
-Every case runs in the same launch on the same inputs; rank 0 prints a table and writes JSON.
-Time of one iteration = max over ranks of (perf_counter around the op, after a barrier).
+Every case runs in the same launch on the same inputs; rank 0 prints a table per token count and
+writes one JSON record. Time of one iteration = max over ranks of (perf_counter around the op,
+after a barrier).
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import os
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -22,10 +24,17 @@ import moe_comm
 from moe_comm._native import cpu_threads
 from moe_comm.ops import per_token_cast_back, per_token_cast_to_fp8
 
-# sys.path[0] is bench/ when this file runs as a script, so the shared helpers import by name.
-from common import (TRANSPORTS, runs_on, calc_diff, case_rows, default_transports, floor_columns, format_table, gather_results,
-                    launch, launched_ranks, memcpy_bandwidth, mpi_all_to_all, require_all_ranks, time_cases, vs_transport,
-                    write_json)
+from .checks import calc_diff, require_all_ranks
+from .floors import floor_columns, memcpy_bandwidth, mpi_all_to_all, vs_transport
+from .options import add_output_args, add_rank_args, add_tokens_arg, command_line
+from .plot import Panel, case_series, floor_series
+from .ranks import launch, launched_ranks
+from .record import publish
+from .stats import case_rows, gather_results, time_cases
+from .table import format_table
+from .transports import runs_on, split_case
+
+__all__ = ["run_rank", "panels", "main"]
 
 BYTE_RULE = ("DeepEP test_intranode: dispatch BF16 bytes = recv_x.numel()*2 (rows received, own rank "
              "included, x H*2 bytes; top-k ids/weights not counted); FP8 = BF16 bytes*(1+4/128)/2; combine = "
@@ -34,6 +43,8 @@ BYTE_RULE = ("DeepEP test_intranode: dispatch BF16 bytes = recv_x.numel()*2 (row
              "tensor each rank feeds the reduce-scatter. a2a_ceiling = the BF16 dispatch bytes.")
 BANDWIDTH_RULE = ("GB/s per rank = (mean over ranks of that rank's bytes) / median iteration time / 1e9; "
                   "aggregate bytes = sum over ranks (in JSON)")
+#: The moe-comm ops timed on every transport (cases ``<transport>_<op>``).
+OPS = ("dispatch_bf16", "dispatch_fp8", "combine_bf16", "dispatch+combine")
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names in favour of *_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -114,7 +125,7 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     a2a_out = torch.empty(int(recv_counts.sum()), H, dtype=x.dtype)
     sc, rc = send_counts.tolist(), recv_counts.tolist()
 
-    require_all_ranks(ok, "bench_normal", rank, checks, group)
+    require_all_ranks(ok, "normal", rank, checks, group)
 
     bf16 = recv_x.shape[0] * H * 2
     bandwidth = memcpy_bandwidth(group, bf16)
@@ -148,34 +159,31 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
 
 
 # ---------------------------------------------------------------------------- reporting
-def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str, json_path: str) -> None:
-    """Prints the table and writes the JSON record (rank 0 only)."""
-    R = cfg["ranks"]
+def _rows(res: dict[str, Any], cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """One run's table rows, with the ratios against the baseline, the ceiling, collective and the floor."""
     rows = case_rows(res)
     for r in rows:
-        r.update({"ranks": R, "tokens": cfg["tokens"], "hidden": cfg["hidden"], "topk": cfg["topk"],
+        r.update({"ranks": cfg["ranks"], "tokens": cfg["tokens"], "hidden": cfg["hidden"], "topk": cfg["topk"],
                   "experts": cfg["experts"],
                   "GBps_per_rank": r["bytes_per_rank_mean"] / (r["median_us"] * 1e-6) / 1e9})
     by = {r["case"]: r for r in rows}
     for r in rows:
-        op = r["case"].partition("_")[2]
+        op = (split_case(r["case"]) or ("", ""))[1]
         base = by.get("naive_dispatch" if op.startswith("dispatch_") else "naive_combine" if op == "combine_bf16"
                       else "")
-        r["vs_baseline"] = base["median_us"] / r["median_us"] if base and r["case"] != "a2a_ceiling" else None
+        r["vs_baseline"] = base["median_us"] / r["median_us"] if base else None
         r["vs_ceiling"] = r["GBps_per_rank"] / by["a2a_ceiling"]["GBps_per_rank"]
     vs_transport(rows)
-    floor_columns(rows, res["memcpy_GBps"], ("dispatch_bf16", "dispatch_fp8", "combine_bf16", "dispatch+combine"))
-    columns = [("case", "case"), ("ranks", "ranks"), ("tokens", "tokens/rank"), ("hidden", "hidden"),
-               ("topk", "topk"), ("experts", "experts"), ("median_us", "median_us"), ("p10_p90", "p10/p90_us"),
-               ("GBps_per_rank", "GB/s/rank"), ("vs_baseline", "vs_naive(x)"), ("vs_collective", "vs_collective(x)"),
-               ("floor_us", "memcpy_floor_us"), ("of_floor", "floor/median"), ("vs_ceiling", "GB/s_vs_a2a")]
-    print(format_table(columns, rows))
-    for r in rows:
-        r.pop("p10_p90")  # table only; JSON has the numbers
-    notes = [
+    floor_columns(rows, res["memcpy_GBps"], OPS)
+    return rows
+
+
+def _notes(res: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    """What one run's columns mean, with the floor's measured bandwidth and the threads."""
+    return [
         "case names are <transport>_<op>: the same Buffer API over the collective (gloo all_to_all_single), "
-        "shm (shared memory) and mpi (MPI Ialltoallv through mpi4py) transports; vs_collective = collective "
-        "median / this row's median for the same op",
+        "shm (shared memory) and mpi (MPI Ialltoallv through mpi4py) transports and the cuda_host backend; "
+        "vs_collective = collective median / this row's median for the same op",
         f"memory-copy floor: the bytes each rank must receive / single-thread memcpy bandwidth (the faster of libc memcpy and torch copy_) measured in "
         f"this run with every rank copying at once ({res['memcpy_GBps']['concurrent']:.2f} GB/s per rank; one "
         f"rank alone: {res['memcpy_GBps']['alone']:.2f} GB/s, see of_floor_alone in JSON); floor/median = 1.0 "
@@ -191,55 +199,93 @@ def report(res: dict[str, Any], cfg: dict[str, Any], command: str, launcher: str
         "a2a_ceiling: one raw gloo all_to_all_single of the pre-gathered BF16 dispatch rows into a preallocated "
         "buffer (a2a_ceiling_mpi: one blocking MPI_Alltoallv of the same bytes); GB/s_vs_a2a = case GB/s / "
         "a2a_ceiling GB/s",
-        f"{R} ranks share {os.cpu_count()} CPU cores ({res['threads_per_rank']} torch / "
+        f"{cfg['ranks']} ranks share {os.cpu_count()} CPU cores ({res['threads_per_rank']} torch / "
         f"{res['kernel_threads_per_rank']} moe_comm._C thread(s) per rank); shared, noisy VM",
     ]
-    print("\n".join(notes[:2]))
-    print(f"\nbytes: per rank (mean over ranks); {BANDWIDTH_RULE}\nchecks (max over ranks): "
-          f"{ {k: f'{v:.2e}' for k, v in res['checks_max_over_ranks'].items()} }")
-    write_json(json_path, {"bench": "bench_normal", "command": command, "launcher": launcher, "config": cfg,
-                           "threads_per_rank": res["threads_per_rank"],
-                           "kernel_threads_per_rank": res["kernel_threads_per_rank"], "byte_rule": BYTE_RULE,
-                           "bandwidth_rule": BANDWIDTH_RULE, "timing": "per iteration: dist.barrier, then "
-                           "perf_counter around the op (async_finish=False); max over ranks; stats over iterations",
-                           "notes": notes, "memcpy_GBps": res["memcpy_GBps"],
-                           "checks_max_over_ranks": res["checks_max_over_ranks"], "cases": rows})
-    print(f"wrote {json_path}")
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=2, help="local ranks to spawn (ignored under torchrun/mpirun)")
-    p.add_argument("--tokens", type=int, default=512, help="tokens per rank")
+COLUMNS = [("case", "case"), ("ranks", "ranks"), ("tokens", "tokens/rank"), ("hidden", "hidden"),
+           ("topk", "topk"), ("experts", "experts"), ("median_us", "median_us"), ("p10_p90", "p10/p90_us"),
+           ("GBps_per_rank", "GB/s/rank"), ("vs_baseline", "vs_naive(x)"), ("vs_collective", "vs_collective(x)"),
+           ("floor_us", "memcpy_floor_us"), ("of_floor", "floor/median"), ("vs_ceiling", "GB/s_vs_a2a")]
+
+
+def report(results: list[dict[str, Any]], command: str, launcher: str, *, cfgs: Sequence[dict[str, Any]],
+           json_path: str, plot_path: Optional[str]) -> None:
+    """Prints a table per run (token count) and writes the JSON record, and the plot if asked (rank 0 only)."""
+    runs = []
+    for res, cfg in zip(results, cfgs):
+        rows, notes = _rows(res, cfg), _notes(res, cfg)
+        print(f"== normal: {cfg['tokens']} tokens/rank")
+        print(format_table(COLUMNS, rows))
+        for r in rows:
+            r.pop("p10_p90")  # table only; JSON has the numbers
+        print("\n".join(notes[:2]))
+        print(f"\nbytes: per rank (mean over ranks); {BANDWIDTH_RULE}\nchecks (max over ranks): "
+              f"{ {k: f'{v:.2e}' for k, v in res['checks_max_over_ranks'].items()} }\n")
+        runs.append({"tokens": cfg["tokens"], "threads_per_rank": res["threads_per_rank"],
+                     "kernel_threads_per_rank": res["kernel_threads_per_rank"], "notes": notes,
+                     "memcpy_GBps": res["memcpy_GBps"], "checks_max_over_ranks": res["checks_max_over_ranks"],
+                     "cases": rows})
+    record = {"bench": "normal", "command": command, "launcher": launcher,
+              "config": {**cfgs[0], "tokens": [c["tokens"] for c in cfgs]}, "byte_rule": BYTE_RULE,
+              "bandwidth_rule": BANDWIDTH_RULE, "timing": "per iteration: dist.barrier, then perf_counter around "
+              "the op (async_finish=False); max over ranks; stats over iterations", "runs": runs}
+    title = (f"normal mode: {cfgs[0]['ranks']} ranks, hidden {cfgs[0]['hidden']}, top-{cfgs[0]['topk']} of "
+             f"{cfgs[0]['experts']} experts")
+    publish(record, json_path, plot_path, title, panels)
+
+
+def panels(record: dict[str, Any]) -> list[Panel]:
+    """The plot of a JSON record: one panel per op, a line per transport, the naive baseline (latency
+    only: its bytes are counted differently) and the raw all-to-alls where they move the same bytes
+    (BF16 dispatch and combine), and the memory-copy floor."""
+    runs = [(run["tokens"], {r["case"]: r for r in run["cases"]}) for run in record["runs"]]
+    transports = record["config"]["transports"]
+    out = []
+    for op in OPS:
+        series = [case_series(runs, f"{t}_{op}", t, "ours") for t in transports]
+        naive = {"dispatch_bf16": "naive_dispatch", "dispatch_fp8": "naive_dispatch", "combine_bf16": "naive_combine"}
+        if op in naive:
+            series.append(case_series(runs, naive[op], f"{naive[op]} (all-gather / reduce-scatter)", "baseline",
+                                      rate=None))
+        if op in ("dispatch_bf16", "combine_bf16"):
+            series += [case_series(runs, "a2a_ceiling", "raw all_to_all_single (gloo)", "ceiling"),
+                       case_series(runs, "a2a_ceiling_mpi", "raw MPI_Alltoallv", "ceiling")]
+        series.append(floor_series(runs, f"{transports[0]}_{op}"))
+        out.append(Panel(op, tuple(s for s in series if s is not None)))
+    return out
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> argparse.Namespace:
+    """The options (``prog``: the command's name in usage and errors)."""
+    p = argparse.ArgumentParser(prog=prog, description=" ".join(__doc__.split("\n\n")[0].split()))
+    add_rank_args(p, ranks=2)
+    add_tokens_arg(p, 512, "tokens per rank")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size, a multiple of 128 (FP8 scales)")
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=64, help="total experts, a multiple of the rank count")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--transports", nargs="+", default=default_transports(), choices=TRANSPORTS,
-                   help="transports compared side by side (the first one's outputs are the reference)")
-    p.add_argument("--threads-per-rank", type=int, default=0, help="0: cpu_count // local ranks, at least 1")
-    p.add_argument("--json", default=str(Path(__file__).resolve().parent / "out" / "bench_normal.json"))
+    add_output_args(p, "normal")
     return p.parse_args(argv)
 
 
 def _check_shapes(args: argparse.Namespace, ranks: int) -> None:
     if args.experts % ranks:
-        raise SystemExit(f"bench_normal: --experts ({args.experts}) must be a multiple of the rank count ({ranks})")
+        raise SystemExit(f"normal: --experts ({args.experts}) must be a multiple of the rank count ({ranks})")
     if args.hidden % 128:
-        raise SystemExit(f"bench_normal: --hidden ({args.hidden}) must be a multiple of 128 for the FP8 scales")
+        raise SystemExit(f"normal: --hidden ({args.hidden}) must be a multiple of 128 for the FP8 scales")
     if not 1 <= args.topk <= args.experts or args.iters < 1:
-        raise SystemExit(f"bench_normal: need 1 <= --topk <= --experts and --iters >= 1, got {vars(args)}")
+        raise SystemExit(f"normal: need 1 <= --topk <= --experts and --iters >= 1, got {vars(args)}")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = parse_args(argv)
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m moe_comm.bench normal") -> None:
+    """Parses ``argv``, runs every token count on the launched (or spawned) ranks and reports."""
+    args = parse_args(argv, prog)
     _check_shapes(args, launched_ranks(args.ranks))
-    cfg = {k: getattr(args, k) for k in ("tokens", "hidden", "topk", "experts", "warmup", "iters", "seed",
-                                         "transports")}
-    launch(run_rank, functools.partial(report, json_path=args.json), cfg, args.ranks, args.threads_per_rank)
-
-
-if __name__ == "__main__":
-    main()
+    cfgs = [{"tokens": t, **{k: getattr(args, k) for k in ("hidden", "topk", "experts", "warmup", "iters", "seed",
+                                                            "transports")}} for t in args.tokens]
+    launch(run_rank, cfgs, functools.partial(report, cfgs=cfgs, json_path=args.json, plot_path=args.plot),
+           command=command_line(prog, argv), local_ranks=args.ranks, threads_per_rank=args.threads_per_rank)
