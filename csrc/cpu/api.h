@@ -195,6 +195,36 @@ void low_latency_combine_digests(int64_t* returned, int64_t* asked, const int64_
 int64_t low_latency_layout_check(const int64_t* layout_range, int64_t num_local_experts, int64_t num_ranks,
                                  int64_t rows_per_expert);
 
+// LogFMT-10 rows, DeepEP's 10-bit combine format: csrc/common/logfmt.h holds the format and the formula,
+// moe_comm/ops/logfmt.py its torch reference. hidden must be a positive multiple of 128 (checked).
+// Bytes of one row's slot: 2 * hidden + 4 * hidden / 128 (every chunk raw; cast chunks take less).
+int64_t logfmt_row_bytes(int64_t hidden);
+
+// Encodes row r of x (hidden bf16 at x + r * x_stride elements) into the logfmt_row_bytes(hidden)
+// bytes at out + r * out_stride; the bytes past the row's encoded length are zeroed.
+void logfmt_encode_rows(uint8_t* out, const uint16_t* x,
+                        int64_t num_rows, int64_t hidden, int64_t out_stride, int64_t x_stride, int num_threads);
+
+// Decodes: out[r * hidden + i] = 0 + decoded_i * 1 (fp32) for the row at enc + r * enc_stride. Any bytes
+// decode (to some values) without a read outside the row's logfmt_row_bytes(hidden).
+void logfmt_decode_rows(float* out, const uint8_t* enc,
+                        int64_t num_rows, int64_t hidden, int64_t enc_stride, int num_threads);
+
+// combine_reduce over LogFMT rows (DeepEP's use_logfmt combine), in the same fixed order:
+//   acc = 0; for j in 0..num_sources-1: if send_pos[t, j] >= 0:
+//       acc += decoded(record send_pos[t, j] of source j) * scale[t, j]
+//   out[t] = dtype(acc + bias0[t] + bias1[t])        (each bias optional, fp32 adds)
+// where each record holds a LogFMT row of `hidden` channels (logfmt_row_bytes(hidden) bytes) at byte
+// x_offset, decoded straight into the accumulation (logfmt::decode_accumulate_row); without `scale`
+// the weight is 1 (the same bits as an unscaled add). Multiply, then add: no FMA.
+// Checks: hidden a positive multiple of 128, every send_pos[t, j] in [-1, source_rows[j]), and the
+// row inside a record.
+void combine_reduce_logfmt(void* out,
+                           const uint8_t* const* sources, const int64_t* source_rows, const int32_t* send_pos,
+                           const float* scale, const void* bias0, const void* bias1,
+                           int64_t num_tokens, int64_t num_sources, int64_t hidden, DType dtype,
+                           int64_t record_bytes, int64_t x_offset, int num_threads);
+
 // Number of hardware threads, the default for num_threads.
 int hardware_threads();
 

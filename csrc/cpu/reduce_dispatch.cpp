@@ -1,8 +1,9 @@
 // combine_reduce: checks its indices, then runs the AVX2 build of reduce.cpp where the CPU has it,
-// else the generic build.
+// else the generic build. combine_reduce_logfmt: the same checks, then reduce_logfmt.cpp.
 #include "api.h"
 #include "bounds.h"
 #include "check.h"
+#include "../common/logfmt.h"
 
 #include <atomic>
 #include <string_view>
@@ -24,6 +25,12 @@ namespace avx2 {
 CombineReduce combine_reduce;
 }
 #endif
+
+namespace logfmt_reduce {
+void combine_reduce_logfmt(void* out, const uint8_t* const* sources, const int32_t* send_pos, const float* scale,
+                           const void* bias0, const void* bias1, int64_t num_tokens, int64_t num_sources,
+                           int64_t hidden, DType dtype, int64_t record_bytes, int64_t x_offset, int num_threads);
+}
 
 namespace {
 
@@ -74,6 +81,25 @@ void combine_reduce(void* out, float* out_weights,
 #endif
     generic::combine_reduce(out, out_weights, sources, send_pos, scale, bias0, bias1, num_tokens, num_sources, hidden,
                             dtype, record_bytes, x_offset, weights_offset, num_topk, num_threads);
+}
+
+void combine_reduce_logfmt(void* out,
+                           const uint8_t* const* sources, const int64_t* source_rows, const int32_t* send_pos,
+                           const float* scale, const void* bias0, const void* bias1,
+                           int64_t num_tokens, int64_t num_sources, int64_t hidden, DType dtype,
+                           int64_t record_bytes, int64_t x_offset, int num_threads) {
+    MC_CHECK(dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16,
+             "combine_reduce_logfmt: unknown dtype code " << static_cast<int>(dtype));
+    MC_CHECK(logfmt::valid_hidden(hidden),
+             "combine_reduce_logfmt: hidden must be a positive multiple of " << logfmt::kGroup << ", got " << hidden);
+    MC_CHECK(num_tokens >= 0 && num_sources >= 0 && record_bytes >= 0,
+             "combine_reduce_logfmt: num_tokens, num_sources and record_bytes must be >= 0, got "
+                 << num_tokens << ", " << num_sources << ", " << record_bytes);
+    check_in_record("combine_reduce_logfmt", "LogFMT field x", x_offset, logfmt::max_row_bytes(hidden), 1,
+                    record_bytes);
+    check_send_pos(send_pos, source_rows, num_tokens, num_sources);
+    logfmt_reduce::combine_reduce_logfmt(out, sources, send_pos, scale, bias0, bias1, num_tokens, num_sources, hidden,
+                                         dtype, record_bytes, x_offset, num_threads);
 }
 
 namespace {

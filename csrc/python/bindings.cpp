@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../common/logfmt.h"
 #include "../cpu/api.h"
 #include "../cpu/flags.h"
 
@@ -44,6 +45,32 @@ py::dict build_info() {
     info["combine_reduce_isa"] = cpu::combine_reduce_isa();
     info["quantize_rows_isa"] = cpu::quantize_rows_isa();
     return info;
+}
+
+// Every constant of csrc/common/logfmt.h's formula, for the torch reference (moe_comm/ops/logfmt.py).
+py::dict logfmt_constants() {
+    namespace lf = moe_comm::logfmt;
+    py::dict c;
+    c["group"] = lf::kGroup;
+    c["meta_bytes"] = lf::kMetaBytes;
+    c["block"] = lf::kBlock;
+    c["block_bytes"] = lf::kBlockBytes;
+    c["wide_chunk"] = lf::kWideChunk;
+    c["narrow_chunk"] = lf::kNarrowChunk;
+    c["code_bits"] = lf::kCodeBits;
+    c["max_code"] = lf::kMaxCode;
+    c["num_steps"] = lf::kNumSteps;
+    c["min_clip"] = lf::kMinClip;
+    c["log2_coefficients"] = std::vector<float>{lf::kLog2C1, lf::kLog2C2, lf::kLog2C3, lf::kLog2C4, lf::kLog2C5};
+    c["inv_ln2_hi"] = lf::kInvLn2Hi;
+    c["inv_ln2_lo"] = lf::kInvLn2Lo;
+    c["hi_mask"] = lf::kHiMask;
+    c["sqrt2_bits"] = lf::kSqrt2Bits;
+    c["exp2_coefficients"] = std::vector<float>{lf::kExp2C1, lf::kExp2C2, lf::kExp2C3, lf::kExp2C4, lf::kExp2C5,
+                                                lf::kExp2C6, lf::kExp2C7};
+    c["round_magic"] = lf::kRoundMagic;
+    c["exp2_clamp"] = lf::kExp2Clamp;
+    return c;
 }
 
 }  // namespace
@@ -133,6 +160,51 @@ PYBIND11_MODULE(_C, m) {
         py::arg("scale"),
         py::arg("bias0"), py::arg("bias1"), py::arg("num_tokens"), py::arg("num_sources"), py::arg("hidden"), py::arg("dtype"),
         py::arg("record_bytes"), py::arg("x_offset"), py::arg("weights_offset"), py::arg("num_topk"),
+        py::arg("num_threads"));
+
+    m.def(
+        "combine_reduce_logfmt",
+        [](std::uintptr_t out, const std::vector<std::uintptr_t>& sources, const std::vector<int64_t>& source_rows,
+           std::uintptr_t send_pos, std::uintptr_t scale, std::uintptr_t bias0, std::uintptr_t bias1,
+           int64_t num_tokens, int64_t num_sources, int64_t hidden, cpu::DType dtype, int64_t record_bytes,
+           int64_t x_offset, int num_threads) {
+            if (static_cast<int64_t>(sources.size()) != num_sources || source_rows.size() != sources.size())
+                throw std::invalid_argument("combine_reduce_logfmt: need one records base and one row count per "
+                                            "source (" + std::to_string(num_sources) + "), got " +
+                                            std::to_string(sources.size()) + " and " +
+                                            std::to_string(source_rows.size()));
+            std::vector<const uint8_t*> bases(sources.size());
+            for (size_t j = 0; j < sources.size(); ++j) bases[j] = ptr<const uint8_t>(sources[j]);
+            py::gil_scoped_release release;
+            cpu::combine_reduce_logfmt(ptr<void>(out), bases.data(), source_rows.data(), ptr<const int32_t>(send_pos),
+                                       ptr<const float>(scale), ptr<const void>(bias0), ptr<const void>(bias1),
+                                       num_tokens, num_sources, hidden, dtype, record_bytes, x_offset, num_threads);
+        },
+        py::arg("out"), py::arg("sources"), py::arg("source_rows"), py::arg("send_pos"), py::arg("scale"),
+        py::arg("bias0"), py::arg("bias1"), py::arg("num_tokens"), py::arg("num_sources"), py::arg("hidden"),
+        py::arg("dtype"), py::arg("record_bytes"), py::arg("x_offset"), py::arg("num_threads"));
+
+    m.def("logfmt_row_bytes", &cpu::logfmt_row_bytes, py::arg("hidden"));
+    m.def("logfmt_constants", &logfmt_constants, "The constants of csrc/common/logfmt.h's formula.");
+    m.def(
+        "logfmt_encode_rows",
+        [](std::uintptr_t out, std::uintptr_t x, int64_t num_rows, int64_t hidden, int64_t out_stride,
+           int64_t x_stride, int num_threads) {
+            py::gil_scoped_release release;
+            cpu::logfmt_encode_rows(ptr<uint8_t>(out), ptr<const uint16_t>(x), num_rows, hidden, out_stride, x_stride,
+                                    num_threads);
+        },
+        py::arg("out"), py::arg("x"), py::arg("num_rows"), py::arg("hidden"), py::arg("out_stride"),
+        py::arg("x_stride"), py::arg("num_threads"));
+    m.def(
+        "logfmt_decode_rows",
+        [](std::uintptr_t out, std::uintptr_t enc, int64_t num_rows, int64_t hidden, int64_t enc_stride,
+           int num_threads) {
+            py::gil_scoped_release release;
+            cpu::logfmt_decode_rows(ptr<float>(out), ptr<const uint8_t>(enc), num_rows, hidden, enc_stride,
+                                    num_threads);
+        },
+        py::arg("out"), py::arg("enc"), py::arg("num_rows"), py::arg("hidden"), py::arg("enc_stride"),
         py::arg("num_threads"));
 
     m.def(
