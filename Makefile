@@ -35,11 +35,14 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*/*) $(wildcard csrc/*/*
 	command -v spin >/dev/null || { command -v apt-get >/dev/null && { [ "$$(id -u)" = 0 ] && SUDO= || SUDO=sudo; \
 		$$SUDO apt-get install -y -q spin >/dev/null 2>&1 || { $$SUDO apt-get update -q >/dev/null && \
 		$$SUDO apt-get install -y -q spin >/dev/null; }; }; } || echo "spin not installed: the SPIN model tests will skip"
+	command -v ip >/dev/null || { command -v apt-get >/dev/null && { [ "$$(id -u)" = 0 ] && SUDO= || SUDO=sudo; \
+		$$SUDO apt-get install -y -q iproute2 >/dev/null 2>&1 || { $$SUDO apt-get update -q >/dev/null && \
+		$$SUDO apt-get install -y -q iproute2 >/dev/null; }; }; } || echo "iproute2 not installed: the multi-host test will skip"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)" numpy pybind11 "scikit-build-core>=0.10" cmake ninja \
 		"$(NVDISASM_SPEC)"
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,mpi]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,mpi,plot]"
 	touch $(STAMP)
 
 # `make demo BACKEND=cuda_host` runs it on the CUDA kernels' host build.
@@ -71,12 +74,14 @@ test-triton-versions: setup $(TRITON_OVERLAYS)
 	$(call triton_tests,$(TRITON_LOWEST))
 	$(call triton_tests,$(TRITON_NEWEST))
 
+# The user benchmarks ship in the package (python -m moe_comm.bench NAME, JSON in ./moe_comm_bench_out/);
+# bench/bench_kernels.py is the developers' one.
 bench: setup
-	$(PY) bench/bench_normal.py --ranks 4
-	$(PY) bench/bench_low_latency.py --ranks 4
-	$(PY) bench/bench_moe.py --ranks 2
+	$(PY) -m moe_comm.bench normal --ranks 4
+	$(PY) -m moe_comm.bench low_latency --ranks 4
+	$(PY) -m moe_comm.bench moe --ranks 2
+	$(PY) -m moe_comm.bench ops
 	$(PY) bench/bench_kernels.py
-	$(PY) bench/bench_ops.py
 
 # Do the Triton kernels get through triton-ascend's front end (TTIR -> Linalg, for Ascend A2/A3)?
 # Necessary, not sufficient: see tools/triton_ascend_check.py. Its own venv, because the
