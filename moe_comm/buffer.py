@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 from . import backends, env
 from .backends.base import Backend, collective
+from .backends.portable.internode import check_tokens_per_node, tokens_per_node
 from .checks import check_bools, check_int, describe
-from .config import Config, combine_config, dispatch_config
+from .config import Config, check_internode_combine_config, combine_config, dispatch_config
 from .errors import bad_argument
 from .event import EventHandle, EventOverlap
 from .handle import NormalHandle
@@ -115,6 +116,8 @@ class Buffer(LowLatencyAPI):
             buffer_bytes=max(num_nvl_bytes, num_rdma_bytes), shrink=enable_shrink)
         self.transport_name = self.runtime.transport_name
         self.rank, self.group_size = self.runtime.rank, self.runtime.num_ranks
+        #: DeepEP's node split of the group: its internode forms apply when ``topology.internode``
+        self.topology = self.runtime.topology
 
     def __repr__(self) -> str:
         return (f"Buffer(rank {self.rank} of {self.group_size}, {self.backend_choice}"
@@ -136,8 +139,12 @@ class Buffer(LowLatencyAPI):
 
     @staticmethod
     def is_sm90_compiled() -> bool:
-        """Whether a backend that can run here has SM90 CUDA kernels (FP8 tuples dispatch on every backend)."""
-        return backends.is_sm90_compiled()
+        """True: FP8 normal dispatch (``(x_fp8, scales)`` tuples) is available. DeepEP answers whether
+        it was built with SM90 features, and its callers (its own tests, vLLM, SGLang) ask it to decide
+        whether to use FP8 dispatch; every moe-comm backend transports FP8 tuples on every device, so
+        the answer is what they mean by it. ``moe_comm.build_info()["cuda_archs"]`` lists the GPU
+        architectures actually compiled."""
+        return backends.fp8_dispatch()
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
@@ -221,7 +228,8 @@ class Buffer(LowLatencyAPI):
                 ``e // (num_experts // num_ranks)``.
         Returns:
             ``(num_tokens_per_rank [R] int32`` (a token counts once per rank), ``num_tokens_per_rdma_rank``
-            (always None: the group is one node), ``num_tokens_per_expert [E] int32``,
+            (``[num_nodes]`` int32, a token counting once per node, when the group spans several nodes
+            (``Buffer.topology``); else None, as DeepEP), ``num_tokens_per_expert [E] int32``,
             ``is_token_in_rank [T, R] bool``, ``event)``.
         """
         op = "get_dispatch_layout"
@@ -231,8 +239,10 @@ class Buffer(LowLatencyAPI):
                           topk_idx.device if isinstance(topk_idx, torch.Tensor) else torch.device("cpu"))
         topk_idx = check_topk_idx(op, topk_idx, num_experts, None, None)
         layout = self.runtime.get_dispatch_layout(topk_idx, num_experts)
+        per_node = tokens_per_node(layout.is_token_in_rank, self.topology).to(topk_idx.device) \
+            if self.topology.internode else None
         event = EventOverlap(EventHandle()) if async_finish else EventOverlap()
-        return layout.num_tokens_per_rank, None, layout.num_tokens_per_expert, layout.is_token_in_rank, event
+        return layout.num_tokens_per_rank, per_node, layout.num_tokens_per_expert, layout.is_token_in_rank, event
 
     @collective("dispatch")
     def dispatch(self, x: XType, handle: Optional[tuple] = None,
@@ -256,7 +266,8 @@ class Buffer(LowLatencyAPI):
                 returns ``(recv_x, None, None, None, None, event)``.
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from ``get_dispatch_layout``;
                 when all None, computed from ``topk_idx`` and the keyword ``num_experts`` (moe-comm only).
-            num_tokens_per_rdma_rank: accepted and ignored (one node).
+            num_tokens_per_rdma_rank: from ``get_dispatch_layout`` across nodes (checked against the
+                routing when given); ignored on one node, as DeepEP.
             topk_idx, topk_weights: `[T, K]` int64 / float32, given together.
             expert_alignment: each entry of the per-expert list is rounded up to a multiple of it.
             num_worst_tokens: if > 0, outputs have this many rows (padding: x and scales 0,
@@ -267,7 +278,9 @@ class Buffer(LowLatencyAPI):
             Rows arrive grouped by source rank ascending, then source token ascending, one row per
             (token, rank). ``recv_topk_idx`` holds local expert ids or -1 (weight 0.0 there). The
             handle is DeepEP's 6-tuple; ``handle[0]`` is the inclusive rank prefix matrix, ``handle[3]``
-            the source token of each row, ``handle[4]`` ``is_token_in_rank``.
+            the source token of each row, ``handle[4]`` ``is_token_in_rank``. Across nodes it is DeepEP's
+            internode 10-tuple (``handle.InternodeHandle``; ``handle[-4]`` is the inclusive prefix of the
+            rows received from each rank); rows come in the same order.
         """
         op = "dispatch"
         config = self._config(op, config, Buffer.get_dispatch_config)
@@ -276,7 +289,8 @@ class Buffer(LowLatencyAPI):
             if topk_idx is not None or topk_weights is not None:
                 bad_argument(op, "topk_idx and topk_weights", "None in cached mode (handle given)",
                              f"topk_idx={describe(topk_idx)}, topk_weights={describe(topk_weights)}")
-            cached = NormalHandle.from_tuple(op, handle, self.rank, self.group_size, data.device)
+            cached = NormalHandle.from_tuple(op, handle, self.rank, self.group_size, data.device,
+                                             self.topology.internode)
             if cached.is_token_in_rank.shape[0] != data.shape[0]:
                 bad_argument(op, "x", f"{cached.is_token_in_rank.shape[0]} rows (the tokens of the handle's dispatch)",
                              describe(data))
@@ -286,6 +300,8 @@ class Buffer(LowLatencyAPI):
             routing = check_dispatch_routing(op, data, self.group_size, num_tokens_per_rank, is_token_in_rank,
                                              num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                              num_worst_tokens, num_experts)
+            if self.topology.internode:
+                check_tokens_per_node(op, num_tokens_per_rdma_rank, routing.layout.is_token_in_rank, self.topology)
             self._begin(op, previous_event, async_finish, allocate_on_comm_stream)
             result = self.runtime.dispatch(data, scales, routing.topk_idx, routing.topk_weights, routing.layout,
                                            expert_alignment, num_worst_tokens, config)
@@ -314,13 +330,16 @@ class Buffer(LowLatencyAPI):
         Returns:
             ``(combined_x [T, H]`` x's dtype, ``combined_topk_weights [T, K]`` float32 or None, ``event)``,
             ``combined_x[t] = ((sum over ranks r ascending of rank r's row for t) + bias0[t]) + bias1[t]``,
-            every add in fp32, rounded once: bitwise reproducible.
+            every add in fp32, rounded once: bitwise reproducible. Across nodes the sum runs in DeepEP's two
+            levels (``ops.node_reduce``): each node's ranks first, rounded to x's dtype, then the nodes.
         """
         op = "combine"
         config = self._config(op, config, Buffer.get_combine_config)
         if not isinstance(x, torch.Tensor):
             bad_argument(op, "x", "a tensor", describe(x), kind=TypeError)
-        parsed = NormalHandle.from_tuple(op, handle, self.rank, self.group_size, x.device)
+        parsed = NormalHandle.from_tuple(op, handle, self.rank, self.group_size, x.device, self.topology.internode)
+        if self.topology.internode:
+            check_internode_combine_config(op, config, self.topology.num_nodes)
         x, topk_weights, bias0, bias1 = check_combine_args(op, x, parsed, self.rank, topk_weights, bias)
         self._begin(op, previous_event, async_finish, allocate_on_comm_stream)
         out, out_weights, finish = self.runtime.combine(x, parsed, topk_weights, bias0, bias1, config)

@@ -59,6 +59,9 @@ class Field(IntEnum):
     PREFIX_DIGEST = 14    # digest of a normal handle's rank prefix matrix (the same matrix on every rank)
     NUM_MAX_NVL_CHUNKED_SEND_TOKENS = 15  # the Config's ring geometry: kernels size rings by it
     NUM_MAX_NVL_CHUNKED_RECV_TOKENS = 16
+    NUM_MAX_RDMA_CHUNKED_SEND_TOKENS = 17  # compared across nodes only (DeepEP's RDMA rings)
+    NUM_MAX_RDMA_CHUNKED_RECV_TOKENS = 18
+    USE_LOGFMT = 19       # a low-latency combine's row format (1: LogFMT-10): sizes the records
 
     @property
     def label(self) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from .checks import check_int
 from .errors import bad_argument
 
-__all__ = ["Config", "NUM_MAX_NVL_PEERS", "dispatch_config", "combine_config"]
+__all__ = ["Config", "NUM_MAX_NVL_PEERS", "check_internode_combine_config", "dispatch_config", "combine_config"]
 
 NUM_MAX_NVL_PEERS = 8
 _MAX_TOPK = 128  # DeepEP sizes its buffers for up to 128 top-k entries and 128 scales per token
@@ -127,3 +127,16 @@ def dispatch_config(num_ranks: int, num_sms: int) -> Config:
 def combine_config(num_ranks: int, num_sms: int) -> Config:
     """DeepEP's recommended combine ``Config`` for ``num_ranks`` (any value >= 1)."""
     return _pick(_COMBINE, num_ranks, num_sms, "get_combine_config")
+
+
+def check_internode_combine_config(op: str, config: Config, num_nodes: int) -> None:
+    """DeepEP's extra invariants of a combine config across ``num_nodes`` nodes (its NVLink queues are
+    split per source node): ``num_max_nvl_chunked_recv_tokens % num_nodes == 0`` and
+    ``num_max_nvl_chunked_send_tokens <= num_max_nvl_chunked_recv_tokens / num_nodes``."""
+    recv, send = config.num_max_nvl_chunked_recv_tokens, config.num_max_nvl_chunked_send_tokens
+    if recv % num_nodes:
+        bad_argument(op, "config.num_max_nvl_chunked_recv_tokens", f"a multiple of the node count {num_nodes} "
+                     f"(DeepEP's internode combine)", recv)
+    if send > recv // num_nodes:
+        bad_argument(op, "config.num_max_nvl_chunked_send_tokens", f"<= num_max_nvl_chunked_recv_tokens / nodes "
+                     f"= {recv} / {num_nodes} = {recv // num_nodes} (DeepEP's internode combine)", send)

@@ -1,4 +1,5 @@
-"""Dispatch handles: DeepEP's normal-mode 6-tuple and low-latency 5-tuple, named inside the library.
+"""Dispatch handles: DeepEP's normal-mode 6-tuple (10-tuple across nodes) and low-latency 5-tuple,
+named inside the library.
 
 A handle comes back from the caller, who may have changed it. ``from_tuple`` checks every index it
 carries against what it indexes before any byte moves, and the fields that follow from others
@@ -8,6 +9,7 @@ carries) is checked by the handshake's digests, on every rank at once.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -20,7 +22,57 @@ from .backends.portable.digest import sent_tokens
 from .ops.layout import SendPlan, plan_sends
 from .backends.portable.low_latency_layout import layout_range_check
 
-__all__ = ["NormalHandle", "LowLatencyHandle", "SendPlan", "plan_sends"]
+__all__ = ["InternodeFields", "InternodeHandle", "NormalHandle", "LowLatencyHandle", "SendPlan", "plan_sends"]
+
+
+@dataclass(frozen=True)
+class InternodeFields:
+    """The fields DeepEP's internode handle adds (Rn nodes, R ranks, C channels, T tokens sent, N rows
+    received, N_rdma tokens this rank forwards; ``backends.portable.internode`` computes them)."""
+
+    # rdma_channel_prefix_matrix[n, c] = tokens this rank sends to node n from channels 0..c     [Rn, C] int32
+    rdma_channel_prefix_matrix: torch.Tensor
+    # recv_rdma_channel_prefix_matrix[n, c] = the same prefix of the rank with this rank's local
+    # index in node n, for this rank's node (the tokens this rank forwards from n)             [Rn, C] int32
+    recv_rdma_channel_prefix_matrix: torch.Tensor
+    # recv_rdma_rank_prefix_sum[n] = tokens this rank forwards from nodes 0..n                   [Rn] int32
+    recv_rdma_rank_prefix_sum: torch.Tensor
+    # recv_gbl_channel_prefix_matrix[r, c] = first received row of source r's channel c         [R, C] int32
+    recv_gbl_channel_prefix_matrix: torch.Tensor
+    # recv_gbl_rank_prefix_sum[r] = rows received from ranks 0..r                                [R] int32
+    recv_gbl_rank_prefix_sum: torch.Tensor
+    # recv_src_meta[i] = DeepEP's SourceMeta of row i: int32 source node, int32 bit l set when the
+    # token also goes to local rank l of this rank's node (node -1 on padding rows)              [N, 8] uint8
+    recv_src_meta: torch.Tensor
+    # send_rdma_head[t, n] = token t's position among channel c(t)'s tokens to node n, or -1     [T, Rn] int32
+    send_rdma_head: torch.Tensor
+    # send_nvl_head[i, l] = forwarded token i's position among its channel's tokens to local rank l
+    # (forwarded tokens by source node, then token), or -1                                [N_rdma, 8] int32
+    send_nvl_head: torch.Tensor
+
+
+class InternodeHandle(tuple):
+    """DeepEP's internode handle, a 10-tuple ``(is_token_in_rank, rdma_channel_prefix_matrix,
+    gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
+    recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head,
+    send_nvl_head)`` (callers index it: ``handle[-4]`` is ``recv_gbl_rank_prefix_sum``), that also
+    carries the routing moe-comm combines by (``routing``), since the 10 fields do not say which
+    source token each received row is."""
+
+    routing: "NormalHandle"
+
+    def __new__(cls, routing: "NormalHandle") -> "InternodeHandle":
+        f = routing.internode
+        assert f is not None
+        self = super().__new__(cls, (routing.is_token_in_rank, f.rdma_channel_prefix_matrix,
+                                     routing.channel_prefix_matrix, f.recv_rdma_channel_prefix_matrix,
+                                     f.recv_rdma_rank_prefix_sum, f.recv_gbl_channel_prefix_matrix,
+                                     f.recv_gbl_rank_prefix_sum, f.recv_src_meta, f.send_rdma_head, f.send_nvl_head))
+        self.routing = routing
+        return self
+
+    def __getnewargs__(self) -> tuple:  # pickling and copying rebuild it from the routing
+        return (self.routing,)
 
 
 @dataclass(frozen=True)
@@ -47,10 +99,19 @@ class NormalHandle:
     # destination rank, then token), i.e. where combine finds it among the rows rank r returns; -1
     # if not sent. (DeepEP stores a ring-buffer slot here; only combine reads it.)        [T, R] int32
     send_head: torch.Tensor
+    # the internode fields, when the group spans several nodes (``topology.Topology.internode``)
+    internode: Optional[InternodeFields] = None
 
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        """DeepEP's handle: the 6-tuple, or the ``InternodeHandle`` 10-tuple across nodes."""
+        if self.internode is not None:
+            return InternodeHandle(self)
         return (self.rank_prefix_matrix, self.channel_prefix_matrix, self.recv_channel_prefix_matrix,
                 self.recv_src_idx, self.is_token_in_rank, self.send_head)
+
+    def with_internode(self, fields: InternodeFields) -> "NormalHandle":
+        """This handle with its internode fields."""
+        return dataclasses.replace(self, internode=fields)
 
     @functools.cached_property
     def plan(self) -> SendPlan:
@@ -79,8 +140,18 @@ class NormalHandle:
         return int(self.rank_prefix_matrix[-1, rank].item())
 
     @staticmethod
-    def from_tuple(op: str, handle: Any, rank: int, num_ranks: int, device: torch.device) -> "NormalHandle":
-        """Checks a DeepEP-style handle tuple for this rank and wraps it."""
+    def from_tuple(op: str, handle: Any, rank: int, num_ranks: int, device: torch.device,
+                   internode: bool = False) -> "NormalHandle":
+        """Checks a DeepEP-style handle for this rank and wraps it: the 6-tuple, or across nodes
+        (``internode``) the ``InternodeHandle`` a dispatch of this group returned."""
+        if internode:
+            if isinstance(handle, InternodeHandle) and handle.routing.is_token_in_rank.shape[1] == num_ranks:
+                return handle.routing
+            bad_argument(op, "handle", "the 10-tuple handle a dispatch of this buffer returned (the group spans "
+                         "several nodes; moe-comm's internode handle carries the routing besides DeepEP's 10 "
+                         "fields, so a tuple rebuilt from them cannot be used)",
+                         f"{type(handle).__name__} of length {len(handle) if hasattr(handle, '__len__') else '?'}",
+                         kind=TypeError)
         if not isinstance(handle, (tuple, list)) or len(handle) != 6:
             bad_argument(op, "handle", "the 6-tuple returned by a non-cached dispatch",
                          f"{type(handle).__name__} of length {len(handle) if hasattr(handle, '__len__') else '?'}",

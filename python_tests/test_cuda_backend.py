@@ -79,14 +79,6 @@ def test_build_info_reports_the_device_build():
         assert info["cuda_archs"], "moe_comm._cuda holds no GPU code"
 
 
-@pytest.mark.skipif(not CUDA_BUILT, reason="moe_comm._cuda is not built")
-def test_is_sm90_compiled_follows_the_fat_binary():
-    from moe_comm.backends.cuda.device_backend import CudaBackend
-    assert CudaBackend.is_sm90_compiled() is ("sm_90" in _native.cuda_archs())
-    # Buffer.is_sm90_compiled asks the backends that can run here
-    assert moe_comm.Buffer.is_sm90_compiled() is (REASON is None and CudaBackend.is_sm90_compiled())
-
-
 def test_import_moe_comm_leaves_the_cuda_backends_out():
     from fresh_python import run_python
     done = run_python("""

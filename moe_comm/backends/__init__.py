@@ -27,7 +27,7 @@ from ..errors import BackendUnavailableError
 from .base import Backend
 
 __all__ = ["Backend", "Choice", "CUDA_HOST", "KNOWN", "PORTABLE", "available", "unavailable_reason", "choose", "create",
-           "is_sm90_compiled"]
+           "fp8_dispatch"]
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,6 @@ def create(choice: Choice, **kwargs: Any) -> Backend:
     return factory(**kwargs)
 
 
-def is_sm90_compiled() -> bool:
-    """Whether any backend that can run here has kernels compiled for SM90."""
-    return any(_built()[name].is_sm90_compiled() for name in available())
+def fp8_dispatch() -> bool:
+    """Whether a backend that can run here dispatches FP8 ``(x, scales)`` tuples (every one does)."""
+    return any(_built()[name].fp8_dispatch() for name in available())

@@ -23,6 +23,7 @@ from ..codes import Fp8Format
 from ..config import Config
 from ..handle import LowLatencyHandle, NormalHandle
 from ..ops import DispatchLayout
+from ..topology import Topology
 
 __all__ = ["Backend", "DispatchResult", "LowLatencyDispatch", "Receive", "collective"]
 
@@ -84,6 +85,8 @@ class Backend(abc.ABC):
     num_ranks: int
     #: the transport it moves bytes over, for backends built on one (``moe_comm.transport``), else None
     transport_name: Optional[str] = None
+    #: DeepEP's node split of the group (internode forms when it has several nodes)
+    topology: Topology
 
     # ------------------------------------------------------------------ calls and lifetime
     @abc.abstractmethod
@@ -101,9 +104,10 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------------ device facts (DeepEP's)
     @classmethod
-    def is_sm90_compiled(cls) -> bool:
-        """Whether this backend runs kernels compiled for SM90 (DeepEP's FP8 paths)."""
-        return False
+    def fp8_dispatch(cls) -> bool:
+        """Whether ``dispatch`` takes ``(x_fp8, scales)`` tuples: what DeepEP's callers ask
+        ``Buffer.is_sm90_compiled()`` before FP8 normal mode (DeepEP builds FP8 only with SM90)."""
+        return True
 
     @abc.abstractmethod
     def get_comm_stream(self) -> Any:
@@ -148,8 +152,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, zero_copy: bool, out: Optional[torch.Tensor],
-                            wait_stats: Optional[torch.Tensor], hook: bool) -> tuple[torch.Tensor, Receive]:
-        """Low-latency combine: ``(out, receive)``; the receive fills ``out``."""
+                            wait_stats: Optional[torch.Tensor], hook: bool,
+                            use_logfmt: bool = False) -> tuple[torch.Tensor, Receive]:
+        """Low-latency combine: ``(out, receive)``; the receive fills ``out``. ``use_logfmt``: rows
+        travel in DeepEP's LogFMT-10 (``moe_comm.ops.logfmt``), never with ``zero_copy``."""
 
     @abc.abstractmethod
     def next_combine_buffer(self, handle: LowLatencyHandle, device: torch.device) -> torch.Tensor:

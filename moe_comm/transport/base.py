@@ -51,6 +51,8 @@ class Transport(abc.ABC):
     timeout_s: float
     #: where this transport's own small exchanges (metadata, barriers) travel
     device: torch.device
+    #: the group's ranks split into nodes (``topology.split_nodes``: hosts, LOCAL_WORLD_SIZE blocks)
+    nodes: list[list[int]]
 
     def __init__(self) -> None:
         #: send and receive buffers reused across exchanges

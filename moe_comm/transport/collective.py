@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommTimeoutError, CrossRankMismatchError
+from ..topology import split_nodes
 from .base import Pending, Transport, host_id, peer_blocks
 from .host_counters import HostCounters
 
@@ -189,6 +190,9 @@ class CollectiveTransport(Transport):
         self._peers = [(self._host, os.getpid())] * self.num_ranks
         self._metadata: Optional[dist.ProcessGroup] = None  # _meet runs on the group itself
         self._peers = self._meet(instance, store, f"{scope}/arrivals/{instance}")
+        whole = dist.get_world_size(group) == dist.get_world_size()  # LOCAL_WORLD_SIZE blocks count world ranks
+        self.nodes = split_nodes([host for host, _ in self._peers],
+                                 [dist.get_global_rank(group, r) for r in range(self.num_ranks)] if whole else None)
         self._metadata = self._metadata_channel(store, f"{scope}/metadata/{instance}")
 
     def _metadata_channel(self, store: Optional[dist.Store], prefix: str) -> Optional[dist.ProcessGroup]:

@@ -22,34 +22,19 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import env
 from .._native import native
 from ..errors import CommTimeoutError, PeerExitedError
 from .base import Exchange, Pending, Rows, Transport, own_counts, prefix_sums
 from .collective import CollectiveTransport
 from .shm_segment import DATA, META, META_CELL, NUM_SLOTS, Segment, SegmentLayout, segment_name, sweep_stale
 
-__all__ = ["ShmTransport", "node_ranks"]
+__all__ = ["ShmTransport"]
 
 _MIN_CAPACITY = 1 << 20
 _NAME_BYTES = 64
 # After a peer is found exited, or a failure while mapping, how long to wait for a dying peer to let
 # go of its segment (its last threads may still be exiting) before sweeping without it.
 _DYING_PEER_S = 2.0
-
-
-def node_ranks(group: dist.ProcessGroup, hosts: Sequence[int]) -> list[list[int]]:
-    """The group's ranks split into nodes: same host and, when ``LOCAL_WORLD_SIZE`` is set on the
-    default group, the same ``rank // LOCAL_WORLD_SIZE`` (torchrun's node blocks; setting it below
-    the world size makes one host act as several)."""
-    local_size = env.local_world_size()
-    blocks = [0] * len(hosts)
-    if local_size and dist.get_world_size(group) == dist.get_world_size():
-        blocks = [dist.get_global_rank(group, r) // local_size for r in range(len(hosts))]
-    nodes: dict[tuple[int, int], list[int]] = {}
-    for r, key in enumerate(zip(hosts, blocks)):
-        nodes.setdefault(key, []).append(r)
-    return list(nodes.values())
 
 
 class _Waiter:
@@ -187,7 +172,8 @@ class ShmTransport(Transport):
         self.rank, self.num_ranks, self.timeout_s = self._coll.rank, self._coll.num_ranks, timeout_s
         self.device = torch.device("cpu")
         self.pids = [pid for _, pid in self._coll.peers]
-        self.local = next(node for node in node_ranks(group, [h for h, _ in self._coll.peers]) if self.rank in node)
+        self.nodes = self._coll.nodes
+        self.local = next(node for node in self.nodes if self.rank in node)
         self.local_index = self.local.index(self.rank)
         self.remote = [r for r in range(self.num_ranks) if r not in self.local]
         self.waiter = _Waiter(self)

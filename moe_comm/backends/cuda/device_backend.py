@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from ... import _cuda  # the device build (CMakeLists.txt); importing it makes no CUDA call
-from ..._native import cuda_archs
 from ...checks import describe
 from ...codes import Fp8Format
 from ...config import Config
@@ -124,11 +123,6 @@ class CudaBackend(PortableBackend):
                              f"Buffer's GPU)", describe(t))
 
     # ------------------------------------------------------------------ lifetime and device facts
-    @classmethod
-    def is_sm90_compiled(cls) -> bool:
-        """Whether moe_comm._cuda holds a cubin for sm_90 (read from its fat binary)."""
-        return "sm_90" in cuda_archs()
-
     def get_comm_stream(self) -> Any:
         return self.comm_stream.stream
 
@@ -209,9 +203,11 @@ class CudaBackend(PortableBackend):
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, zero_copy: bool, out: Optional[torch.Tensor],
-                            wait_stats: Optional[torch.Tensor], hook: bool) -> tuple[torch.Tensor, Receive]:
+                            wait_stats: Optional[torch.Tensor], hook: bool,
+                            use_logfmt: bool = False) -> tuple[torch.Tensor, Receive]:
         self._on_device("low_latency_combine", x=x)
-        return super().low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, hook)
+        return super().low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, hook,
+                                           use_logfmt)
 
     def next_combine_buffer(self, handle: LowLatencyHandle, device: torch.device) -> torch.Tensor:
         self._on_device("get_next_low_latency_combine_buffer", **{"handle[0] (src_info)": handle.src_info})

@@ -127,8 +127,9 @@ class KernelNormalMode:
                          received)
 
         # (on the host build .to(device) keeps notify's own tensors; the device build copies them out)
-        handle = NormalHandle(rank_prefix.to(device), chan_prefix, chan_starts.to(torch.int32).to(device),
-                              recv_src_idx, layout.is_token_in_rank, plan.send_pos)
+        handle = self.portable.complete_handle(NormalHandle(rank_prefix.to(device), chan_prefix,
+                                                            chan_starts.to(torch.int32).to(device), recv_src_idx,
+                                                            layout.is_token_in_rank, plan.send_pos))
         expert_list = [] if num_worst_tokens > 0 else per_expert.tolist()
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_list, handle, finish)
 
@@ -173,7 +174,11 @@ class KernelNormalMode:
     def combine(self, x: torch.Tensor, handle: NormalHandle, topk_weights: Optional[torch.Tensor],
                 bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor], config: Config
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Callable[[], None]]:
-        """Combine of checked arguments (see ``Buffer.combine``): returns (out, out_weights, finish)."""
+        """Combine of checked arguments (see ``Buffer.combine``): returns (out, out_weights, finish). Across
+        nodes the portable backend's combine sums (the kernels are intranode: NVLink only)."""
+        if self.portable.topology.internode:
+            self.stream.synchronize()  # stream order: launches queued before this combine finish first
+            return self.portable.combine(x, handle, topk_weights, bias0, bias1, config)
         self.portable.agree_combine(x, handle, topk_weights, config)
         pin = Pins()
         if x.dtype not in _ROW_TYPES:

@@ -16,6 +16,7 @@ from ...codes import Fp8Format
 from ...config import Config
 from ...handle import LowLatencyHandle, NormalHandle
 from ...ops import DispatchLayout, dispatch_layout
+from ...topology import Topology
 from ..base import Backend, DispatchResult, LowLatencyDispatch, Receive
 from .agreement import CallAgreement
 from .low_latency import LowLatencyMode
@@ -52,7 +53,8 @@ class PortableBackend(Backend):
                                            min(buffer_bytes, _PREALLOCATE_MAX), comm=comm)
         self.rank, self.num_ranks = self.transport.rank, self.transport.num_ranks
         self.agreement = CallAgreement(self.transport)
-        self.normal = NormalMode(self.transport, self.agreement)
+        self.topology = Topology.of(self.transport.nodes)
+        self.normal = NormalMode(self.transport, self.agreement, self.topology)
         self.low_latency = LowLatencyMode(self.transport, self.agreement, shrink=shrink)
 
     # ------------------------------------------------------------------ calls and lifetime
@@ -110,8 +112,10 @@ class PortableBackend(Backend):
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, zero_copy: bool, out: Optional[torch.Tensor],
-                            wait_stats: Optional[torch.Tensor], hook: bool) -> tuple[torch.Tensor, Receive]:
-        return self.low_latency.combine(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, hook)
+                            wait_stats: Optional[torch.Tensor], hook: bool,
+                            use_logfmt: bool = False) -> tuple[torch.Tensor, Receive]:
+        return self.low_latency.combine(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, hook,
+                                        use_logfmt)
 
     def next_combine_buffer(self, handle: LowLatencyHandle, device: torch.device) -> torch.Tensor:
         return self.low_latency.next_combine_buffer(handle, device)

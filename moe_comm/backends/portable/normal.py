@@ -9,6 +9,7 @@ received rows are grouped by source rank ascending and, within a block, by sourc
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -19,15 +20,18 @@ from ...errors import CrossRankMismatchError
 from ...handle import NormalHandle
 from ...memory import empty
 from ...ops.combine_reduce import combine_reduce
+from ...ops.node_reduce import combine_reduce_by_node
 from ...ops.layout import DispatchLayout, SendPlan, plan_sends
 from ...ops.records import RecordLayout, pack_rows, unpack_rows
 from ...ops.rows import take_rows
 from ...transport import Transport
+from ...topology import Topology
 from ...transport.base import prefix_sums
 from ..base import DispatchResult
 from .agreement import CallAgreement
 from .digest import digests
 from .handshake import Handshake
+from .internode import attach_internode
 
 __all__ = ["NormalMode", "channel_prefix", "fill_padding", "recv_channel_starts", "rows_within_destination"]
 
@@ -50,12 +54,16 @@ def recv_channel_starts(chan: torch.Tensor) -> torch.Tensor:
 
 _X_FIELDS = (Field.HIDDEN, Field.X_DTYPE, Field.NUM_SCALES, Field.SCALES_DTYPE)
 _RING_FIELDS = (Field.NUM_MAX_NVL_CHUNKED_SEND_TOKENS, Field.NUM_MAX_NVL_CHUNKED_RECV_TOKENS)
+_RDMA_FIELDS = (Field.NUM_MAX_RDMA_CHUNKED_SEND_TOKENS, Field.NUM_MAX_RDMA_CHUNKED_RECV_TOKENS)
 
 
 def _ring_fields(config: Config) -> dict[Field, int]:
-    """The handshake fields of a config's ring geometry (``_RING_FIELDS``): equal on every rank."""
+    """The handshake fields of a config's ring geometry (``_RING_FIELDS``, and ``_RDMA_FIELDS`` that
+    only groups of several nodes compare, as only DeepEP's internode kernels use them)."""
     return {Field.NUM_MAX_NVL_CHUNKED_SEND_TOKENS: config.num_max_nvl_chunked_send_tokens,
-            Field.NUM_MAX_NVL_CHUNKED_RECV_TOKENS: config.num_max_nvl_chunked_recv_tokens}
+            Field.NUM_MAX_NVL_CHUNKED_RECV_TOKENS: config.num_max_nvl_chunked_recv_tokens,
+            Field.NUM_MAX_RDMA_CHUNKED_SEND_TOKENS: config.num_max_rdma_chunked_send_tokens,
+            Field.NUM_MAX_RDMA_CHUNKED_RECV_TOKENS: config.num_max_rdma_chunked_recv_tokens}
 
 
 def _x_fields(x: torch.Tensor, scales: Optional[torch.Tensor]) -> dict[Field, int]:
@@ -97,8 +105,9 @@ def _unpack_around(records_layout: RecordLayout, received: torch.Tensor, outputs
 class NormalMode:
     """Normal-mode operations of one ``Buffer`` over its transport, in calls of its agreement."""
 
-    def __init__(self, transport: Transport, agreement: CallAgreement) -> None:
-        self.transport, self.agreement = transport, agreement
+    def __init__(self, transport: Transport, agreement: CallAgreement, topology: Topology) -> None:
+        self.transport, self.agreement, self.topology = transport, agreement, topology
+        self._rings = _RING_FIELDS + (_RDMA_FIELDS if topology.internode else ())  # the ring fields compared
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
 
     def _exchange(self, op: str, records_layout: RecordLayout, fields: list[torch.Tensor], src_rows: torch.Tensor,
@@ -155,7 +164,7 @@ class NormalMode:
                   Field.NUM_WORST_TOKENS: num_worst_tokens, **_ring_fields(config)}
         shake = self.agreement.handshake("dispatch", Op.DISPATCH, fields, plan.send_counts, None,
                                          _X_FIELDS + (Field.NUM_TOPK, Field.NUM_EXPERTS, Field.NUM_CHANNELS)
-                                         + _RING_FIELDS, self.transport.device, verdict=_check_worst)
+                                         + self._rings, self.transport.device, verdict=_check_worst)
         return plan, shake
 
     def dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
@@ -220,10 +229,17 @@ class NormalMode:
             fill_padding([recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx],
                           [0, 0, -1, 0.0, -1], num_recv)
 
-        handle = NormalHandle(rank_prefix, chan_prefix.to(device), recv_chan, recv_src_idx,
-                              layout.is_token_in_rank, plan.send_pos)
+        handle = self.complete_handle(NormalHandle(rank_prefix, chan_prefix.to(device), recv_chan, recv_src_idx,
+                                                   layout.is_token_in_rank, plan.send_pos))
         expert_list = [] if num_worst_tokens > 0 else per_expert.tolist()
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_list, handle, finish)
+
+    def complete_handle(self, handle: NormalHandle) -> NormalHandle:
+        """A non-cached dispatch's handle, with DeepEP's internode fields when the group spans several
+        nodes (collective then: ``internode.attach_internode``)."""
+        if not self.topology.internode:
+            return handle
+        return attach_internode(self.transport, self.topology, handle, "dispatch")
 
     def agree_cached(self, x: torch.Tensor, scales: Optional[torch.Tensor], handle: NormalHandle,
                      config: Config) -> tuple[Handshake, list[int]]:
@@ -231,7 +247,7 @@ class NormalMode:
         expected, expected_digests, prefix_digest = self._received_blocks(handle)
         fields = {**_x_fields(x, scales), Field.PREFIX_DIGEST: prefix_digest, **_ring_fields(config)}
         shake = self.agreement.handshake("dispatch", Op.CACHED_DISPATCH, fields, handle.plan.send_counts, expected,
-                                         _X_FIELDS + (Field.PREFIX_DIGEST,) + _RING_FIELDS, self.transport.device,
+                                         _X_FIELDS + (Field.PREFIX_DIGEST,) + self._rings, self.transport.device,
                                          sent_digests=handle.sent[1], expected_digests=expected_digests)
         return shake, expected
 
@@ -272,7 +288,7 @@ class NormalMode:
                   **_ring_fields(config)}
         shake = self.agreement.handshake("combine", Op.COMBINE, fields, return_counts, expected,
                                          (Field.HIDDEN, Field.X_DTYPE, Field.NUM_TOPK, Field.HAS_WEIGHTS,
-                                          Field.PREFIX_DIGEST) + _RING_FIELDS, self.transport.device,
+                                          Field.PREFIX_DIGEST) + self._rings, self.transport.device,
                                          sent_digests=return_digests, expected_digests=expected_digests)
         return shake, return_counts, expected
 
@@ -317,10 +333,13 @@ class NormalMode:
         if topk_weights is not None:
             out_weights = torch.empty(num_tokens, topk_weights.shape[1], dtype=torch.float32, device=device)
 
+        reduce = functools.partial(combine_reduce_by_node, topology=self.topology) if self.topology.internode \
+            else combine_reduce
+
         @self.agreement.deferred("combine")
         def finish() -> None:
-            complete(lambda received: combine_reduce(records_layout, sources(received) if direct else received,
-                                                     send_pos, bias0, bias1, out, out_weights))
+            complete(lambda received: reduce(records_layout, sources(received) if direct else received,
+                                             send_pos, bias0, bias1, out, out_weights))
 
         return out, out_weights, finish
 
