@@ -115,7 +115,10 @@ class LowLatencyAPI:
                 ``get_next_low_latency_combine_buffer(handle)`` returned just before instead.
             topk_idx, topk_weights: this rank's `[T, K]` routing from the dispatch, int64 / float32.
             handle: from ``low_latency_dispatch``.
-            use_logfmt: not supported (raises NotImplementedError).
+            use_logfmt: rows travel in DeepEP's 10-bit LogFMT (``moe_comm.ops.logfmt``: per 128 channels
+                a bf16 (amax, amin) pair, chunks of all-small values as 9-bit log codes and a sign,
+                the others as bf16) and are decoded straight into the fp32 sum; not with ``zero_copy``
+                (as DeepEP).
             out: optional `[T, H]` bf16 contiguous output.
             combine_wait_recv_cost_stats: like ``dispatch_wait_recv_cost_stats``.
             variant_knobs: keywords of DeepEP forks (``overlap``, ``comp_signal``, ...), accepted at
@@ -129,16 +132,17 @@ class LowLatencyAPI:
         self._low_latency_ready(op)
         check_bools(op, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
                     return_recv_hook=return_recv_hook)
-        if use_logfmt:
-            raise NotImplementedError(f"{op}: use_logfmt=True (DeepEP's 10-bit LogFMT combine) is not implemented; "
-                                      f"pass use_logfmt=False (BF16 combine)")
+        if use_logfmt and zero_copy:
+            bad_argument(op, "use_logfmt", "False with zero_copy=True (as DeepEP asserts: the zero-copy buffer "
+                         "holds bf16 rows)", "True")
         self._no_async_with_hook(op, async_finish, return_recv_hook)
         x, topk_idx, topk_weights, parsed = check_ll_combine(op, x, topk_idx, topk_weights, handle, self.group_size,
                                                              out, combine_wait_recv_cost_stats)
         check_rdma_bytes(op, parsed.num_max_dispatch_tokens_per_rank, parsed.hidden, parsed.num_experts,
                          self.group_size, self.num_rdma_bytes)
         combined, receive = self.runtime.low_latency_combine(x, topk_idx, topk_weights, parsed, zero_copy, out,
-                                                             combine_wait_recv_cost_stats, return_recv_hook)
+                                                             combine_wait_recv_cost_stats, return_recv_hook,
+                                                             use_logfmt)
         event, hook = self._ll_end(receive, async_finish, return_recv_hook, (x, topk_idx, topk_weights, combined))
         return combined, event, hook
 

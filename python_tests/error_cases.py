@@ -169,7 +169,7 @@ CASES: dict[str, Callable[[moe_comm.Buffer], Any]] = {
     "ll_flag_type": lambda b: _ll_dispatch(b, use_fp8=1),
     "ll_recv_stats_dtype": lambda b: _ll_dispatch(b, cumulative_local_expert_recv_stats=torch.zeros(E, dtype=torch.int64)),
     "ll_wait_stats_shape": lambda b: _ll_dispatch(b, dispatch_wait_recv_cost_stats=torch.zeros(2, 2, dtype=torch.int64)),
-    "llc_logfmt": lambda b: _ll_combine(b, use_logfmt=True),
+    "llc_logfmt_zero_copy": lambda b: _ll_combine(b, use_logfmt=True, zero_copy=True),
     "llc_handle_len": lambda b: _ll_combine(b, handle=_ll_handle(b)[:4]),
     "llc_handle_range": lambda b: _ll_combine(b, handle=(_ll_handle(b)[0], _ll_handle(b)[1] + (M << 32)) + _ll_handle(b)[2:]),
     "llc_x_shape": lambda b: _ll_combine(b, x=torch.zeros(E, M, H + 128, dtype=torch.bfloat16)),

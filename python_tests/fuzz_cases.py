@@ -257,7 +257,7 @@ CORRUPTIONS: dict[str, tuple[str, Callable[[Ctx], Any]]] = {
     "llc_weights_shape": ("ll_combine", lambda c: _ll_combine(c, topk_weights=torch.zeros(c.ll_idx.shape[0], 5))),
     "llc_x_shape": ("ll_combine", lambda c: _ll_combine(c, x=c.ll_recv[:, :-1])),
     "llc_zero_copy_unlent": ("ll_combine", lambda c: _ll_combine(c, zero_copy=True)),
-    "llc_logfmt": ("ll_combine", lambda c: _ll_combine(c, use_logfmt=True)),
+    "llc_logfmt_zero_copy": ("ll_combine", lambda c: _ll_combine(c, use_logfmt=True, zero_copy=True)),
     "llc_out_strides": ("ll_combine", lambda c: _ll_combine(c, out=torch.zeros(H, c.ll_idx.shape[0],
                                                                                dtype=torch.bfloat16).T)),
     # ---- clean

@@ -94,7 +94,7 @@ EXPECTED = {
     "ll_flag_type": ("TypeError", r"low_latency_dispatch: use_fp8 must be a bool, got int 1"),
     "ll_recv_stats_dtype": ("TypeError", r"cumulative_local_expert_recv_stats must be of dtype int32, got \[8\] int64"),
     "ll_wait_stats_shape": ("ValueError", r"dispatch_wait_recv_cost_stats must be shaped \[1\], got \[2, 2\] int64"),
-    "llc_logfmt": ("NotImplementedError", r"low_latency_combine: use_logfmt=True .* is not implemented"),
+    "llc_logfmt_zero_copy": ("ValueError", r"low_latency_combine: use_logfmt must be False with zero_copy=True"),
     "llc_handle_len": ("TypeError", r"handle must be the 5-tuple \(src_info, layout_range, "
                        r"num_max_dispatch_tokens_per_rank, hidden, num_experts\) returned by low_latency_dispatch, "
                        r"got tuple of length 4"),

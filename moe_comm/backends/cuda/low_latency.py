@@ -97,8 +97,13 @@ class KernelLowLatencyMode(LowLatencyMode):
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                 zero_copy: bool, out: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
-                hook: bool) -> tuple[torch.Tensor, Receive]:
-        """Checked ``low_latency_combine`` (see ``Buffer``); returns (out, receive that fills it)."""
+                hook: bool, use_logfmt: bool = False) -> tuple[torch.Tensor, Receive]:
+        """Checked ``low_latency_combine`` (see ``Buffer``); returns (out, receive that fills it). A
+        LogFMT combine runs the portable mode's (the kernels have no LogFMT yet): the same bits, over
+        the transport; the kernels' halves stay clean, since their readers zero every signal they read."""
+        if use_logfmt:
+            self.stream.synchronize()  # stream order: launches queued before this combine finish first
+            return super().combine(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, hook, True)
         op = "low_latency_combine"
         local, _, hidden = x.shape
         pin = Pins()

@@ -32,6 +32,7 @@ from ...memory import empty, zeros
 from ...ops import quantize
 from ...ops.combine_reduce import combine_reduce
 from ...ops.fp8 import FP8_DTYPE
+from ...ops.logfmt import logfmt_encode, logfmt_row_bytes
 from ...ops.records import RecordLayout, pack_rows
 from ...transport import Transport
 from ..base import LowLatencyDispatch, Receive
@@ -214,8 +215,8 @@ class LowLatencyMode:
         self._lent = self._idx
         return slot.combine_buffer[:nbytes].view(torch.bfloat16).view(shape)
 
-    def agree_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, handle: LowLatencyHandle, skip: frozenset[int]
-                      ) -> tuple[Handshake, torch.Tensor, LowLatencyHandle, int]:
+    def agree_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, handle: LowLatencyHandle, skip: frozenset[int],
+                      use_logfmt: bool = False) -> tuple[Handshake, torch.Tensor, LowLatencyHandle, int]:
         """A combine's handshake: (handshake, msg, the handle with masked sources' ranges emptied, ns
         it waited); ``msg`` is ``send_order`` of the routable top-k."""
         R, num_experts = self.num_ranks, handle.num_experts
@@ -230,30 +231,38 @@ class LowLatencyMode:
                                                       topk_idx.shape[1])
         start = time.perf_counter_ns()
         fields = {Field.HIDDEN: x.shape[2], Field.NUM_EXPERTS: num_experts,
-                  Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: handle.num_max_dispatch_tokens_per_rank}
+                  Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: handle.num_max_dispatch_tokens_per_rank,
+                  Field.USE_LOGFMT: int(use_logfmt)}
         shake = self.agreement.handshake("low_latency_combine", Op.LOW_LATENCY_COMBINE, fields, return_counts,
-                                         expected, _COMPARED, self.transport.device, skip, sent_digests=returned,
-                                         expected_digests=asked)
+                                         expected, _COMPARED + (Field.USE_LOGFMT,), self.transport.device, skip,
+                                         sent_digests=returned, expected_digests=asked)
         return shake, msg, handle, time.perf_counter_ns() - start
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                 zero_copy: bool, out: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
-                hook: bool) -> tuple[torch.Tensor, Receive]:
-        """Checked ``low_latency_combine`` (see ``Buffer``); returns (out, receive that fills it)."""
+                hook: bool, use_logfmt: bool = False) -> tuple[torch.Tensor, Receive]:
+        """Checked ``low_latency_combine`` (see ``Buffer``); returns (out, receive that fills it). With
+        ``use_logfmt`` each row travels LogFMT-encoded (``ops.logfmt``) and is decoded in the reduction."""
         op = "low_latency_combine"
         device = x.device
         local, rows, hidden = x.shape
         slot = self._acquire(op, zero_copy)
         skip = self.skip()
-        shake, msg, handle, waited = self.agree_combine(x, topk_idx, handle, skip)
+        shake, msg, handle, waited = self.agree_combine(x, topk_idx, handle, skip, use_logfmt)
         send_rows = combine_rows(handle.layout_range, rows)  # by source rank, then local expert, then row
 
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
         source = [source.reshape(local * rows, hidden)]
-        records = RecordLayout.build([("x", torch.bfloat16, hidden)])
+        if use_logfmt:
+            records = RecordLayout.build([("x", torch.uint8, logfmt_row_bytes(hidden))])
 
-        def pack(dest: int, first: int, out: torch.Tensor) -> None:
-            pack_rows(records, source, send_rows[first:first + out.shape[0]], out=out)
+            def pack(dest: int, first: int, out: torch.Tensor) -> None:
+                logfmt_encode(source[0][send_rows[first:first + out.shape[0]]], out=records.view(out, "x"))
+        else:
+            records = RecordLayout.build([("x", torch.bfloat16, hidden)])
+
+            def pack(dest: int, first: int, out: torch.Tensor) -> None:
+                pack_rows(records, source, send_rows[first:first + out.shape[0]], out=out)
 
         exchange = self.transport.exchange(shake.matrix, records.record_bytes, pack, op=op, device=device, skip=skip)
 
@@ -268,7 +277,8 @@ class LowLatencyMode:
         def finish() -> None:
             begin = time.perf_counter_ns()
             try:
-                combine_reduce(records, exchange.wait(), pos, None, None, out, None, scale=topk_weights)
+                combine_reduce(records, exchange.wait(), pos, None, None, out, None, scale=topk_weights,
+                               x_format="logfmt" if use_logfmt else "plain")
             finally:
                 exchange.release()
             add_stats(None, None, wait_stats, waited + time.perf_counter_ns() - begin)
