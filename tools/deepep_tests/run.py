@@ -1,0 +1,63 @@
+"""Runs one of DeepEP v1's own test scripts, unmodified, on CPU ranks against moe-comm.
+
+    python tools/deepep_tests/run.py DEEPEP/tests/test_low_latency.py -- --num-processes 4 --use-logfmt
+    python tools/deepep_tests/run.py DEEPEP/tests/test_internode.py --nodes 2 -- --num-processes 8
+
+The script runs as DeepEP documents (``python tests/test_x.py ...`` from its folder; with ``--nodes N``,
+N copies with ``WORLD_SIZE=N RANK=i``, as on N machines), with ``cuda_on_cpu/sitecustomize.py`` first
+on PYTHONPATH: it maps CUDA to the CPU and gloo and ``import deep_ep`` to moe-comm (its docstring
+lists exactly what it changes). Exits with the script's status (the first failing copy's); a copy
+that outlives ``--timeout`` is killed with its ranks and reported as a failure.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("script", type=Path, help="a DeepEP test script (tests/test_*.py)")
+    parser.add_argument("--nodes", type=int, default=1, help="copies to start, as DeepEP's WORLD_SIZE (nodes)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds before the run is killed")
+    cut = argv.index("--") if "--" in argv else len(argv)
+    opts, args = parser.parse_args(argv[:cut]), argv[cut + 1:]  # the script's arguments follow --
+    script = opts.script.resolve()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE / "cuda_on_cpu"), os.environ.get("PYTHONPATH", "")]),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(opts.nodes))
+    env.setdefault("MOE_COMM_NUM_THREADS", "1")
+    procs = [subprocess.Popen([sys.executable, script.name, *args], cwd=script.parent, start_new_session=True,
+                              env=dict(env, RANK=str(node))) for node in range(opts.nodes)]
+    deadline = time.monotonic() + opts.timeout
+    status = 0
+    try:
+        for p in procs:
+            code = p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            status = status or code
+    except subprocess.TimeoutExpired:
+        print(f"run.py: {script.name} still running after {opts.timeout:.0f} s: killed", file=sys.stderr)
+        status = 124
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
