@@ -10,7 +10,7 @@ from .._native import cpu_threads, native
 from .backend import kernels, next_pow2, resolve
 from .rows import check_index
 
-__all__ = ["DispatchLayout", "dispatch_layout", "dispatch_layout_reference", "SendPlan", "plan_sends"]
+__all__ = ["DispatchLayout", "dispatch_layout", "dispatch_layout_reference", "SendPlan", "plan_sends", "token_channels"]
 
 _BLOCK_T = 128
 
@@ -111,3 +111,10 @@ def plan_sends(is_token_in_rank: torch.Tensor) -> SendPlan:
     send_pos[pairs[:, 1], pairs[:, 0]] = torch.arange(pairs.shape[0], dtype=torch.int32, device=send_pos.device)
     counts = is_token_in_rank.sum(0).tolist()
     return SendPlan(send_rows, counts, send_pos)
+
+
+def token_channels(num_tokens: int, num_channels: int, device: torch.device) -> torch.Tensor:
+    """``[T]`` int64: each token's channel in DeepEP's split of normal mode (channel c holds tokens
+    ``[c * ceil(T / C), (c + 1) * ceil(T / C))``)."""
+    per_channel = max(-(-num_tokens // num_channels), 1)
+    return torch.arange(num_tokens, device=device) // per_channel

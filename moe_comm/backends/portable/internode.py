@@ -25,6 +25,7 @@ from ...checks import check_tensor
 from ...config import NUM_MAX_NVL_PEERS
 from ...errors import bad_argument
 from ...handle import InternodeFields, NormalHandle
+from ...ops.layout import token_channels
 from ...topology import Topology
 from ...transport import Transport
 
@@ -52,12 +53,6 @@ def tokens_per_node(is_token_in_rank: torch.Tensor, topology: Topology) -> torch
     return _in_node(is_token_in_rank, topology).any(2).sum(0).to(torch.int32)
 
 
-def _channels(num_tokens: int, num_channels: int, device: torch.device) -> torch.Tensor:
-    """``[T]`` int64: each token's channel (DeepEP's split: channel c holds ``[c * ceil(T / C), ...)``)."""
-    per_channel = max(-(-num_tokens // num_channels), 1)
-    return torch.arange(num_tokens, device=device) // per_channel
-
-
 def _positions(channel: torch.Tensor, member: torch.Tensor, num_channels: int) -> torch.Tensor:
     """``[N, K]`` int32: for each row and column k where ``member`` is set, how many earlier rows of the
     same channel have it set (a ring position inside the channel); -1 elsewhere."""
@@ -79,7 +74,7 @@ def attach_internode(transport: Transport, topology: Topology, handle: NormalHan
     in_node = _in_node(in_rank, topology)
     to_node = in_node.any(2)                                                      # [T, Rn]
     bits = _node_bits(in_node)                                                    # [T, Rn]
-    channel = _channels(num_tokens, C, torch.device("cpu"))
+    channel = token_channels(num_tokens, C, torch.device("cpu"))
     pairs = torch.nonzero(to_node)
     per_channel = torch.bincount(pairs[:, 1] * C + channel[pairs[:, 0]], minlength=Rn * C).view(Rn, C)
     rdma_prefix = per_channel.cumsum(1)                                           # [Rn, C]

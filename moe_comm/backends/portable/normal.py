@@ -21,7 +21,7 @@ from ...handle import NormalHandle
 from ...memory import empty
 from ...ops.combine_reduce import combine_reduce
 from ...ops.node_reduce import combine_reduce_by_node
-from ...ops.layout import DispatchLayout, SendPlan, plan_sends
+from ...ops.layout import DispatchLayout, SendPlan, plan_sends, token_channels
 from ...ops.records import RecordLayout, pack_rows, unpack_rows
 from ...ops.rows import take_rows
 from ...transport import Transport
@@ -39,9 +39,8 @@ __all__ = ["NormalMode", "channel_prefix", "fill_padding", "recv_channel_starts"
 def channel_prefix(is_token_in_rank: torch.Tensor, num_channels: int) -> torch.Tensor:
     """``[R, C]`` int32: tokens sent to rank r from channels 0..c (DeepEP's channel split of tokens)."""
     num_tokens, num_ranks = is_token_in_rank.shape
-    per_channel = max(-(-num_tokens // num_channels), 1)
     pairs = is_token_in_rank.nonzero()
-    flat = pairs[:, 1] * num_channels + pairs[:, 0] // per_channel
+    flat = pairs[:, 1] * num_channels + token_channels(num_tokens, num_channels, pairs.device)[pairs[:, 0]]
     counts = torch.bincount(flat, minlength=num_ranks * num_channels).view(num_ranks, num_channels)
     return counts.cumsum(1).to(torch.int32)
 
