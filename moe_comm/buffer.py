@@ -63,6 +63,11 @@ class Buffer(LowLatencyAPI):
             ``"auto"`` or ``"mpi"``.
         timeout_s: deadline for every wait (default: env ``MOE_COMM_TIMEOUT_S``, else 300 s); a missed
             deadline raises ``moe_comm.CommTimeoutError`` naming the ranks not heard from.
+        enable_shrink: DeepEP's: a rank that exits, or misses a low-latency call's deadline
+            (``timeout_s``), is masked on every rank that carries on, the same mask everywhere, and the
+            call completes without its experts (``low_latency_query_mask_buffer`` reports it). Each
+            low-latency handshake then runs through torch.distributed's rendezvous store, in two
+            rounds (about a millisecond); normal-mode calls never shrink.
     """
 
     #: SMs DeepEP's normal kernels use; only feeds the default configs here.

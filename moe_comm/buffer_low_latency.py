@@ -166,8 +166,10 @@ class LowLatencyAPI:
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Masks (``mask=True``) or unmasks a rank for this rank's low-latency calls: a masked rank is
         neither sent to nor waited for, and its experts' top-k entries count as -1 (so they add
-        nothing to a combine). Local; every surviving rank should apply the same mask. Ranks whose
-        process has exited are masked automatically at the start of each low-latency call."""
+        nothing to a combine). Takes effect at this rank's next low-latency call, whose handshake
+        shares it: a rank masked by any rank is masked by all, and the masked rank itself, if it
+        still calls, is refused. Ranks that exit, or miss a low-latency call's deadline, are masked
+        the same way (shrink by timeout, ``backends/portable/shrink.py``)."""
         op = "low_latency_update_mask_buffer"
         self._shrink_ready(op)
         check_int(op, "rank_to_mask", rank_to_mask, minimum=0)

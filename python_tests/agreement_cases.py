@@ -161,17 +161,16 @@ def calls_after_timeout(group: dist.ProcessGroup, timeout_s: float) -> dict[str,
     return result
 
 
-def rejoin_on_other_call(group: dist.ProcessGroup) -> tuple[str, str]:
-    """Rank 2 is masked while alive and sits out two low-latency calls, then everyone unmasks it and
-    calls: the handshake finds rank 2 on another call, which every rank reports."""
+def skipped_call(group: dist.ProcessGroup, shrink: bool) -> tuple[tuple[str, str], tuple[str, str]]:
+    """A planted fault: rank 2's buffer counts two calls that the others never made (as if it had
+    failed them alone, unseen), then every rank makes the same low-latency calls: (first outcome,
+    second outcome). The handshake finds rank 2 on another call, which every rank reports."""
     c = _ctx(group)
-    buf = moe_comm.Buffer(group, low_latency_mode=True, enable_shrink=True, timeout_s=10,
+    buf = moe_comm.Buffer(group, low_latency_mode=True, enable_shrink=shrink, timeout_s=10,
                           num_rdma_bytes=c.ll.num_rdma_bytes)
-    if c.rank != 2:
-        buf.low_latency_update_mask_buffer(2, True)
-        for _ in range(2):
-            buf.low_latency_dispatch(c.ll_x, c.ll_idx, M, LL_E, use_fp8=False)
-        buf.low_latency_update_mask_buffer(2, False)
+    buf.low_latency_dispatch(c.ll_x, c.ll_idx, M, LL_E, use_fp8=False)
+    if c.rank == 2:
+        buf.runtime.agreement.calls += 2
     first = _outcome(lambda: buf.low_latency_dispatch(c.ll_x, c.ll_idx, M, LL_E, use_fp8=False))
     second = _outcome(lambda: buf.low_latency_dispatch(c.ll_x, c.ll_idx, M, LL_E, use_fp8=False))
     return first, second

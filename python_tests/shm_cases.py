@@ -227,9 +227,10 @@ def masked_rank_survives(group: dist.ProcessGroup, victim: int, how: str) -> dic
     return results
 
 
-def rejoin_after_mask(group: dist.ProcessGroup) -> tuple[str, str]:
+def rejoin_after_mask(group: dist.ProcessGroup) -> tuple[str, str, list[int]]:
     """Rank 2 is masked while alive and sits out two low-latency calls, then everyone unmasks it and
-    calls again: the ranks are out of step, which must be an error on every rank, never stale rows."""
+    calls again: (exception type or "no exception", message, mask status afterwards). Rank 2 cannot
+    rejoin; the others mask it again when it misses their deadline."""
     rank, R = dist.get_rank(group), dist.get_world_size(group)
     M, H, E = 8, 128, 4 * R
     hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(M, H, R, E)
@@ -241,11 +242,13 @@ def rejoin_after_mask(group: dist.ProcessGroup) -> tuple[str, str]:
         for _ in range(2):
             buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
         buf.low_latency_update_mask_buffer(2, False)
+    status = torch.zeros(R, dtype=torch.int32)
     try:
         buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
     except Exception as exc:  # the test checks which
-        return type(exc).__name__, str(exc)
-    return "no exception", ""
+        return type(exc).__name__, str(exc), []
+    buf.low_latency_query_mask_buffer(status)
+    return "no exception", "", status.tolist()
 
 
 def node_split(group: dist.ProcessGroup) -> dict[str, Any]:

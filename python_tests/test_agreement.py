@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from agreement_cases import REJECTIONS, TAMPERS, calls_after_timeout, one_sided_rejection, rejoin_on_other_call, \
+from agreement_cases import REJECTIONS, TAMPERS, calls_after_timeout, one_sided_rejection, skipped_call, \
     tampered_handle
 from deadlines import before, found_within
 from transports import local_world
@@ -95,13 +95,14 @@ def test_after_a_timeout_every_call_hook_and_event_is_refused(transport):
     assert kind in ("CommTimeoutError", "RuntimeError", "BufferUnusableError", "PeerExitedError"), results[2]
 
 
+@pytest.mark.parametrize("shrink", [False, True], ids=["plain", "shrink"])
 @pytest.mark.parametrize("transport", ["collective", "mpi"], indirect=True)
-def test_ranks_on_different_calls_are_refused_everywhere(transport):
+def test_ranks_on_different_calls_are_refused_everywhere(transport, shrink):
     with local_world(3, transport, timeout_s=60, threads_per_rank=1) as world:
-        results = world.run(rejoin_on_other_call)
+        results = world.run(skipped_call, shrink)
     for first, second in results:
         assert first[0] == "BufferUnusableError", first
-        assert re.search(r"ranks were found on different calls \(rank 0: call 3 \(low_latency_dispatch\), "
-                         r"rank 1: call 3 \(low_latency_dispatch\), rank 2: call 1 \(low_latency_dispatch\)\)",
+        assert re.search(r"ranks were found on different calls \(rank 0: call 2 \(low_latency_dispatch\), "
+                         r"rank 1: call 2 \(low_latency_dispatch\), rank 2: call 4 \(low_latency_dispatch\)\)",
                          first[1]), first
         assert second[0] == "BufferUnusableError" and "different calls" in second[1], second

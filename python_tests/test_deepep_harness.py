@@ -68,22 +68,29 @@ DEEPEP_TESTS = os.environ.get("MOE_COMM_DEEPEP_TESTS")
 needs_deepep = pytest.mark.skipif(not DEEPEP_TESTS, reason="set MOE_COMM_DEEPEP_TESTS to DeepEP v1's tests/ folder "
                                   "(not shipped: DeepEP's files are not copied here) to run DeepEP's own tests")
 
-# (script, harness options, script arguments): small shapes so each runs in about a minute on 2 cores
+# (script, harness options, script arguments, environment): small shapes so each runs in about a
+# minute on 2 cores; the shrink test's stopped ranks each cost one deadline, so it gets a short one
 DEEPEP_RUNS = [
-    ("test_intranode.py", [], ["--num-processes", "2", "--num-tokens", "128", "--hidden", "1024", "--num-experts", "16"]),
-    ("test_intranode.py", [], ["--num-processes", "4", "--num-tokens", "64", "--hidden", "512", "--num-experts", "16"]),
-    ("test_low_latency.py", [], ["--num-processes", "2", "--num-tokens", "32", "--hidden", "1024", "--num-experts", "16"]),
+    ("test_intranode.py", [], ["--num-processes", "2", "--num-tokens", "128", "--hidden", "1024", "--num-experts", "16"],
+     {}),
+    ("test_intranode.py", [], ["--num-processes", "4", "--num-tokens", "64", "--hidden", "512", "--num-experts", "16"],
+     {}),
+    ("test_low_latency.py", [], ["--num-processes", "2", "--num-tokens", "32", "--hidden", "1024", "--num-experts", "16"],
+     {}),
     ("test_low_latency.py", [], ["--num-processes", "4", "--num-tokens", "32", "--hidden", "1024", "--num-experts", "16",
-                                 "--use-logfmt"]),
+                                 "--use-logfmt"], {}),
+    ("test_low_latency.py", [], ["--num-processes", "6", "--num-tokens", "16", "--hidden", "1024", "--num-experts", "12",
+                                 "--shrink-test"], {"MOE_COMM_TIMEOUT_S": "10"}),
     ("test_internode.py", ["--nodes", "2"], ["--num-processes", "8", "--num-tokens", "64", "--hidden", "512",
-                                             "--num-experts", "32"]),
+                                             "--num-experts", "32"], {}),
 ]
 
 
 @needs_deepep
-@pytest.mark.parametrize("script,options,args", DEEPEP_RUNS, ids=lambda v: " ".join(v) if isinstance(v, list) else v)
-def test_deepep_own_tests(script, options, args):
+@pytest.mark.parametrize("script,options,args,env", DEEPEP_RUNS,
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else v if isinstance(v, str) else "")
+def test_deepep_own_tests(script, options, args, env):
     path = Path(DEEPEP_TESTS) / script
     done = subprocess.run([sys.executable, str(RUN), str(path), *options, "--timeout", "1200", "--", *args],
-                          capture_output=True, text=True, timeout=1300)
+                          capture_output=True, text=True, timeout=1300, env={**os.environ, **env})
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]

@@ -100,3 +100,25 @@ def test_auto_picks_mpi_on_the_mpi_backend():
     assert transports.auto("gloo") == "shm"
     assert transports.auto("nccl") == "collective"
     assert "mpi" in transports.available()
+
+
+@needs_mpi
+def test_shrink_without_torch_distributed_is_refused():
+    """A pure MPI job has no rendezvous store for the shrink protocol: the Buffer says so."""
+    import subprocess
+    import sys
+
+    from moe_comm.launch.mpiexec import find_mpiexec
+    code = ("from mpi4py import MPI; import moe_comm\n"
+            "try:\n"
+            "    moe_comm.Buffer(None, comm=MPI.COMM_WORLD, low_latency_mode=True, enable_shrink=True, timeout_s=30)\n"
+            "except ValueError as exc:\n"
+            "    print('REFUSED', exc)\n"
+            "moe_comm.Buffer(None, comm=MPI.COMM_WORLD, low_latency_mode=True, timeout_s=30)\n"
+            "print('PLAIN OK')\n")
+    done = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("REFUSED Buffer: enable_shrink=True masks the ranks that miss a low-latency deadline, "
+                             "which needs torch.distributed's rendezvous store") == 2, done.stdout
+    assert done.stdout.count("PLAIN OK") == 2, done.stdout

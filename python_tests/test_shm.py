@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -82,13 +83,14 @@ def test_masked_rank_is_skipped_by_low_latency_calls(transport, how):
         assert r["mask"] == [0, 0, 1] and r["after_clean"] == [0, 0, 0], r
 
 
-def test_rank_out_of_step_is_an_error_not_stale_rows():
+def test_rank_masked_while_alive_cannot_rejoin():
     with LocalWorld(3, timeout_s=60, threads_per_rank=1) as world:
         results = world.run(rejoin_after_mask)
-    kind, message = results[2]  # rank 2 waits for exchanges the others made without it
-    assert kind == "CommTimeoutError" and "ranks not heard from: [0, 1]" in message, message
-    for kind, message in results[:2]:  # they wait for an exchange rank 2 numbers differently
-        assert kind == "CommTimeoutError" and "ranks not heard from: [2]" in message, message
+    kind, message, _ = results[2]  # its first call meets the others' notes: they masked it
+    assert kind == "BufferUnusableError" and re.search(r"rank 2 was masked by ranks \[0, 1\] in call 1", message), \
+        message
+    for kind, message, mask in results[:2]:  # it never reaches their third call: masked again, by timeout
+        assert (kind, mask) == ("no exception", [0, 0, 1]), (kind, message)
 
 
 def test_local_world_size_splits_one_host_into_nodes(worlds):

@@ -8,11 +8,12 @@ from __future__ import annotations
 import abc
 import socket
 import zlib
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
 from ..memory import Workspace
+from .store_gather import StoreGather
 
 __all__ = ["Exchange", "Pending", "Rows", "Transport", "host_id", "own_counts", "peer_blocks", "prefix_sums"]
 
@@ -54,6 +55,10 @@ class Transport(abc.ABC):
     #: the group's ranks split into nodes (``topology.split_nodes``: hosts, LOCAL_WORLD_SIZE blocks)
     nodes: list[list[int]]
 
+    #: deadline-tolerant gathers for shrinking buffers (``store_gather``), None where the transport has no
+    #: rendezvous store to run them on
+    gatherer: Optional[StoreGather] = None
+
     def __init__(self) -> None:
         #: send and receive buffers reused across exchanges
         self.workspace = Workspace()
@@ -76,18 +81,19 @@ class Transport(abc.ABC):
         is ``all_to_all``. Ordered with the other bulk exchanges, not with ``all_to_all``."""
         return self.all_to_all(output, input, output_splits, input_splits, op=op, skip=skip)
 
-    def all_gather_rows(self, row: torch.Tensor, *, op: str) -> torch.Tensor:
-        """Every rank's ``row`` (1-D, the same size and dtype on every rank), stacked in rank order:
-        an all-gather through ``all_to_all``, with its deadline. Collective; blocks."""
+    def all_gather_rows(self, row: torch.Tensor, *, op: str, skip: frozenset[int] = frozenset()) -> torch.Tensor:
+        """Every rank's ``row`` (1-D, the same size and dtype on every rank), stacked in rank order
+        (zeros for the ranks in ``skip``, which take no part): an all-gather through ``all_to_all``,
+        with its deadline. Collective; blocks."""
         ranks = self.num_ranks
-        got = torch.empty(ranks, row.numel(), dtype=row.dtype, device=row.device)
+        got = (torch.zeros if skip else torch.empty)(ranks, row.numel(), dtype=row.dtype, device=row.device)
         self.all_to_all(got, row.reshape(1, -1).expand(ranks, -1).contiguous(), [1] * ranks, [1] * ranks,
-                        op=op).wait()
+                        op=op, skip=skip).wait()
         return got
 
-    def barrier(self, *, op: str) -> None:
-        """Returns once every rank has called it (or raises at the deadline). Collective."""
-        self.all_gather_rows(torch.ones(1, dtype=torch.uint8, device=self.device), op=op)
+    def barrier(self, *, op: str, skip: frozenset[int] = frozenset()) -> None:
+        """Returns once every rank not in ``skip`` has called it (or raises at the deadline). Collective."""
+        self.all_gather_rows(torch.ones(1, dtype=torch.uint8, device=self.device), op=op, skip=skip)
 
     @abc.abstractmethod
     def exited_ranks(self) -> list[int]:

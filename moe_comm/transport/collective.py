@@ -35,6 +35,7 @@ from ..errors import CommTimeoutError, CrossRankMismatchError
 from ..topology import split_nodes
 from .base import Pending, Transport, host_id, peer_blocks
 from .host_counters import HostCounters
+from .store_gather import StoreGather
 
 __all__ = ["CollectiveTransport"]
 
@@ -169,7 +170,7 @@ class CollectiveTransport(Transport):
         self._backend = str(dist.get_backend(group))
         self.device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" \
             else torch.device("cpu")
-        store = _default_store()
+        store = default_store()
         scope = f"moe_comm/{getattr(group, 'group_name', 'default')}"
         instance = 0
         if store is not None:
@@ -194,6 +195,8 @@ class CollectiveTransport(Transport):
         self.nodes = split_nodes([host for host, _ in self._peers],
                                  [dist.get_global_rank(group, r) for r in range(self.num_ranks)] if whole else None)
         self._metadata = self._metadata_channel(store, f"{scope}/metadata/{instance}")
+        if store is not None:
+            self.gatherer = StoreGather(store, f"{scope}/shrink/{instance}", self.rank, timeout_s, self.exited_ranks)
 
     def _metadata_channel(self, store: Optional[dist.Store], prefix: str) -> Optional[dist.ProcessGroup]:
         """The second gloo group that carries ``all_to_all`` (see the module docstring); None off gloo,
@@ -336,7 +339,7 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
-def _default_store() -> Optional[dist.Store]:
+def default_store() -> Optional[dist.Store]:
     # NOTES: the default store is how torch.distributed itself rendezvoused; it is private API, so
     # losing it only costs the names of late ranks in timeout errors.
     try:

@@ -37,7 +37,9 @@ from ..checks import describe
 from ..errors import CommTimeoutError, PeerExitedError, bad_argument
 from ..topology import split_nodes
 from .base import Pending, Transport, host_id, peer_blocks, prefix_sums
+from .collective import default_store
 from .host_counters import HostCounters
+from .store_gather import StoreGather
 from .shm_segment import sweep_stale
 
 __all__ = ["MpiTransport", "load_mpi", "as_comm", "MPICH_SHM_PREFIX", "mapped_mpich_segments"]
@@ -214,6 +216,10 @@ class MpiTransport(Transport):
             sweep_stale()
             raise
         self._counters = counters
+        store = default_store() if dist.is_initialized() else None
+        if store is not None:  # the job's ranks also form a torch.distributed world: its store serves
+            self.gatherer = StoreGather(store, f"moe_comm/mpi/{rows[0][2]:x}/shrink", self.rank, self.timeout_s,
+                                        self.exited_ranks)
 
     # ------------------------------------------------------------------ posting
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,

@@ -45,7 +45,7 @@ class CudaHostBackend(PortableBackend):
         #: the buffer's communication stream (DeepEP's comm stream): launches in order, on a host thread
         self.stream = HostStream(lambda op, record: raise_for(_cuda_host, op, timeout_s, pids, record))
         self.normal = KernelNormalMode(self.normal, _cuda_host, self._normal_buffers, self.stream, timeout_s)
-        self.low_latency = KernelLowLatencyMode(self.transport, self.agreement, shrink, _cuda_host,
+        self.low_latency = KernelLowLatencyMode(self.transport, self.agreement, _cuda_host,
                                                 self._low_latency_buffers, self.stream, timeout_s)
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:

@@ -81,7 +81,7 @@ class CudaBackend(PortableBackend):
             self._notify_outputs = MappedOutputs(kernels)
             self.normal = KernelNormalMode(self.normal, self.kernels, self._normal_buffers, self.stream, timeout_s,
                                            notify_outputs=self._notify_outputs, name=self.name)
-            self.low_latency = KernelLowLatencyMode(self.transport, self.agreement, shrink, self.kernels,
+            self.low_latency = KernelLowLatencyMode(self.transport, self.agreement, self.kernels,
                                                     self._low_latency_buffers, self.stream, timeout_s)
         except BaseException:
             self.transport.close()

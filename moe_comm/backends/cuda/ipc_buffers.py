@@ -45,13 +45,17 @@ class IpcBuffers:
         pid = torch.tensor([os.getpid()], dtype=torch.int64, device=transport.device)
         self.pids = transport.all_gather_rows(pid, op=f"cuda: {what} buffer").view(-1).tolist()
 
-    def ensure(self, nbytes: int) -> bool:
+    def ensure(self, nbytes: int, skip: frozenset[int] = frozenset()) -> bool:
         """Maps buffers of at least ``nbytes`` (collective when they must grow; every rank asks for
         the same size). Returns whether they were (re)mapped, zeroed. The caller has waited for every
         launch on the old buffers."""
         if nbytes <= self.nbytes:
             return False
         op = f"cuda: mapping the {self.what} buffers"
+        if skip:  # CUDA IPC opens every peer's handle: a masked rank has none to give
+            raise RuntimeError(f"{op}: {nbytes} bytes are needed after ranks {sorted(skip)} were masked, and the "
+                               f"buffers cannot grow without them; size them up front (num_rdma_bytes from "
+                               f"Buffer.get_low_latency_rdma_size_hint covers every low-latency call of that shape)")
         old, self._own, self.bases, self.nbytes = self._own, None, [], 0
         if old is not None:
             old.close_peers()

@@ -39,16 +39,20 @@ class KernelLowLatencyMode(LowLatencyMode):
     """Low-latency operations of one Buffer on the kernels of ``kernels`` (moe_comm._cuda_host, or the
     device build's adapter ``device_kernels.DeviceKernels``)."""
 
-    def __init__(self, transport: Transport, agreement: CallAgreement, shrink: bool, kernels: Any,
+    def __init__(self, transport: Transport, agreement: CallAgreement, kernels: Any,
                  buffers: SharedBuffers, stream: HostStream, timeout_s: float) -> None:
-        super().__init__(transport, agreement, shrink)
+        super().__init__(transport, agreement)
         self.kernels, self.buffers, self.stream, self.timeout_s = kernels, buffers, stream, timeout_s
 
-    def _launcher(self, local: int, m: int, hidden: int) -> Any:
+    def _launcher(self, local: int, m: int, hidden: int, skip: frozenset[int]) -> Any:
         need = self.kernels.low_latency_bytes(self.num_ranks, local, m, hidden)
         if need > self.buffers.nbytes:  # the same on every rank: the sizes follow from agreed fields
             self.stream.synchronize()  # no launch may run on buffers being replaced
-            self.buffers.ensure(need)
+            self.buffers.ensure(need, skip)
+        unmapped = [r for r, base in enumerate(self.buffers.bases) if not base and r not in skip]
+        if unmapped:  # mapped while those ranks were masked; a kernel would write through address 0
+            raise RuntimeError(f"low-latency call: ranks {unmapped} were masked when this rank's buffers were mapped "
+                               f"and are not masked now; a rank masked while alive cannot rejoin this Buffer")
         return self.kernels.LowLatency(self.buffers.bases, self.buffers.pids, self.rank, self.timeout_s, local, m,
                                        hidden)
 
@@ -68,14 +72,14 @@ class KernelLowLatencyMode(LowLatencyMode):
         local = num_experts // R
         slot = self._acquire(op)
         half = self._idx
-        skip = self.skip()
-        _, _, _, waited = self.agree_dispatch(x, topk_idx, m, num_experts, fp8_format, skip)
+        shake, _, _, waited = self.agree_dispatch(x, topk_idx, m, num_experts, fp8_format, self.skip())
+        skip = shake.skip
         fp8 = fp8_format is not Fp8Format.BF16
         num_scales = (hidden // _GROUP // (4 if fp8_format.ue8m0 else 1)) if fp8 else 0
         scales = (torch.int32 if fp8_format.ue8m0 else torch.float32, num_scales) if fp8 else None
         recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(local, R, m, hidden, scales,
                                                                                    x.device)
-        kernel = self._launcher(local, m, hidden)
+        kernel = self._launcher(local, m, hidden, skip)
         mask, routable = self._skip_mask(skip, x.device), self._routable(topk_idx, num_experts, skip).to(torch.int64)
         args = (half, pin(mask), x.shape[0], 4 * num_scales, topk_idx.shape[1], fp8, fp8_format.round_scale,
                 fp8_format.ue8m0, pin(x.contiguous()), pin(routable.contiguous()), pin(recv_x),
@@ -109,13 +113,13 @@ class KernelLowLatencyMode(LowLatencyMode):
         pin = Pins()
         slot = self._acquire(op, zero_copy)
         half = self._idx
-        skip = self.skip()
-        _, _, handle, waited = self.agree_combine(x, topk_idx, handle, skip)
+        shake, _, handle, waited = self.agree_combine(x, topk_idx, handle, self.skip())
+        skip = shake.skip
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
         num_tokens, num_topk = topk_idx.shape
         if out is None:
             out = empty((num_tokens, hidden), torch.bfloat16, x.device)
-        kernel = self._launcher(local, handle.num_max_dispatch_tokens_per_rank, hidden)
+        kernel = self._launcher(local, handle.num_max_dispatch_tokens_per_rank, hidden, skip)
         routable = self._routable(topk_idx, handle.num_experts, skip).to(torch.int64)
         args = (half, pin(self._skip_mask(skip, x.device)), num_tokens, num_topk, pin(source.contiguous()),
                 pin(handle.src_info.contiguous()), pin(handle.layout_range.contiguous()), pin(routable.contiguous()),

@@ -39,9 +39,10 @@ class SharedBuffers:
         pid = torch.tensor([os.getpid()], dtype=torch.int64)
         self.pids = transport.all_gather_rows(pid, op=f"cuda_host: {what} buffer").view(-1).tolist()
 
-    def ensure(self, nbytes: int) -> bool:
-        """Maps buffers of at least ``nbytes`` (collective when they must grow; every rank asks for
-        the same size). Returns whether they were (re)mapped, zeroed."""
+    def ensure(self, nbytes: int, skip: frozenset[int] = frozenset()) -> bool:
+        """Maps buffers of at least ``nbytes`` (collective over the ranks not in ``skip``, masked ranks,
+        when they must grow; every rank asks for the same size). A masked rank's base is 0: the kernels
+        never touch a masked rank. Returns whether they were (re)mapped, zeroed."""
         if nbytes <= self.nbytes:
             return False
         op = f"cuda_host: mapping the {self.what} buffers"
@@ -51,14 +52,14 @@ class SharedBuffers:
             row = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
             row[:len(mine.name)] = torch.tensor(list(mine.name.encode()), dtype=torch.uint8)
             names = [bytes(r).rstrip(b"\0").decode()
-                     for r in self.transport.all_gather_rows(row, op=op).tolist()]
-            segments = [mine if r == self.transport.rank else Segment.open(name, _Size(nbytes))
+                     for r in self.transport.all_gather_rows(row, op=op, skip=skip).tolist()]
+            segments = [mine if r == self.transport.rank else None if r in skip else Segment.open(name, _Size(nbytes))
                         for r, name in enumerate(names)]
-            self.transport.barrier(op=op)
+            self.transport.barrier(op=op, skip=skip)
         finally:
             mine.unlink()
         self._segments, self.nbytes = segments, nbytes
-        self.bases = [s.base for s in segments]
+        self.bases = [0 if s is None else s.base for s in segments]
         return True
 
     def zero_own(self) -> None:

@@ -29,10 +29,17 @@ from ...codes import UNKNOWN, Field, Op
 from ...errors import BufferUnusableError, CrossRankMismatchError
 from ...transport import Transport
 from .handshake import Handshake, check, show, vector
+from .shrink import note, read_note
 
-__all__ = ["CallAgreement"]
+__all__ = ["CallAgreement", "Proposal"]
 
 _MESSAGE_BYTES = 1024  # a rejection's message on the wire, truncated to fit
+#: the calls whose handshake masks late ranks in a shrinking buffer (``shrink.py``)
+_SHRINKING = (Op.LOW_LATENCY_DISPATCH, Op.LOW_LATENCY_COMBINE, Op.CLEAN_LOW_LATENCY_BUFFER)
+
+#: ``propose(skip)``: a rank's handshake entries rebuilt for a larger set of masked ranks, as keyword
+#: arguments of ``CallAgreement.handshake`` (send_counts, expected, sent_digests, expected_digests)
+Proposal = Callable[[frozenset[int]], Mapping[str, Any]]
 
 
 @dataclass
@@ -47,8 +54,12 @@ class _Call:
 class CallAgreement:
     """The call protocol of one Buffer over its transport (see the module docstring)."""
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, shrink: bool = False) -> None:
         self.transport, self.rank, self.num_ranks = transport, transport.rank, transport.num_ranks
+        #: DeepEP's enable_shrink: low-latency handshakes mask the ranks that miss their deadline
+        self.shrink = shrink
+        #: masked ranks (DeepEP's mask buffer): low-latency calls neither send to nor wait for them
+        self.masked: set[int] = set()
         self.calls = 0  # collective calls begun, rejected ones included
         self.broken: Optional[str] = None  # why this buffer refuses further use
         self.destroyed = False
@@ -122,7 +133,8 @@ class CallAgreement:
                   expected: Optional[Sequence[int]], compare: Sequence[Field], device: torch.device,
                   skip: frozenset[int] = frozenset(), sent_digests: Optional[Sequence[int]] = None,
                   expected_digests: Optional[Sequence[int]] = None,
-                  verdict: Optional[Callable[[Handshake], None]] = None) -> Handshake:
+                  verdict: Optional[Callable[[Handshake], None]] = None,
+                  propose: Optional[Proposal] = None) -> Handshake:
         """Exchanges this rank's vector with every rank and judges them. Collective; blocks the host.
 
         Args:
@@ -137,6 +149,10 @@ class CallAgreement:
             sent_digests, expected_digests: ``digest.digests`` of the token keys of the rows sent
                 to / expected from each rank, where this rank knows them.
             verdict: a further check on the vectors, raising CrossRankMismatchError (on every rank alike).
+            propose: in a shrinking buffer's low-latency calls, rebuilds this rank's entries when more
+                ranks get masked during the call (default: the same entries).
+        Returns the judged vectors; ``skip`` of the result is the masked ranks the call ran without
+        (larger than ``skip`` when a shrinking buffer masked late ranks, see ``shrink.py``).
         Raises:
             BufferUnusableError when ranks are on different calls; CrossRankMismatchError, the same on
             every rank, when a rank rejected its arguments or ops, fields, counts or digests disagree;
@@ -145,18 +161,61 @@ class CallAgreement:
         call = self._current
         R = self.num_ranks
         scalars = {**fields, Field.OP: code, Field.CALL: call.number, Field.REJECTED: int(call.rejection is not None)}
-        row = vector(scalars, send_counts, expected, sent_digests, expected_digests, R)
-        mine = torch.tensor(row, dtype=torch.int64, device=device).expand(R, len(row)).contiguous()
-        got = torch.empty_like(mine)
+        entries = dict(send_counts=send_counts, expected=expected, sent_digests=sent_digests,
+                       expected_digests=expected_digests)
         call.started = True
-        self.transport.all_to_all(got, mine, [1] * R, [1] * R, op=op, skip=skip).wait()
-        rows = got.cpu().tolist()
+        if self.shrink and code in _SHRINKING:
+            rows, skip = self._shrinking(call, op, scalars, entries, skip, propose)
+        else:
+            row = vector(scalars, num_ranks=R, **entries)
+            mine = torch.tensor(row, dtype=torch.int64, device=device).expand(R, len(row)).contiguous()
+            got = torch.empty_like(mine)
+            self.transport.all_to_all(got, mine, [1] * R, [1] * R, op=op, skip=skip).wait()
+            rows = got.cpu().tolist()
         F = len(Field)
         for r in skip:
-            rows[r] = row[:F] + [0] * R + [UNKNOWN] * (3 * R)
-        shake = Handshake(rows)
+            rows[r] = rows[self.rank][:F] + [0] * R + [UNKNOWN] * (3 * R)
+        shake = Handshake(rows, skip)
         self._judge(call, shake, op, compare, device, skip, verdict)
         return shake
+
+    def _shrinking(self, call: _Call, op: str, scalars: Mapping[Field, int], entries: dict[str, Any],
+                   skip: frozenset[int], propose: Optional[Proposal]) -> tuple[list[list[int]], frozenset[int]]:
+        """A shrinking buffer's handshake exchange (``shrink.py``): (every rank's vector, masked
+        ranks), the same on every rank that returns; breaks the buffer of a rank that was masked."""
+        R, me, gatherer = self.num_ranks, self.rank, self.transport.gatherer
+        while True:
+            sources = [r for r in range(R) if r not in skip]
+            got, late = gatherer.gather(vector(scalars, num_ranks=R, **entries), sources, op=op)
+            if len({row[Field.CALL] for row in got.values()}) > 1:  # out of step: the verdict says so
+                return [got.get(r, []) for r in range(R)], skip | frozenset(late)
+            notes, missed = gatherer.gather(note(call.number, skip, late, R), [r for r in sources if r not in late],
+                                            op=op)
+            union, masked_by = set(skip) | set(late) | set(missed), []
+            for r, row in notes.items():
+                number, masked, seen_late = read_note(row, R)
+                if number != call.number:
+                    self.breaks(f"rank {r} was found on another call than call {call.number} ({op}) in the shrink "
+                                f"protocol: a rank skipped a call, or failed one alone")
+                    raise BufferUnusableError(op, me, self.broken)
+                union |= masked | seen_late
+                if me in masked | seen_late:
+                    masked_by.append(r)
+            self.masked |= union - {me}
+            if me in union:
+                self.breaks(f"rank {me} was masked by ranks {masked_by} in call {call.number} ({op}): they masked "
+                            f"it earlier, or it did not arrive within their {self.transport.timeout_s:g} s deadline; "
+                            f"a rank masked while alive cannot rejoin this Buffer")
+                raise BufferUnusableError(op, me, self.broken)
+            if missed:
+                self.breaks(f"ranks {missed} did not send their shrink notes of call {call.number} ({op}) within "
+                            f"the deadline, so this rank cannot know which ranks the others masked")
+                raise BufferUnusableError(op, me, self.broken)
+            if all(read_note(row, R)[1] == union for row in notes.values()):
+                return [got.get(r, []) for r in range(R)], skip
+            skip = frozenset(union)
+            if propose is not None:
+                entries = {**entries, **propose(skip)}
 
     def _judge(self, call: _Call, shake: Handshake, op: str, compare: Sequence[Field], device: torch.device,
                skip: frozenset[int], verdict: Optional[Callable[[Handshake], None]]) -> None:

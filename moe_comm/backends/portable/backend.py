@@ -41,7 +41,8 @@ class PortableBackend(Backend):
         timeout_s: deadline for every wait.
         buffer_bytes: the bytes DeepEP's buffer would take (``max(num_nvl_bytes, num_rdma_bytes)``); a
             transport that preallocates takes at most ``_PREALLOCATE_MAX`` of it up front.
-        shrink: DeepEP's ``enable_shrink`` (exited peers are masked at the start of low-latency calls).
+        shrink: DeepEP's ``enable_shrink``: low-latency calls mask the ranks that exit or miss their deadline
+            (``shrink.py``).
     """
 
     name = "portable"
@@ -52,10 +53,16 @@ class PortableBackend(Backend):
         self.transport = transports.create(self.transport_name, group, timeout_s,
                                            min(buffer_bytes, _PREALLOCATE_MAX), comm=comm)
         self.rank, self.num_ranks = self.transport.rank, self.transport.num_ranks
-        self.agreement = CallAgreement(self.transport)
+        if shrink and self.transport.gatherer is None:
+            self.transport.close()
+            raise ValueError(f"Buffer: enable_shrink=True masks the ranks that miss a low-latency deadline, which "
+                             f"needs torch.distributed's rendezvous store, and the {self.transport_name} transport "
+                             f"has none here (an mpi4py communicator without torch.distributed initialised); "
+                             f"initialise torch.distributed, or leave enable_shrink off")
+        self.agreement = CallAgreement(self.transport, shrink)
         self.topology = Topology.of(self.transport.nodes)
         self.normal = NormalMode(self.transport, self.agreement, self.topology)
-        self.low_latency = LowLatencyMode(self.transport, self.agreement, shrink=shrink)
+        self.low_latency = LowLatencyMode(self.transport, self.agreement)
 
     # ------------------------------------------------------------------ calls and lifetime
     def call(self, op: str, body: Callable[[], T]) -> T:
@@ -124,10 +131,10 @@ class PortableBackend(Backend):
         self.low_latency.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, self.transport.device)
 
     def mask_rank(self, rank: int, masked: bool) -> None:
-        (self.low_latency.masked.add if masked else self.low_latency.masked.discard)(rank)
+        (self.agreement.masked.add if masked else self.agreement.masked.discard)(rank)
 
     def masked_ranks(self) -> frozenset[int]:
-        return frozenset(self.low_latency.masked)
+        return frozenset(self.agreement.masked)
 
     def clear_masks(self) -> None:
-        self.low_latency.masked.clear()
+        self.agreement.masked.clear()

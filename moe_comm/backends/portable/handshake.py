@@ -45,6 +45,8 @@ class Handshake:
 
     # rows[r] = rank r's vector (see ``vector``)
     rows: list[list[int]]
+    #: the masked ranks the call runs without (their rows are placeholders: no rows sent or expected)
+    skip: frozenset[int] = frozenset()
 
     def field(self, field: Field) -> list[int]:
         """Every rank's value of ``field``."""

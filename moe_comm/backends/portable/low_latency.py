@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -86,13 +86,9 @@ class _Slot:
 class LowLatencyMode:
     """Low-latency operations of one ``Buffer`` over its transport."""
 
-    def __init__(self, transport: Transport, agreement: CallAgreement, shrink: bool = False) -> None:
+    def __init__(self, transport: Transport, agreement: CallAgreement) -> None:
         self.transport, self.agreement = transport, agreement
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
-        #: DeepEP's enable_shrink: ranks found dead at the start of a call are masked automatically
-        self.shrink = shrink
-        #: masked ranks (DeepEP's mask buffer): low-latency calls neither send to nor wait for them
-        self.masked: set[int] = set()
         self._slots = [_Slot(), _Slot()]
         self._idx = 0
         self._lent: Optional[int] = None  # slot whose combine buffer was lent for a zero-copy combine
@@ -120,10 +116,12 @@ class LowLatencyMode:
 
     # ------------------------------------------------------------------ masked ranks
     def skip(self) -> frozenset[int]:
-        """The ranks this call leaves out: the masked ones, plus (with shrink) peers that have exited."""
-        if self.shrink:
-            self.masked.update(self.transport.exited_ranks())
-        return frozenset(self.masked)
+        """The ranks this call starts without: the masked ones, plus (with shrink) peers that have
+        exited. A shrinking buffer's handshake may mask more (``Handshake.skip``)."""
+        masked = self.agreement.masked
+        if self.agreement.shrink:
+            masked.update(self.transport.exited_ranks())
+        return frozenset(masked)
 
     def _routable(self, topk_idx: torch.Tensor, num_experts: int, skip: frozenset[int]) -> torch.Tensor:
         """``topk_idx`` with the experts of masked ranks replaced by -1."""
@@ -144,16 +142,23 @@ class LowLatencyMode:
     def agree_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int,
                        fp8_format: Fp8Format, skip: frozenset[int]
                        ) -> tuple[Handshake, torch.Tensor, torch.Tensor, int]:
-        """A dispatch's handshake: (handshake, msg, experts, ns it waited); ``msg`` and
-        ``experts`` are ``send_order`` of the routable top-k (masked ranks' experts dropped)."""
-        msg, experts, send_counts = send_order(self._routable(topk_idx, num_experts, skip), num_experts,
-                                               self.num_ranks)
+        """A dispatch's handshake: (handshake, msg, experts, ns it waited); ``msg`` and ``experts`` are
+        ``send_order`` of the routable top-k (the experts of ``handshake.skip``, the masked ranks, dropped)."""
+        routing = {}
+
+        def propose(skip: frozenset[int]) -> dict[str, Any]:
+            routing["msg"], routing["experts"], send_counts = send_order(
+                self._routable(topk_idx, num_experts, skip), num_experts, self.num_ranks)
+            return dict(send_counts=send_counts)
+
+        first = propose(skip)
         start = time.perf_counter_ns()
         fields = {Field.HIDDEN: x.shape[1], Field.NUM_EXPERTS: num_experts, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: m,
                   Field.FP8_FORMAT: fp8_format}
-        shake = self.agreement.handshake("low_latency_dispatch", Op.LOW_LATENCY_DISPATCH, fields, send_counts, None,
-                                         _COMPARED + (Field.FP8_FORMAT,), self.transport.device, skip)
-        return shake, msg, experts, time.perf_counter_ns() - start
+        shake = self.agreement.handshake("low_latency_dispatch", Op.LOW_LATENCY_DISPATCH, fields, first["send_counts"],
+                                         None, _COMPARED + (Field.FP8_FORMAT,), self.transport.device, skip,
+                                         propose=propose)
+        return shake, routing["msg"], routing["experts"], time.perf_counter_ns() - start
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int, fp8_format: Fp8Format,
                  recv_stats: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
@@ -163,9 +168,8 @@ class LowLatencyMode:
         R, device, hidden = self.num_ranks, x.device, x.shape[1]
         local = num_experts // R
         slot = self._acquire(op)
-        skip = self.skip()
-        shake, msg, experts, waited = self.agree_dispatch(x, topk_idx, m, num_experts, fp8_format, skip)
-        recv_counts = shake.recv_counts(self.rank)
+        shake, msg, experts, waited = self.agree_dispatch(x, topk_idx, m, num_experts, fp8_format, self.skip())
+        skip, recv_counts = shake.skip, shake.recv_counts(self.rank)
 
         scales = None
         data = x
@@ -217,26 +221,35 @@ class LowLatencyMode:
 
     def agree_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, handle: LowLatencyHandle, skip: frozenset[int],
                       use_logfmt: bool = False) -> tuple[Handshake, torch.Tensor, LowLatencyHandle, int]:
-        """A combine's handshake: (handshake, msg, the handle with masked sources' ranges emptied, ns
-        it waited); ``msg`` is ``send_order`` of the routable top-k."""
+        """A combine's handshake: (handshake, msg, the handle with the ranges of ``handshake.skip``, the
+        masked sources, emptied, ns it waited); ``msg`` is ``send_order`` of the routable top-k."""
         R, num_experts = self.num_ranks, handle.num_experts
-        msg, experts, expected = send_order(self._routable(topk_idx, num_experts, skip), num_experts, R)
-        if skip:  # nothing goes back to masked sources
-            layout_range = handle.layout_range.clone()
-            layout_range[:, list(skip)] = 0
-            handle = dataclasses.replace(handle, layout_range=layout_range)
-        return_counts = handle.counts().sum(0).tolist()  # rows going back to each source rank
-        # which (local expert, token) each returned row answers, as both sides see it
-        returned, asked = low_latency_combine_digests(handle.layout_range, handle.src_info, msg, experts, expected,
-                                                      topk_idx.shape[1])
+        given, state = handle, {}
+
+        def propose(skip: frozenset[int]) -> dict[str, Any]:
+            msg, experts, expected = send_order(self._routable(topk_idx, num_experts, skip), num_experts, R)
+            handle = given
+            if skip:  # nothing goes back to masked sources
+                layout_range = handle.layout_range.clone()
+                layout_range[:, list(skip)] = 0
+                handle = dataclasses.replace(handle, layout_range=layout_range)
+            state["msg"], state["handle"] = msg, handle
+            # which (local expert, token) each returned row answers, as both sides see it
+            returned, asked = low_latency_combine_digests(handle.layout_range, handle.src_info, msg, experts,
+                                                          expected, topk_idx.shape[1])
+            return dict(send_counts=handle.counts().sum(0).tolist(),  # rows going back to each source rank
+                        expected=expected, sent_digests=returned, expected_digests=asked)
+
+        first = propose(skip)
         start = time.perf_counter_ns()
         fields = {Field.HIDDEN: x.shape[2], Field.NUM_EXPERTS: num_experts,
                   Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: handle.num_max_dispatch_tokens_per_rank,
                   Field.USE_LOGFMT: int(use_logfmt)}
-        shake = self.agreement.handshake("low_latency_combine", Op.LOW_LATENCY_COMBINE, fields, return_counts,
-                                         expected, _COMPARED + (Field.USE_LOGFMT,), self.transport.device, skip,
-                                         sent_digests=returned, expected_digests=asked)
-        return shake, msg, handle, time.perf_counter_ns() - start
+        shake = self.agreement.handshake("low_latency_combine", Op.LOW_LATENCY_COMBINE, fields, first["send_counts"],
+                                         first["expected"], _COMPARED + (Field.USE_LOGFMT,), self.transport.device,
+                                         skip, sent_digests=first["sent_digests"],
+                                         expected_digests=first["expected_digests"], propose=propose)
+        return shake, state["msg"], state["handle"], time.perf_counter_ns() - start
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                 zero_copy: bool, out: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
@@ -247,8 +260,8 @@ class LowLatencyMode:
         device = x.device
         local, rows, hidden = x.shape
         slot = self._acquire(op, zero_copy)
-        skip = self.skip()
-        shake, msg, handle, waited = self.agree_combine(x, topk_idx, handle, skip, use_logfmt)
+        shake, msg, handle, waited = self.agree_combine(x, topk_idx, handle, self.skip(), use_logfmt)
+        skip = shake.skip
         send_rows = combine_rows(handle.layout_range, rows)  # by source rank, then local expert, then row
 
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
