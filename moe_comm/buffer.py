@@ -66,8 +66,9 @@ class Buffer(LowLatencyAPI):
         enable_shrink: DeepEP's: a rank that exits, or misses a low-latency call's deadline
             (``timeout_s``), is masked on every rank that carries on, the same mask everywhere, and the
             call completes without its experts (``low_latency_query_mask_buffer`` reports it). Each
-            low-latency handshake then runs through torch.distributed's rendezvous store, in two
-            rounds (about a millisecond); normal-mode calls never shrink.
+            low-latency handshake then takes two rounds that survive a missing rank: the ``shm``
+            transport's metadata cells when every rank is on one host (measured +0.2 ms a call),
+            else torch.distributed's rendezvous store (+0.6 ms). Normal-mode calls never shrink.
     """
 
     #: SMs DeepEP's normal kernels use; only feeds the default configs here.

@@ -95,6 +95,25 @@ class Transport(abc.ABC):
         """Returns once every rank not in ``skip`` has called it (or raises at the deadline). Collective."""
         self.all_gather_rows(torch.ones(1, dtype=torch.uint8, device=self.device), op=op, skip=skip)
 
+    @property
+    def tolerant(self) -> bool:
+        """Whether ``gather_tolerant`` works here (a shrinking Buffer needs it)."""
+        return self.gatherer is not None
+
+    def gather_tolerant(self, row: Sequence[int], send_to: Sequence[int], recv_from: Sequence[int], *,
+                        op: str) -> tuple[dict[int, list[int]], list[int]]:
+        """An all-gather of one small int64 row per rank that survives ranks which never come: sends
+        ``row`` to ``send_to``, collects the rows of ``recv_from`` (this rank's own included if
+        listed). Returns (rows by rank, late ranks: those of ``recv_from`` whose row did not come by the
+        deadline, whose process exited, or that could not be sent to). A rank of ``send_to`` outside
+        ``recv_from`` may miss the row (a transport need not wait to deliver it). Every
+        rank that takes part calls it in the same order. Raises RuntimeError when this rank is out of
+        step. This implementation runs through the rendezvous store (``store_gather``)."""
+        if self.gatherer is None:
+            raise RuntimeError(f"{op}: the {self.name} transport has no rendezvous store for deadline-tolerant "
+                               f"gathers")
+        return self.gatherer.gather(row, recv_from, op=op)
+
     @abc.abstractmethod
     def exited_ranks(self) -> list[int]:
         """Ranks on this host whose process has exited (a dead peer, found without waiting)."""

@@ -17,6 +17,7 @@ sees one block per source rank either way.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -69,6 +70,32 @@ class _Waiter:
             sweep_stale(exited=[t.pids[r] for r in dead], wait_s=_DYING_PEER_S)
         raise CommTimeoutError(op, t.rank, t.timeout_s, late,
                                ", ".join(f"rank {r} (pid {t.pids[r]}) has exited" for r in dead))
+
+
+    def late(self, flags: list[int], targets: list[int], ranks: list[int], op: str, timeout_s: float,
+             exact: bool = False) -> list[int]:
+        """``until`` that survives ranks which never come: returns the ranks whose flag did not reach
+        its target within ``timeout_s`` or whose process exited (ascending), instead of raising. An
+        exact flag past its target still raises: this rank is out of step."""
+        t, native_ = self._t, native()
+        start, late = time.monotonic(), []
+        while flags:
+            left = max(timeout_s - (time.monotonic() - start), 0.0)
+            index, outcome = native_.flags_wait(flags, targets, [t.pids[r] for r in ranks], left, exact)
+            if outcome == native_.WaitOutcome.kReached:
+                break
+            if outcome == native_.WaitOutcome.kPastTarget:
+                raise RuntimeError(f"{op}: rank {t.rank} is out of step: rank {ranks[index]} is past its exchange "
+                                   f"{targets[index]}; a rank that was masked while alive cannot rejoin this "
+                                   f"Buffer: build a new one")
+            if outcome == native_.WaitOutcome.kProcessExited:
+                gone = [index]
+            else:  # the deadline: everything below its target is late
+                gone = [i for i, (f, goal) in enumerate(zip(flags, targets)) if native_.flag_load(f) < goal]
+            late += [ranks[i] for i in gone]
+            keep = [i for i in range(len(flags)) if i not in gone]
+            flags, targets, ranks = [flags[i] for i in keep], [targets[i] for i in keep], [ranks[i] for i in keep]
+        return sorted(late)
 
 
 class _MetaPending:
@@ -258,6 +285,57 @@ class ShmTransport(Transport):
 
     def exited_ranks(self) -> list[int]:
         return self._coll.exited_ranks()
+
+    @property
+    def tolerant(self) -> bool:
+        return not self.remote or self._coll.tolerant
+
+    def gather_tolerant(self, row: Sequence[int], send_to: Sequence[int], recv_from: Sequence[int], *,
+                        op: str) -> tuple[dict[int, list[int]], list[int]]:
+        """Through the metadata cells when every rank is on this host (one exchange of the metadata
+        channel, in its order with ``all_to_all``); else through the rendezvous store. A rank of
+        ``send_to`` that is not in ``recv_from`` (a late one) gets the row only if its cell is free at
+        once: nobody waits for it, and it is not reported."""
+        if self.remote:
+            return super().gather_tolerant(row, send_to, recv_from, op=op)
+        seq, slot = self._next(META)
+        data = torch.tensor([int(v) for v in row], dtype=torch.int64).view(torch.uint8)
+        if data.numel() > META_CELL:
+            raise ValueError(f"{op}: shm transport: {data.numel()} bytes of metadata exceed the {META_CELL}-byte cell")
+        me, late = self.rank, []
+        for dest in send_to:
+            if dest == me:
+                continue
+            segment = self._segments[self.local.index(dest)]
+            layout = segment.layout
+            expected = dest in recv_from
+            if self.waiter.late([segment.flag(layout.consumed(META, slot))], [seq - NUM_SLOTS], [dest], op,
+                                self.timeout_s if expected else 0.0):
+                if expected:
+                    late.append(dest)  # it never freed the cell: it stopped, or died
+                continue
+            segment.view(layout.meta_cell(slot, self.local_index), data.numel()).copy_(data)
+            native().flag_store(segment.flag(layout.arrived(META, slot, self.local_index)), seq)
+        mine = self._segments[self.local_index]
+        layout = mine.layout
+        sources = [r for r in recv_from if r != me and r not in late]
+        missing = self.waiter.late([mine.flag(layout.arrived(META, slot, self.local.index(r))) for r in sources],
+                                   [seq] * len(sources), sources, op, self.timeout_s, exact=True)
+        # A peer that has consumed this exchange (or a later one) of its own went on without this rank.
+        ahead = [r for r in missing if max(native().flag_load(self._segments[self.local.index(r)].flag(
+            self._segments[self.local.index(r)].layout.consumed(META, k))) for k in range(NUM_SLOTS)) >= seq]
+        if ahead:
+            raise RuntimeError(f"{op}: rank {me} is out of step: ranks {ahead} went past its exchange {seq} without "
+                               f"it (they masked it, or it skipped calls); a rank that was masked while alive "
+                               f"cannot rejoin this Buffer: build a new one")
+        late += missing
+        got = {me: [int(v) for v in row]} if me in recv_from else {}
+        for r in sources:
+            if r not in late:
+                cell = mine.view(layout.meta_cell(slot, self.local.index(r)), data.numel())
+                got[r] = cell.clone().view(torch.int64).tolist()
+        native().flag_store(mine.flag(layout.consumed(META, slot)), seq)
+        return got, sorted(set(late))
 
     # ------------------------------------------------------------------ Transport
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,

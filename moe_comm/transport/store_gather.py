@@ -8,6 +8,9 @@ under ``<prefix>/<seq>/<rank>`` and counts its gathers in ``<prefix>/at/<rank>``
 rows it needs until the deadline. A rank whose row is missing then is late, unless its counter is
 past this gather: then the reader is the one out of step, which is an error, never a shrink.
 
+(The ``shm`` transport gathers through its own metadata cells when every rank is on its host; this
+serves the other transports, and groups across hosts.)
+
 Rows of gather ``seq - 2`` are deleted by their writer when it posts ``seq``: by then every rank that
 takes part has read them (it posted ``seq - 1`` only after reading ``seq - 2``), so the store holds
 at most two rows per rank.
@@ -15,6 +18,7 @@ at most two rows per rank.
 from __future__ import annotations
 
 import array
+import datetime
 import time
 from typing import Callable, Sequence
 
@@ -24,9 +28,8 @@ from ..errors import CommTimeoutError
 
 __all__ = ["StoreGather"]
 
-# Polling: the first checks come fast (a peer a few microseconds behind), later ones back off.
-_FIRST_POLL_S, _MAX_POLL_S = 20e-6, 2e-3
-_LIVENESS_EVERY_S = 0.05
+#: how often a wait looks for exited ranks
+_SLICE_S = 0.5
 
 
 def _encode(row: Sequence[int]) -> bytes:
@@ -81,21 +84,24 @@ class StoreGather:
 
     def _collect(self, pending: dict[int, str]) -> list[int]:
         """Waits until every key of ``pending`` exists or the deadline; removes the ranks that are late
-        (no key by then, or exited) from ``pending`` and returns them, ascending."""
+        (no key by then, or exited) from ``pending`` and returns them, ascending. The store's own wait
+        blocks on its server until the keys are set; it is cut into slices so that exited ranks are
+        found within a slice (the store logs a line for each slice that ends without the keys)."""
         store = self._store
-        start = time.monotonic()
-        deadline, next_check, poll = start + self._timeout_s, start + _LIVENESS_EVERY_S, _FIRST_POLL_S
+        deadline = time.monotonic() + self._timeout_s
         waiting = dict(pending)  # keys not seen yet
         late: list[int] = []
-        while waiting and not store.check(list(waiting.values())):
-            now = time.monotonic()
-            if now >= next_check or now >= deadline:
-                next_check = now + _LIVENESS_EVERY_S
-                waiting = {r: key for r, key in waiting.items() if not store.check([key])}
-                exited = set(self._exited())
-                for r in [r for r in waiting if r in exited or now >= deadline]:
-                    late.append(r)
-                    del waiting[r], pending[r]
-            time.sleep(poll)
-            poll = min(2 * poll, _MAX_POLL_S)
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining > 0:
+                try:
+                    store.wait(list(waiting.values()), datetime.timedelta(seconds=min(remaining, _SLICE_S)))
+                    break
+                except dist.DistStoreError:  # this slice ended first
+                    pass
+            waiting = {r: key for r, key in waiting.items() if not store.check([key])}
+            exited = set(self._exited())
+            for r in [r for r in waiting if r in exited or time.monotonic() >= deadline]:
+                late.append(r)
+                del waiting[r], pending[r]
         return sorted(late)

@@ -183,14 +183,15 @@ class CallAgreement:
                    skip: frozenset[int], propose: Optional[Proposal]) -> tuple[list[list[int]], frozenset[int]]:
         """A shrinking buffer's handshake exchange (``shrink.py``): (every rank's vector, masked
         ranks), the same on every rank that returns; breaks the buffer of a rank that was masked."""
-        R, me, gatherer = self.num_ranks, self.rank, self.transport.gatherer
+        R, me, transport = self.num_ranks, self.rank, self.transport
         while True:
             sources = [r for r in range(R) if r not in skip]
-            got, late = gatherer.gather(vector(scalars, num_ranks=R, **entries), sources, op=op)
+            got, late = transport.gather_tolerant(vector(scalars, num_ranks=R, **entries), sources, sources, op=op)
             if len({row[Field.CALL] for row in got.values()}) > 1:  # out of step: the verdict says so
                 return [got.get(r, []) for r in range(R)], skip | frozenset(late)
-            notes, missed = gatherer.gather(note(call.number, skip, late, R), [r for r in sources if r not in late],
-                                            op=op)
+            # sent to the late ranks too: one that is only slow learns that it was masked
+            notes, missed = transport.gather_tolerant(note(call.number, skip, late, R), sources,
+                                                      [r for r in sources if r not in late], op=op)
             union, masked_by = set(skip) | set(late) | set(missed), []
             for r, row in notes.items():
                 number, masked, seen_late = read_note(row, R)
@@ -204,7 +205,7 @@ class CallAgreement:
             self.masked |= union - {me}
             if me in union:
                 self.breaks(f"rank {me} was masked by ranks {masked_by} in call {call.number} ({op}): they masked "
-                            f"it earlier, or it did not arrive within their {self.transport.timeout_s:g} s deadline; "
+                            f"it earlier, or it did not arrive within their {transport.timeout_s:g} s deadline; "
                             f"a rank masked while alive cannot rejoin this Buffer")
                 raise BufferUnusableError(op, me, self.broken)
             if missed:

@@ -53,7 +53,7 @@ class PortableBackend(Backend):
         self.transport = transports.create(self.transport_name, group, timeout_s,
                                            min(buffer_bytes, _PREALLOCATE_MAX), comm=comm)
         self.rank, self.num_ranks = self.transport.rank, self.transport.num_ranks
-        if shrink and self.transport.gatherer is None:
+        if shrink and not self.transport.tolerant:
             self.transport.close()
             raise ValueError(f"Buffer: enable_shrink=True masks the ranks that miss a low-latency deadline, which "
                              f"needs torch.distributed's rendezvous store, and the {self.transport_name} transport "

@@ -1,7 +1,7 @@
 """Shrink by timeout: how a shrinking Buffer's low-latency handshake masks ranks that miss its deadline,
 the same ranks on every rank that carries on (DeepEP's ``enable_shrink``).
 
-Each round has two deadline-tolerant gathers (``transport.store_gather``) among the ranks not yet
+Each round has two deadline-tolerant gathers (``Transport.gather_tolerant``) among the ranks not yet
 masked:
 
 1. the handshake vectors; a rank whose vector does not come by the deadline (it stopped calling,
