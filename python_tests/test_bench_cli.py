@@ -233,3 +233,15 @@ def test_installed_wheel_carries_the_benchmarks(tmp_path):
     _assert_png(work / "w.png")
     out = _run([str(py), "-m", "moe_comm.bench", "ops", "--help"], work)
     assert "--plot PATH" in out.stdout
+
+
+@pytest.mark.parametrize("bench", ["normal", "low_latency", "moe"])
+@pytest.mark.parametrize("flags,message", [
+    (["--experts", "3"], "--experts (3) must be a multiple of the rank count (2)"),
+    (["--hidden", "100"], "--hidden (100) must be a multiple of 128 for the FP8 scales"),
+    (["--topk", "0"], "need 1 <= --topk <= --experts and --iters >= 1"),
+])
+def test_routing_benchmarks_refuse_a_bad_shape_before_launching(bench, flags, message):
+    done = subprocess.run([sys.executable, "-m", "moe_comm.bench", bench, "--ranks", "2", *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and f"{bench}: {message}" in done.stderr, done.stderr[-2000:]

@@ -28,7 +28,7 @@ from .checks import calc_diff, require_all_ranks
 from .floors import floor_columns, memcpy_bandwidth, mpi_all_to_all, vs_transport
 from .options import add_output_args, add_rank_args, add_tokens_arg, command_line
 from .plot import Panel, case_series, floor_series
-from .ranks import launch, launched_ranks
+from .ranks import launch_token_counts
 from .record import publish
 from .stats import case_rows, gather_results, time_cases
 from .table import format_table
@@ -255,12 +255,6 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None)
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m moe_comm.bench low_latency") -> None:
     """Parses ``argv``, runs every token count on the launched (or spawned) ranks and reports."""
-    args = parse_args(argv, prog)
-    ranks = launched_ranks(args.ranks)
-    if args.experts % ranks or args.hidden % 128 or not 1 <= args.topk <= args.experts or args.iters < 1:
-        raise SystemExit(f"low_latency: need --experts a multiple of the rank count ({ranks}), --hidden a "
-                         f"multiple of 128, 1 <= --topk <= --experts and --iters >= 1, got {vars(args)}")
-    cfgs = [{"tokens": t, **{k: getattr(args, k) for k in ("hidden", "topk", "experts", "compute", "warmup", "iters",
-                                                            "seed", "transports")}} for t in args.tokens]
-    launch(run_rank, cfgs, functools.partial(report, cfgs=cfgs, json_path=args.json, plot_path=args.plot),
-           command=command_line(prog, argv), local_ranks=args.ranks, threads_per_rank=args.threads_per_rank)
+    launch_token_counts("low_latency", run_rank, report, parse_args(argv, prog),
+                        ("hidden", "topk", "experts", "compute", "warmup", "iters", "seed", "transports"),
+                        command_line(prog, argv))

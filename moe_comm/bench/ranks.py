@@ -2,6 +2,8 @@
 when no launcher started this process, else the launcher's (torchrun, mpirun)."""
 from __future__ import annotations
 
+import argparse
+import functools
 import os
 from typing import Any, Callable, Optional, Sequence
 
@@ -10,7 +12,7 @@ import torch.distributed as dist
 
 from ..launch import LocalWorld, init_from_env, launcher_rank
 
-__all__ = ["launch", "launched_ranks", "RunRank", "Report"]
+__all__ = ["launch", "launch_token_counts", "launched_ranks", "RunRank", "Report"]
 
 #: ``run_rank(group, cfg)``: collective over ``group``; the run's results on rank 0, None elsewhere.
 #: Module-level, so that ``LocalWorld`` can send it to its ranks by name.
@@ -58,3 +60,21 @@ def launched_ranks(default: int) -> int:
     """The launcher's world size, or ``default`` when no launcher started this process."""
     found = launcher_rank()
     return found[1] if found else default
+
+
+def launch_token_counts(bench: str, run_rank: RunRank, report: Callable[..., None], args: argparse.Namespace,
+                        keys: Sequence[str], command: str) -> None:
+    """A routing benchmark's ``main`` after parsing: checks ``args`` against the launched (or
+    ``--ranks``) rank count (SystemExit naming ``bench``), then ``launch``es one cfg per ``--tokens``
+    count holding ``tokens`` and the ``keys`` of ``args``; ``report`` also gets ``cfgs``, ``json_path``
+    and ``plot_path``."""
+    ranks = launched_ranks(args.ranks)
+    if args.experts % ranks:
+        raise SystemExit(f"{bench}: --experts ({args.experts}) must be a multiple of the rank count ({ranks})")
+    if args.hidden % 128:
+        raise SystemExit(f"{bench}: --hidden ({args.hidden}) must be a multiple of 128 for the FP8 scales")
+    if not 1 <= args.topk <= args.experts or args.iters < 1:
+        raise SystemExit(f"{bench}: need 1 <= --topk <= --experts and --iters >= 1, got {vars(args)}")
+    cfgs = [{"tokens": t, **{k: getattr(args, k) for k in keys}} for t in args.tokens]
+    launch(run_rank, cfgs, functools.partial(report, cfgs=cfgs, json_path=args.json, plot_path=args.plot),
+           command=command, local_ranks=args.ranks, threads_per_rank=args.threads_per_rank)
