@@ -286,6 +286,12 @@ class ShmTransport(Transport):
     def exited_ranks(self) -> list[int]:
         return self._coll.exited_ranks()
 
+    def _consumed(self, rank: int, channel: int) -> int:
+        """The last exchange of ``channel`` that host rank ``rank`` has consumed in its own segment: one
+        at or past an exchange this rank still waits for means ``rank`` went on without it."""
+        segment = self._segments[self.local.index(rank)]
+        return max(native().flag_load(segment.flag(segment.layout.consumed(channel, k))) for k in range(NUM_SLOTS))
+
     @property
     def tolerant(self) -> bool:
         return not self.remote or self._coll.tolerant
@@ -321,9 +327,7 @@ class ShmTransport(Transport):
         sources = [r for r in recv_from if r != me and r not in late]
         missing = self.waiter.late([mine.flag(layout.arrived(META, slot, self.local.index(r))) for r in sources],
                                    [seq] * len(sources), sources, op, self.timeout_s, exact=True)
-        # A peer that has consumed this exchange (or a later one) of its own went on without this rank.
-        ahead = [r for r in missing if max(native().flag_load(self._segments[self.local.index(r)].flag(
-            self._segments[self.local.index(r)].layout.consumed(META, k))) for k in range(NUM_SLOTS)) >= seq]
+        ahead = [r for r in missing if self._consumed(r, META) >= seq]
         if ahead:
             raise RuntimeError(f"{op}: rank {me} is out of step: ranks {ahead} went past its exchange {seq} without "
                                f"it (they masked it, or it skipped calls); a rank that was masked while alive "

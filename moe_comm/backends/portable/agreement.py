@@ -192,9 +192,10 @@ class CallAgreement:
             # sent to the late ranks too: one that is only slow learns that it was masked
             notes, missed = transport.gather_tolerant(note(call.number, skip, late, R), sources,
                                                       [r for r in sources if r not in late], op=op)
-            union, masked_by = set(skip) | set(late) | set(missed), []
+            union, masked_by, masks = set(skip) | set(late) | set(missed), [], []
             for r, row in notes.items():
                 number, masked, seen_late = read_note(row, R)
+                masks.append(masked)
                 if number != call.number:
                     self.breaks(f"rank {r} was found on another call than call {call.number} ({op}) in the shrink "
                                 f"protocol: a rank skipped a call, or failed one alone")
@@ -212,7 +213,7 @@ class CallAgreement:
                 self.breaks(f"ranks {missed} did not send their shrink notes of call {call.number} ({op}) within "
                             f"the deadline, so this rank cannot know which ranks the others masked")
                 raise BufferUnusableError(op, me, self.broken)
-            if all(read_note(row, R)[1] == union for row in notes.values()):
+            if all(masked == union for masked in masks):
                 return [got.get(r, []) for r in range(R)], skip
             skip = frozenset(union)
             if propose is not None:
