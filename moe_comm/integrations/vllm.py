@@ -20,6 +20,7 @@ import functools
 import logging
 from typing import Any
 
+from ..ops.fp8 import GROUP
 from . import PATCH_MARK, install_from_env
 
 __all__ = ["register", "TESTED_VERSIONS"]
@@ -32,12 +33,16 @@ _MANAGERS = {"deepep_high_throughput": "DeepEPHTAll2AllManager", "deepep_low_lat
 
 
 def register() -> None:
-    """The plugin: does nothing unless ``MOE_COMM_DEEP_EP`` is ``1`` or ``force``. Idempotent (vLLM
+    """The plugin: wires nothing unless ``MOE_COMM_DEEP_EP`` is ``1`` or ``force``; without it, on the CPU
+    platform a ``deepep_*`` backend is met with what to set (vLLM has no DeepEP there). Idempotent (vLLM
     may call it several times per process)."""
+    from vllm.platforms import current_platform
+
     if install_from_env() is None:
+        if current_platform.is_cpu():
+            _hook_cpu_communicator(enabled=False)
         return
     import vllm
-    from vllm.platforms import current_platform
     from vllm.utils import import_utils
 
     version = getattr(vllm, "__version__", "unknown")
@@ -48,12 +53,22 @@ def register() -> None:
     if hasattr(has_module, "cache_clear"):
         has_module.cache_clear()
     if current_platform.is_cpu():
-        _hook_cpu_communicator()
+        _hook_cpu_communicator(enabled=True)
         _bind_prepare_finalize_names()
+        from .vllm_experts import register_cpu_experts
+        register_cpu_experts()
+    _keep_hidden_size()
 
 
-def _hook_cpu_communicator() -> None:
-    """Makes ``CpuCommunicator`` build vLLM's DeepEP all2all managers for the ``deepep_*`` backends."""
+def _off_message(backend: str) -> str:
+    return (f"--all2all-backend {backend} on vLLM's CPU platform runs on moe-comm's deep_ep, which is off in this "
+            f"process: set MOE_COMM_DEEP_EP=1 in the environment of every vLLM process")
+
+
+def _hook_cpu_communicator(enabled: bool) -> None:
+    """Makes ``CpuCommunicator`` build vLLM's DeepEP all2all managers for the ``deepep_*`` backends; when not
+    ``enabled`` (MOE_COMM_DEEP_EP unset), refuses low-latency, which vLLM could not build on CPU anyway, and
+    warns on high-throughput, which vLLM serves by all-gather instead."""
     from vllm.config import get_current_vllm_config_or_none
     from vllm.distributed.device_communicators import all2all
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
@@ -68,6 +83,12 @@ def _hook_cpu_communicator() -> None:
         config = get_current_vllm_config_or_none()
         backend = config.parallel_config.all2all_backend if config is not None else None
         if not (use_all2all and backend in _MANAGERS):
+            original(self, cpu_group, device, device_group, unique_name, use_all2all=use_all2all, **kwargs)
+            return
+        if not enabled:
+            if backend == "deepep_low_latency":
+                raise RuntimeError(_off_message(backend))
+            logger.warning("%s; vLLM falls back to all-gather and reduce-scatter", _off_message(backend))
             original(self, cpu_group, device, device_group, unique_name, use_all2all=use_all2all, **kwargs)
             return
         # Built without all2all so the CPU fallback (a warning and an all-gather manager) is skipped;
@@ -91,3 +112,28 @@ def _bind_prepare_finalize_names() -> None:
     all2all_utils.DeepEPHTPrepareAndFinalize = deepep_ht.DeepEPHTPrepareAndFinalize
     all2all_utils.DeepEPLLPrepareAndFinalize = deepep_ll.DeepEPLLPrepareAndFinalize
     all2all_utils.DEEPEP_QUANT_BLOCK_SHAPE = deepep_ll.DEEPEP_QUANT_BLOCK_SHAPE
+
+
+def _check_low_latency_hidden(hidden_size: int) -> int:
+    """vLLM's DeepEP low-latency hidden-size rounding, for moe-comm: the size itself (moe-comm has no list of
+    compiled sizes), which must be a multiple of 128."""
+    if hidden_size % GROUP:
+        raise ValueError(f"moe-comm's deepep_low_latency needs the model's hidden size to be a multiple of {GROUP}; "
+                         f"this model has hidden_size={hidden_size}. Use --all2all-backend deepep_high_throughput "
+                         f"(no such condition) or a model whose hidden size is a multiple of {GROUP}")
+    return hidden_size
+
+
+def _keep_hidden_size() -> None:
+    """vLLM pads the hidden size up to what DeepEP's kernels were compiled for (low-latency: a list whose smallest
+    entry is 2048; high-throughput: 512-byte rows) before the router gate. moe-comm takes any hidden size in
+    high-throughput mode and any multiple of 128 in low-latency mode, so the model keeps its own."""
+    from vllm.model_executor.layers.fused_moe.prepare_finalize import deepep_ht, deepep_ll
+
+    ll, ht = deepep_ll.DeepEPLLPrepareAndFinalize, deepep_ht.DeepEPHTPrepareAndFinalize
+    if getattr(ll.maybe_roundup_layer_hidden_size, PATCH_MARK, False):
+        return
+    setattr(_check_low_latency_hidden, PATCH_MARK, True)
+    ll.maybe_roundup_layer_hidden_size = staticmethod(_check_low_latency_hidden)
+    ll.SUPPORTED_HIDDEN_SIZES = range(GROUP, 1 << 31, GROUP)  # what its prepare asserts a hidden size is in
+    ht.maybe_roundup_layer_hidden_size = staticmethod(lambda hidden_size, dtype: hidden_size)

@@ -18,7 +18,22 @@ from ..event import EventOverlap
 from ..ops import permute, take_rows, quantize, unpermute_reduce
 from .experts import Experts
 
-__all__ = ["NormalStages", "NormalReceived", "LowLatencyStages", "LowLatencyReceived"]
+__all__ = ["local_expert_rows", "NormalStages", "NormalReceived", "LowLatencyStages", "LowLatencyReceived"]
+
+
+def local_expert_rows(experts: Experts, x: torch.Tensor, local_idx: torch.Tensor, weights: torch.Tensor,
+                      scales: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
+    """``experts`` on normal-mode rows ``x`` `[N, H]` (bf16, or E4M3 with ``scales`` `[N, H / 128]`), routed by
+    ``local_idx`` `[N, K]` (ids into ``experts``, -1 for a slot elsewhere): `[N, H]` bf16, each row
+    ``bf16(sum over its local slots k ascending of weights[n, k] * y_k)`` in fp32; a row without local slots is 0."""
+    perm = permute(x, local_idx, experts.num_experts, backend=backend)
+    perm_scales = None
+    if scales is not None:
+        perm_scales = scales.new_empty(perm.x.shape[0], scales.shape[1])
+        num_topk = local_idx.shape[1]
+        take_rows(perm_scales, scales, torch.where(perm.source >= 0, perm.source // num_topk, -1))
+    y = experts.ffn(perm.x, expert_offsets=perm.expert_offsets, x_scales=perm_scales, backend=backend)
+    return unpermute_reduce(y, perm.row_of, weights, backend=backend)
 
 
 @dataclass
@@ -62,14 +77,8 @@ class NormalStages:
         """This rank's experts on the received rows (waits for them first): `[N, H]` bf16, each row the
         weighted sum over its local slots."""
         received.wait()
-        perm = permute(received.x, received.topk_idx, self.experts.num_experts, backend=self.backend)
-        scales = None
-        if received.scales is not None:
-            scales = received.scales.new_empty(perm.x.shape[0], received.scales.shape[1])
-            num_topk = received.topk_idx.shape[1]
-            take_rows(scales, received.scales, torch.where(perm.source >= 0, perm.source // num_topk, -1))
-        y = self.experts.ffn(perm.x, expert_offsets=perm.expert_offsets, x_scales=scales, backend=self.backend)
-        return unpermute_reduce(y, perm.row_of, received.topk_weights, backend=self.backend)
+        return local_expert_rows(self.experts, received.x, received.topk_idx, received.topk_weights, received.scales,
+                                 backend=self.backend)
 
     def combine(self, partial: torch.Tensor, received: NormalReceived,
                 async_finish: bool = False) -> tuple[torch.Tensor, EventOverlap]:

