@@ -33,8 +33,9 @@ logger = logging.getLogger("moe_comm.integrations.vllm")
 
 class _MoeCommExperts(mk.FusedMoEExpertsModular):
     """What both formats share: CPU, SwiGLU (SILU and mul), unquantized bf16 weights without biases,
-    and only under the DeepEP kernels named by ``_kernels`` (a FusedMoEParallelConfig flag). A number of
-    experts that the EP size does not divide is refused with what to change (DeepEP cannot split it)."""
+    and only under the DeepEP kernels named by ``_kernels`` (a FusedMoEParallelConfig flag). Under those
+    kernels a layer they do not take is warned about once (vLLM's CPU experts cannot take it either),
+    and a number of experts that the EP size does not divide is refused with what to change."""
 
     _kernels = ""
 
@@ -42,10 +43,18 @@ class _MoeCommExperts(mk.FusedMoEExpertsModular):
     def is_supported_config(cls: type[mk.FusedMoEExperts], moe_config: FusedMoEConfig, weight_key: Any,
                             activation_key: Any, activation_format: mk.FusedMoEActivationFormat
                             ) -> tuple[bool, Optional[str]]:
+        if not (cls._supports_current_device() and cls._supports_parallel_config(moe_config.moe_parallel_config)):
+            return False, f"kernel serves {cls._kernels} on the CPU platform only"
         supported, reason = mk.FusedMoEExperts.is_supported_config(cls, moe_config, weight_key, activation_key,
                                                                    activation_format)
+        if supported:
+            supported, reason = cls._check(moe_config)
         if not supported:
-            return supported, reason
+            _warn_left_to_vllm(cls, reason)
+        return supported, reason
+
+    @classmethod
+    def _check(cls, moe_config: FusedMoEConfig) -> tuple[bool, Optional[str]]:
         ep_size = moe_config.moe_parallel_config.ep_size
         if moe_config.num_experts % ep_size:  # DeepEP's layouts give every rank the same number of experts
             raise ValueError(
@@ -59,6 +68,10 @@ class _MoeCommExperts(mk.FusedMoEExpertsModular):
         return True, None
 
     @staticmethod
+    def _supports_quant_scheme(weight_key: Any, activation_key: Any) -> bool:
+        return (weight_key, activation_key) == (None, None)
+
+    @staticmethod
     def _supports_current_device() -> bool:
         return current_platform.is_cpu()
 
@@ -70,16 +83,24 @@ class _MoeCommExperts(mk.FusedMoEExpertsModular):
     def _supports_activation(activation: MoEActivation) -> bool:
         return activation == MoEActivation.SILU
 
-    @staticmethod
-    def _supports_quant_scheme(weight_key: Any, activation_key: Any) -> bool:
-        return (weight_key, activation_key) == (None, None)
-
     @classmethod
     def _supports_parallel_config(cls, moe_parallel_config: FusedMoEParallelConfig) -> bool:
         return bool(getattr(moe_parallel_config, cls._kernels, False))
 
     def _experts(self, w1: torch.Tensor, w2: torch.Tensor) -> Experts:
         return Experts(w1, w2)
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_left_to_vllm(cls: type, reason: Optional[str]) -> None:
+    """Once per (class, reason): a layer under DeepEP on CPU that moe-comm's experts do not take."""
+    if (cls.__name__, str(reason)) in _WARNED:
+        return
+    _WARNED.add((cls.__name__, str(reason)))
+    logger.warning("moe-comm: %s does not take this MoE layer (%s); it is left to vLLM's own CPU experts, which do "
+                   "not take DeepEP's %s format", cls.__name__, reason, cls.activation_format().value)
 
 
 class MoeCommDeepEPHTExperts(_MoeCommExperts):

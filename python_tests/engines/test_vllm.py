@@ -25,6 +25,11 @@ def test_vllm_deepep_prepare_finalize(backend, hidden, forms, built, transport):
     cfg = dict(backend=backend, tokens=[13, 6], hidden=hidden, inter=128, topk=4, experts=8, seed=3, max_tokens=16)
     for rank, r in enumerate(run_ranks(vllm_forward, cfg, transport)):
         assert (r["manager"], r["prepare_finalize"], r["experts"]) == built
+        # a layer with expert biases is left to vLLM (its CPU experts for HT, an error for LL), warned about once
+        assert r["bias_picks"][0] == r["bias_picks"][1] and not r["bias_picks"][0].startswith("MoeComm")
+        assert r["bias_picks"][0].startswith("NotImplementedError") == (backend == "deepep_low_latency")
+        assert len(r["warnings"]) == 1 and "expert biases" in r["warnings"][0], r["warnings"]
+        assert "this model has 7 experts over 2 ranks" in r["uneven"]
         assert r["buffer_is_moe_comm"] and r["has_deep_ep"] and not r["has_deep_ep_v2"]
         assert r["forms"] == forms, (rank, r["forms"])
         assert r["shape"] == [cfg["tokens"][rank], hidden]

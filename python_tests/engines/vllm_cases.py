@@ -59,6 +59,32 @@ def _experts(moe: Any, prepare_finalize: Any) -> Any:
     return experts_cls(moe, FUSED_MOE_UNQUANTIZED_CONFIG, **batched)
 
 
+def _refusals(moe: Any) -> dict[str, Any]:
+    """What vLLM's oracle does, under the same DeepEP configuration, with a layer moe-comm's experts do not
+    take (expert biases: left to vLLM, with one warning) and with 7 experts over 2 ranks (refused)."""
+    import dataclasses
+    import logging
+
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import select_unquantized_moe_backend
+
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("moe_comm.integrations.vllm").addHandler(handler)
+    picks = []
+    for _ in range(2):  # high-throughput: vLLM's CPU experts; low-latency: vLLM has none and raises
+        try:
+            picks.append(select_unquantized_moe_backend(dataclasses.replace(moe, has_bias=True))[1].__name__)
+        except NotImplementedError as error:
+            picks.append(f"NotImplementedError: {error}")
+    try:
+        select_unquantized_moe_backend(dataclasses.replace(moe, num_experts=7, num_logical_experts=7))
+        uneven = None
+    except ValueError as error:
+        uneven = str(error)
+    return {"bias_picks": picks, "warnings": warnings, "uneven": uneven}
+
+
 def vllm_forward(group: dist.ProcessGroup, cfg: dict[str, Any]) -> dict[str, Any]:
     """``cfg["backend"]``: deepep_high_throughput or deepep_low_latency. Two forwards through the
     prepare/finalize vLLM builds; returns the verdict, the recorded call forms and what was built."""
@@ -98,7 +124,7 @@ def vllm_forward(group: dist.ProcessGroup, cfg: dict[str, Any]) -> dict[str, Any
     result = verdict(p, outs[0], "sequential" if cfg["backend"] == "deepep_high_throughput" else "low_latency")
     return {**result, "forms": recorder.forms(), "repeatable": torch.equal(outs[0], outs[1]),
             "manager": type(manager).__name__, "prepare_finalize": type(prepare_finalize).__name__,
-            "experts": type(experts).__name__,
+            "experts": type(experts).__name__, **_refusals(moe),
             "buffer_is_moe_comm": isinstance(prepare_finalize.buffer, deep_ep.Buffer),
             "has_deep_ep": has_deep_ep(), "has_deep_ep_v2": has_deep_ep_v2()}
 
