@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from typing import Any
 
 from ..ops.fp8 import GROUP
@@ -36,13 +37,14 @@ def register() -> None:
     """The plugin: wires nothing unless ``MOE_COMM_DEEP_EP`` is ``1`` or ``force``; without it, on the CPU
     platform a ``deepep_*`` backend is met with what to set (vLLM has no DeepEP there). Idempotent (vLLM
     may call it several times per process)."""
-    from vllm.platforms import current_platform
-
     if install_from_env() is None:
-        if current_platform.is_cpu():
-            _hook_cpu_communicator(enabled=False)
+        if "vllm" in sys.modules:  # called by vLLM's plugin loader (not by hand, without vLLM)
+            from vllm.platforms import current_platform
+            if current_platform.is_cpu():
+                _hook_cpu_communicator(enabled=False)
         return
     import vllm
+    from vllm.platforms import current_platform
     from vllm.utils import import_utils
 
     version = getattr(vllm, "__version__", "unknown")
