@@ -9,9 +9,11 @@ CUDA/ROCm only), and ``register`` adds them:
 1. ``CpuCommunicator`` builds vLLM's own ``DeepEPHTAll2AllManager`` / ``DeepEPLLAll2AllManager``
    for those backends, instead of falling back to all-gather/reduce-scatter;
 2. ``fused_moe.all2all_utils`` gets the names ``DeepEPHTPrepareAndFinalize``,
-   ``DeepEPLLPrepareAndFinalize`` and ``DEEPEP_QUANT_BLOCK_SHAPE``, which it imports on CUDA only.
+   ``DeepEPLLPrepareAndFinalize`` and ``DEEPEP_QUANT_BLOCK_SHAPE``, which it imports on CUDA only;
+3. vLLM's unquantized MoE oracle is offered experts for both DeepEP formats (``vllm_experts.py``).
 
-Both hooks reuse vLLM's unmodified classes. Written against vLLM 0.32 (``TESTED_VERSIONS``);
+These reuse vLLM's unmodified classes. On every platform the hidden size is no longer padded to DeepEP's
+compiled sizes (``_keep_hidden_size``). Written against vLLM 0.32 (``TESTED_VERSIONS``);
 another version gets a warning, since the calls vLLM makes into ``deep_ep`` are version-specific.
 """
 from __future__ import annotations
