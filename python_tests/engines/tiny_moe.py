@@ -29,12 +29,12 @@ def config(hidden: int, experts: int = EXPERTS):
 
 
 def _tokenizer(path: Path) -> None:
-    """A word-level tokenizer: token ``t<i>`` is id i, so a prompt of ids round-trips as text."""
+    """A word-level tokenizer: ids 0-3 are the special tokens, token ``t<i>`` is id i for every other id, so a
+    prompt of ordinary ids round-trips as text."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    vocab.update({"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3})
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, VOCAB)}}
     raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
