@@ -141,3 +141,75 @@ def test_ll_single_buffer_is_caught(tmp_path: Path) -> None:
     receiver has read it: the payload assertion fails."""
     result = search("ll_double_buffer.pml", {"R": 2, "N": 3, "HALVES": 1}, tmp_path)
     assert_found(result, "assertion violated")
+
+
+@pytest.mark.parametrize("rdma_slots,rdma_chunk,nvl_slots,nvl_chunk,tokens",
+                         [(2, 1, 2, 1, 3), (4, 2, 2, 1, 5), (4, 2, 3, 2, 5)])
+def test_forward_verifies(rdma_slots: int, rdma_chunk: int, nvl_slots: int, nvl_chunk: int, tokens: int,
+                          tmp_path: Path, record_property: Callable[[str, object], None]) -> None:
+    """Two-hop dispatch, 2 senders of ``tokens`` tokens each through one forwarder to 2 receivers, at
+    chunk sizes the kernel accepts (RDMA chunk <= half the RDMA ring, NVL chunk < NVL ring), with the
+    RDMA puts and head signals landing late: the forwarder reads every token intact from the RDMA ring
+    (no slot overwritten before it is forwarded), each receiver reads its tokens intact and in order,
+    and every rank finishes."""
+    defines: Defines = {"NS": 2, "ND": 2, "NUM_TOKENS": tokens, "RDMA_SLOTS": rdma_slots,
+                        "RDMA_CHUNK": rdma_chunk, "NVL_SLOTS": nvl_slots, "NVL_CHUNK": nvl_chunk}
+    assert_verified(search("forward.pml", defines, tmp_path), record_property)
+
+
+def test_forward_two_calls_verify(tmp_path: Path, record_property: Callable[[str, object], None]) -> None:
+    """Two dispatch calls in a row, each rank resetting the counters in its own memory before the barrier
+    between them and each sender draining its head signals first: the second call's tokens arrive
+    intact too, and every rank finishes."""
+    defines: Defines = {"NS": 2, "ND": 2, "NUM_TOKENS": 3, "RDMA_SLOTS": 2, "RDMA_CHUNK": 1,
+                        "NVL_SLOTS": 2, "NVL_CHUNK": 1, "CALLS": 2}
+    assert_verified(search("forward.pml", defines, tmp_path), record_property)
+
+
+def test_forward_early_rdma_head_is_caught(tmp_path: Path) -> None:
+    """Signalling the RDMA head as soon as the tail is read, before the batch is forwarded, lets the
+    sender overwrite a slot the forwarder has not copied yet: a content assertion fails."""
+    result = search("forward.pml", {"NS": 2, "ND": 2, "NUM_TOKENS": 3, "RDMA_SLOTS": 2, "RDMA_CHUNK": 1,
+                                    "NVL_SLOTS": 2, "NVL_CHUNK": 1, "EARLY_RDMA_HEAD": None}, tmp_path)
+    assert_found(result, "assertion violated")
+
+
+def test_forward_no_drain_is_caught(tmp_path: Path) -> None:
+    """Without the sender's drain, the forwarder's last head signal of call 1 can land after the sender
+    reset its head: call 2 starts with a stale head, the sender overruns the ring, and a content
+    assertion fails. (One sender suffices.)"""
+    result = search("forward.pml", {"NS": 1, "ND": 2, "NUM_TOKENS": 3, "RDMA_SLOTS": 2, "RDMA_CHUNK": 1,
+                                    "NVL_SLOTS": 2, "NVL_CHUNK": 1, "CALLS": 2, "NO_DRAIN": None}, tmp_path)
+    assert_found(result, "assertion violated")
+
+
+def test_forward_nvl_chunk_larger_than_ring_deadlocks(tmp_path: Path) -> None:
+    """A batch of 3 tokens all for receiver 0 never fits its NVL ring of 2 slots (the check NVL_CHUNK <
+    NVL_SLOTS lifted): SPIN reports the deadlock as an invalid end state."""
+    result = search("forward.pml", {"NS": 2, "ND": 2, "NUM_TOKENS": 3, "RDMA_SLOTS": 4, "RDMA_CHUNK": 2,
+                                    "NVL_SLOTS": 2, "NVL_CHUNK": 3, "CHUNK_TOO_BIG": None}, tmp_path)
+    assert_found(result, "invalid end state")
+
+
+@pytest.mark.parametrize("rdma_slots,rdma_chunk,nvl_slots,nvl_chunk,tokens",
+                         [(2, 1, 2, 1, 3), (4, 2, 2, 1, 4), (2, 1, 3, 2, 4)])
+def test_forward_combine_verifies(rdma_slots: int, rdma_chunk: int, nvl_slots: int, nvl_chunk: int,
+                                  tokens: int, tmp_path: Path,
+                                  record_property: Callable[[str, object], None]) -> None:
+    """Two-hop combine, one source of ``tokens`` tokens whose partials come from the forwarders of 2
+    nodes, one of them summing the rows of 2 returners, at chunk sizes the kernel accepts, with lazy
+    head publication and the RDMA puts and head signals landing late: every row and every partial is
+    read intact (no slot overwritten before it is read) and every rank finishes."""
+    defines: Defines = {"NS": 1, "NN": 2, "ND": 2, "ND_REST": 1, "NUM_TOKENS": tokens,
+                        "RDMA_SLOTS": rdma_slots, "RDMA_CHUNK": rdma_chunk, "NVL_SLOTS": nvl_slots,
+                        "NVL_CHUNK": nvl_chunk}
+    assert_verified(search("forward_combine.pml", defines, tmp_path), record_property)
+
+
+def test_forward_combine_early_nvl_head_is_caught(tmp_path: Path) -> None:
+    """Freeing a returner's NVL slot before the forwarder has read the row in it lets the returner
+    overwrite the row: the forwarder's row assertion fails."""
+    result = search("forward_combine.pml", {"NS": 1, "NN": 2, "ND": 2, "ND_REST": 1, "NUM_TOKENS": 3,
+                                            "RDMA_SLOTS": 2, "RDMA_CHUNK": 1, "NVL_SLOTS": 2, "NVL_CHUNK": 1,
+                                            "EARLY_NVL_HEAD": None}, tmp_path)
+    assert_found(result, "assertion violated")
