@@ -30,6 +30,10 @@ setup: $(STAMP)
 # protocol; nvdisasm (PyPI; the lowest CUDA 13 wheel) reads the SASS nvcc makes of their flag
 # operations. nvcc itself (for moe_comm._cuda) is the machine's: without it those tests skip, saying so.
 NVDISASM_SPEC ?= nvidia-cuda-nvdisasm==13.2.51
+# NVSHMEM for moe_comm._cuda_nvshmem (csrc/cuda/nvshmem, built when nvcc is there too): the version torch
+# 2.13's CUDA wheels pin, so building against it adds nothing to a CUDA torch install. Installed before
+# moe-comm is built (the build finds it through the venv's Python); pyproject's cu13 extra is >= this.
+NVSHMEM_SPEC ?= nvidia-nvshmem-cu13==3.4.5
 
 $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*/*) $(wildcard csrc/*/*/*)
 	command -v spin >/dev/null || { command -v apt-get >/dev/null && { [ "$$(id -u)" = 0 ] && SUDO= || SUDO=sudo; \
@@ -41,7 +45,7 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*/*) $(wildcard csrc/*/*
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)" numpy pybind11 "scikit-build-core>=0.10" cmake ninja \
-		"$(NVDISASM_SPEC)"
+		"$(NVDISASM_SPEC)" "$(NVSHMEM_SPEC)"
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,mpi,plot]"
 	touch $(STAMP)
 

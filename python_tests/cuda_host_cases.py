@@ -2,6 +2,7 @@
 test_cuda_backend.py: portable and cuda, on a GPU or on the host build's kernels)."""
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -84,8 +85,16 @@ def calls(group: dist.ProcessGroup, backend: str, device: str, seed: int, config
     return [_bits(t) if isinstance(t, torch.Tensor) else t for t in out]
 
 
-def both_backends(group: dist.ProcessGroup, seed: int, config: dict[str, int]) -> list[bool]:
-    """Per output of ``calls``: equal (bitwise) on the portable and the cuda_host backends."""
-    a, b = calls(group, "portable", "cpu", seed, config), calls(group, "cuda_host", "cpu", seed, config)
+def both_backends(group: dist.ProcessGroup, seed: int, config: dict[str, int],
+                  ranks_per_node: Optional[int] = None) -> list[bool]:
+    """Per output of ``calls``: equal (bitwise) on the portable and the cuda_host backends; with
+    ``ranks_per_node`` the group is split into nodes of that many ranks (``LOCAL_WORLD_SIZE``), so
+    normal mode takes DeepEP's internode forms and the cuda_host kernels' two hops."""
+    if ranks_per_node is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
+    try:
+        a, b = calls(group, "portable", "cpu", seed, config), calls(group, "cuda_host", "cpu", seed, config)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
     assert len(a) == len(b) > 50
     return [torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v for u, v in zip(a, b)]

@@ -22,7 +22,7 @@ import os
 import re
 import struct
 import threading
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -342,7 +342,8 @@ class _FakeKernel:
 
 class _FakeModule:
     RowType = ErrorCode = WaitKind = object()
-    normal_bytes = dispatch_slot_bytes = low_latency_bytes = staticmethod(lambda *a: 0)
+    normal_bytes = dispatch_slot_bytes = low_latency_bytes = internode_bytes = staticmethod(lambda *a: 0)
+    MAX_NODES = 64
 
     def __init__(self) -> None:
         self.log: list = []
@@ -355,6 +356,10 @@ class _FakeModule:
     def LowLatency(self, *args):  # noqa: N802
         self.built.append(("LowLatency", args))
         return _FakeKernel("LowLatency", args, self.log)
+
+    def Internode(self, *args):  # noqa: N802
+        self.built.append(("Internode", args))
+        return _FakeKernel("Normal", args, self.log)
 
 
 def test_device_kernels_launch_on_the_comm_stream_with_the_host_builds_contract():
@@ -390,6 +395,13 @@ def test_device_kernels_launch_on_the_comm_stream_with_the_host_builds_contract(
     # at most `keep` objects are kept: the oldest goes
     assert kernels.Normal([10, 20], [1, 2], 0, 5.0, 4, 6, 2, 8, 64) is not normal
     assert [b[0] for b in module.built] == ["Normal", "Normal", "LowLatency", "Normal"]
+    # NVSHMEM's peers are (base, mappings, PEs): a key of lists inside a tuple, passed through as given
+    rail = (7, [7, 0], [0, 2])
+    internode = kernels.Internode([10, 11], rail, [1, 2, 3, 4], 0, 5.0, 2, 3, 4, 1, 8, 64, 4, 68)
+    assert kernels.Internode([10, 11], (7, [7, 0], [0, 2]), [1, 2, 3, 4], 0, 5.0, 2, 3, 4, 1, 8, 64, 4, 68) is internode
+    assert module.built[-1] == ("Internode", ([10, 11], rail, [1, 2, 3, 4], 0, 5.0, 2, 3, 4, 1, 8, 64, 4, 68))
+    kernels.LowLatency(rail, [1, 2], 0, 5.0, 2, 32, 512, 2)
+    assert module.built[-1] == ("LowLatency", (rail, [1, 2], 0, 5.0, 2, 32, 512, 2))
 
 
 class _FakeMapped:
@@ -471,6 +483,8 @@ class _HostBuffer:
         for r, h in enumerate(handles):
             if r == rank:
                 bases.append(self.ptr)
+            elif not h:  # a rank of another node: not mapped (as moe_comm._cuda's SharedBuffer.open)
+                bases.append(0)
             else:
                 self._peers.append(Segment.open(h.rstrip(b"\0").decode(), _Size(self.bytes)))
                 bases.append(self._peers[-1].base)
@@ -523,15 +537,20 @@ class _HostAsDevice:
         self.host = _cuda_host
         self.RowType, self.ErrorCode, self.WaitKind = _cuda_host.RowType, _cuda_host.ErrorCode, _cuda_host.WaitKind
         self.normal_bytes, self.low_latency_bytes = _cuda_host.normal_bytes, _cuda_host.low_latency_bytes
-        self.dispatch_slot_bytes = _cuda_host.dispatch_slot_bytes
+        self.dispatch_slot_bytes, self.internode_bytes = _cuda_host.dispatch_slot_bytes, _cuda_host.internode_bytes
+        self.MAX_NODES = _cuda_host.MAX_NODES
         self.SharedBuffer, self.MappedBuffer = _HostBuffer, _FakeMapped
         self.memsets = 0
 
     def Normal(self, *args):  # noqa: N802
         return _HostLaunches(self.host.Normal(*args), False)
 
-    def LowLatency(self, *args):  # noqa: N802
-        return _HostLaunches(self.host.LowLatency(*args), True)
+    def Internode(self, *args):  # noqa: N802
+        return _HostLaunches(self.host.Internode(*args), False)
+
+    def LowLatency(self, bases, *args):  # noqa: N802
+        assert args[-1] == 0, "over CUDA IPC every rank is reached directly (node_ranks 0)"
+        return _HostLaunches(self.host.LowLatency(bases, *args), True)
 
     def layout(self, *args):
         *args, stream = args
@@ -543,6 +562,72 @@ class _HostAsDevice:
 
     def synchronize(self, stream: int) -> None:
         pass
+
+
+class _HostAsNvshmem(_HostAsDevice):
+    """moe_comm._cuda_nvshmem's interface over moe_comm._cuda_host: a world of the ranks of this host,
+    "symmetric" buffers as one shared-memory segment per rank and allocation (named from the unique id,
+    the PE and an allocation count, so every PE finds its peers'), every peer "NVLink-mapped". The
+    backend's NVSHMEM path (join_world, SymmetricBuffers, the rail and peers tuples, the node-only IPC
+    buffers) runs end to end on the host build's kernels; the kernels' NVSHMEM link itself cannot."""
+
+    UNIQUE_ID_BYTES = 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.world: tuple = ()
+        self._allocs: dict[int, tuple] = {}
+        self._count = 0
+
+    def initialized(self) -> bool:
+        return bool(self.world)
+
+    def unique_id(self) -> bytes:
+        return os.urandom(self.UNIQUE_ID_BYTES)
+
+    def init(self, uid: bytes, rank: int, num_ranks: int) -> None:
+        self.world = (uid.hex(), rank, num_ranks)
+
+    def my_pe(self) -> int:
+        return self.world[1]
+
+    def n_pes(self) -> int:
+        return self.world[2]
+
+    def _name(self, pe: int, n: int) -> str:
+        return f"moe_comm_fake_nvshmem_{self.world[0]}_{n}_{pe}"
+
+    def alloc(self, nbytes: int) -> int:
+        import time
+        from moe_comm.transport.shm_segment import Segment
+        self._count += 1
+        uid, me, size = self.world
+        mine = Segment.create(self._name(me, self._count), _Size(nbytes))
+        segments, deadline = {}, time.monotonic() + 60
+        for pe in range(size):  # nvshmem_malloc is collective: every PE's buffer exists once it returns
+            while pe != me and not os.path.exists(f"/dev/shm/{self._name(pe, self._count)}"):
+                assert time.monotonic() < deadline, f"PE {pe} never allocated"
+                time.sleep(0.01)
+            segments[pe] = mine if pe == me else Segment.open(self._name(pe, self._count), _Size(nbytes))
+        self._allocs[mine.base] = (mine, segments)
+        return mine.base
+
+    def peer_ptr(self, base: int, pe: int) -> int:
+        return self._allocs[base][1][pe].base
+
+    def free(self, base: int) -> None:
+        mine, _ = self._allocs.pop(base)
+        mine.unlink()
+
+    def Internode(self, nvl, rail, *args):  # noqa: N802
+        base, mapped, pes = rail
+        assert mapped[pes.index(self.world[1])] == base, "the rail holds this rank's own buffer"
+        return _HostLaunches(self.host.Internode(nvl, mapped, *args), False)
+
+    def LowLatency(self, peers, *args):  # noqa: N802
+        base, mapped, pes = peers
+        assert pes == list(range(len(pes))) and mapped[self.world[1]] == base
+        return _HostLaunches(self.host.LowLatency(mapped, *args), True)
 
 
 class _NoStream:
@@ -586,11 +671,33 @@ def _emulated_backend() -> type:
     return EmulatedCudaBackend
 
 
-def _emulated_equals_portable(group, seed: int, config: dict[str, int]) -> tuple[list[bool], int]:
+def _across_hosts_backend() -> type:
+    """The emulated backend as if every node were another host: NVSHMEM (``_HostAsNvshmem``) carries what
+    crosses between nodes, IPC buffers map only a node's ranks."""
+    base = _emulated_backend()
+    nvshmem = _HostAsNvshmem()
+
+    class AcrossHosts(base):
+        def _across_hosts(self) -> bool:
+            assert self.topology.internode, "run with LOCAL_WORLD_SIZE splitting the ranks into nodes"
+            return True
+
+        @staticmethod
+        def _nvshmem():
+            return nvshmem
+
+    return AcrossHosts
+
+
+def _emulated_equals_portable(group, seed: int, config: dict[str, int], ranks_per_node: Optional[int] = None,
+                              across_hosts: bool = False) -> tuple[list[bool], int]:
     """``_calls`` on the cuda backend's class over ``_HostAsDevice`` (registered as "cuda" in this rank)
-    and on the portable backend, both on the CPU."""
+    and on the portable backend, both on the CPU; ``ranks_per_node`` splits the group into nodes
+    (LOCAL_WORLD_SIZE), ``across_hosts`` takes the NVSHMEM path between them."""
     import moe_comm.backends as registry
-    emulated = _emulated_backend()
+    emulated = _across_hosts_backend() if across_hosts else _emulated_backend()
+    if ranks_per_node is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
     built, reason = registry._built, registry._cuda_reason
     registry._built = lambda: {**built(), "cuda": emulated}
     registry._cuda_reason = lambda: None
@@ -599,6 +706,7 @@ def _emulated_equals_portable(group, seed: int, config: dict[str, int]) -> tuple
         b = calls(group, "cuda", "cpu", seed, config, comm_stream=_NoStream)
     finally:
         registry._built, registry._cuda_reason = built, reason
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
     assert len(a) == len(b) > 50
     return [torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v for u, v in zip(a, b)], \
         emulated.kernels_module.memsets
@@ -615,6 +723,24 @@ def test_the_backend_runs_end_to_end_on_the_host_builds_kernels(world_size):
         for rank, (equal, memsets) in enumerate(world.run(_emulated_equals_portable, 5, CONFIGS["tiny_rings"])):
             assert all(equal), (rank, [i for i, e in enumerate(equal) if not e])
             assert memsets == 1, memsets  # clean_low_latency_buffer zeroed this rank's low-latency buffer
+
+
+INTERNODE_CONFIG = dict(num_sms=4, num_max_nvl_chunked_send_tokens=2, num_max_nvl_chunked_recv_tokens=4,
+                        num_max_rdma_chunked_send_tokens=1, num_max_rdma_chunked_recv_tokens=2)
+
+
+@pytest.mark.skipif(not CUDA_BUILT, reason="moe_comm._cuda is not built (device_backend.py imports it)")
+@pytest.mark.parametrize("across_hosts", [False, True])
+def test_the_backend_runs_across_nodes_on_the_host_builds_kernels(across_hosts):
+    """The same end to end across 2 nodes of 2 ranks: on one host (LOCAL_WORLD_SIZE; every buffer over
+    IPC), and as if each node were a host (NVSHMEM's world joined by unique id, symmetric RDMA and
+    low-latency buffers, IPC buffers of the node's ranks only): the same bits as the portable backend."""
+    from transports import local_world
+    with local_world(4, "shm", timeout_s=600, threads_per_rank=1) as world:
+        results = world.run(_emulated_equals_portable, 7, INTERNODE_CONFIG, 2, across_hosts)
+    for rank, (equal, memsets) in enumerate(results):
+        assert all(equal), (rank, [i for i, e in enumerate(equal) if not e])
+        assert memsets == 1, memsets
 
 
 def _refuses_tensors_off_the_gpu(group) -> tuple[str, str, bool]:

@@ -23,7 +23,8 @@ KERNELS = ROOT / "csrc" / "cuda" / "device" / "kernels.cu"
 EXPECTED_KERNELS = {
     "layout_kernel", "notify_kernel", "prologue_kernel", "dispatch_kernel", "combine_kernel", "ll_cast_kernel",
     "ll_dispatch_send_kernel", "ll_dispatch_recv_kernel", "ll_combine_send_kernel", "ll_combine_wait_kernel",
-    "ll_combine_reduce_kernel",
+    "ll_combine_reduce_kernel", "internode_notify_kernel", "internode_prologue_kernel", "internode_dispatch_kernel",
+    "internode_combine_kernel",
 }
 ARCHS = ("sm_90", "sm_100")
 REGISTER_FILE = 65536  # 32-bit registers per SM on sm_90 and sm_100
@@ -179,11 +180,24 @@ def test_normal_layout_matches_the_host_build(R, C, L, slots, slot_bytes):
 
 
 @pytest.mark.parametrize("R, L, M, H", [(1, 1, 1, 128), (2, 6, 64, 256), (8, 32, 128, 7168), (3, 4, 37, 2048)])
+@pytest.mark.parametrize("staged", [False, True])
 @needs_nvcc
-def test_low_latency_layout_matches_the_host_build(R, L, M, H):
+def test_low_latency_layout_matches_the_host_build(R, L, M, H, staged):
     from moe_comm import _cuda_host as host
     cuda = _cuda_module()
-    assert cuda.low_latency_bytes(R, L, M, H) == host.low_latency_bytes(R, L, M, H)
+    assert cuda.low_latency_bytes(R, L, M, H, staged) == host.low_latency_bytes(R, L, M, H, staged)
+
+
+@pytest.mark.parametrize("Rn, NL, C, L, nvl_slots, nvl_slot, rdma_slots, rdma_slot",
+                         [(2, 1, 1, 1, 2, 1, 2, 5), (2, 8, 10, 32, 288, 14358, 128, 14362), (8, 8, 12, 4, 720, 7200, 128, 100),
+                          (3, 2, 4, 0, 4, 100, 4, 100)])
+@needs_nvcc
+def test_internode_layout_matches_the_host_build(Rn, NL, C, L, nvl_slots, nvl_slot, rdma_slots, rdma_slot):
+    from moe_comm import _cuda_host as host
+    cuda = _cuda_module()
+    args = (Rn, NL, C, L, nvl_slots, nvl_slot, rdma_slots, rdma_slot)
+    assert cuda.internode_bytes(*args) == host.internode_bytes(*args)
+    assert (cuda.MAX_NODES, cuda.MAX_NODE_RANKS) == (host.MAX_NODES, host.MAX_NODE_RANKS)
 
 
 @needs_nvcc
@@ -196,6 +210,8 @@ def test_constructors_need_a_gpu():
         cuda.Normal([0], [0], 0, 1.0, 1, 1, 1, 1, 16)
     with pytest.raises(RuntimeError, match="cuda"):
         cuda.LowLatency.emulated([0, 0], 1.0, 1, 1, 128)
+    with pytest.raises(RuntimeError, match="cuda"):
+        cuda.Internode.emulated([0, 0], [0, 0], 1, 1.0, 1, 1, 1, 1, 4, 64, 4, 64)
 
 
 # ---------------------------------------------------------------------- emulated ranks on a GPU
@@ -522,3 +538,40 @@ def test_emulated_cases_cover_every_rank_count_and_format():
     ref = h.NormalCase(h.HostSide(2, TIMEOUT_S), shape, ins).run()
     assert not h.sanity(ins, ref, shape)
     assert all(o["recv_scales"].shape[1] == shape.H // 128 and (o["recv_scales"] != 0).any() for o in ref.values())
+
+
+# ---------------------------------------------------------------------- across nodes (emulated)
+# The internode kernels (csrc/cuda/kernels/internode.h) of moe_comm._cuda, every rank of 2..4 emulated
+# nodes in each launch (RDMA rings over DirectLink, forwarders, node rings), against _cuda_host's threads.
+INTERNODE_SPLITS = ((2, 1), (2, 2), (2, 4), (4, 2))
+
+
+def _internode(side, R: int, node_ranks: int, fp8: bool):
+    h = _gpu_check_harness()
+    shape = h.InternodeShape(R=R, node_ranks=node_ranks, fp8=fp8, slots=8, chunk=3, combine_chunk=2, rdma_slots=4,
+                             rdma_chunk=2)
+    ins = h.internode_inputs(shape)
+    return h, shape, ins, h.InternodeCase(side, shape, ins).run()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_internode_harness_on_the_host_build(fp8):
+    """The host half of the GPU comparison across nodes (runs everywhere): the harness drives _cuda_host's
+    Internode to results with DeepEP's meaning (rows by source rank and token, the forwarders' counts,
+    the two-level combine sum)."""
+    h = _gpu_check_harness()
+    h_, shape, ins, ref = _internode(h.HostSide(6, TIMEOUT_S), 6, 3, fp8)
+    bad = h.sanity(ins, ref, shape)
+    assert not bad, "\n".join(bad)
+
+
+@needs_gpu
+@pytest.mark.parametrize("nodes,node_ranks", INTERNODE_SPLITS)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_emulated_internode_matches_the_host_build_at(nodes, node_ranks, fp8):
+    h = _gpu_check_harness()
+    R = nodes * node_ranks
+    _, _, _, ref = _internode(h.HostSide(R, TIMEOUT_S), R, node_ranks, fp8)
+    _, _, _, got = _internode(h.EmulatedSide(R, TIMEOUT_S), R, node_ranks, fp8)
+    bad = h.compare(ref, got)
+    assert not bad, "\n".join(bad)

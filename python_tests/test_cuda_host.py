@@ -33,6 +33,30 @@ def test_same_bits_as_portable(world_size, config):
             assert all(equal), (rank, [i for i, e in enumerate(equal) if not e])
 
 
+# Across nodes also DeepEP's internode combine rule (NVL send chunk <= recv / nodes), and RDMA rings of
+# 2-4 slots fed 1-2 tokens at a time.
+INTERNODE_CONFIGS = {"default": dict(num_sms=20),
+                     "tiny_rings": dict(num_sms=4, num_max_nvl_chunked_send_tokens=2, num_max_nvl_chunked_recv_tokens=4,
+                                        num_max_rdma_chunked_send_tokens=1, num_max_rdma_chunked_recv_tokens=2),
+                     "one_slot_nvl": dict(num_sms=6, num_max_nvl_chunked_send_tokens=1,
+                                          num_max_nvl_chunked_recv_tokens=2, num_max_rdma_chunked_send_tokens=2,
+                                          num_max_rdma_chunked_recv_tokens=4),
+                     "four_nodes": dict(num_sms=4, num_max_nvl_chunked_send_tokens=1, num_max_nvl_chunked_recv_tokens=4,
+                                        num_max_rdma_chunked_send_tokens=1, num_max_rdma_chunked_recv_tokens=2)}
+
+
+@pytest.mark.parametrize("world_size,ranks_per_node,config", [
+    (4, 2, "default"), (4, 2, "tiny_rings"), (4, 2, "one_slot_nvl"), (6, 3, "tiny_rings"), (4, 1, "four_nodes"),
+    (2, 1, "one_slot_nvl")])
+def test_same_bits_as_portable_across_nodes(world_size, ranks_per_node, config):
+    """The same calls on a group split into nodes (LOCAL_WORLD_SIZE): normal mode through the kernels'
+    two hops (RDMA rings to the forwarders, NVL rings to the ranks; the two-level combine sum), the
+    internode handle, and low latency: every output bitwise equal to the portable backend's."""
+    with local_world(world_size, "shm", timeout_s=240, threads_per_rank=1) as world:
+        for rank, equal in enumerate(world.run(both_backends, 5, INTERNODE_CONFIGS[config], ranks_per_node)):
+            assert all(equal), (rank, [i for i, e in enumerate(equal) if not e])
+
+
 def _buffers(num_ranks: int, nbytes: int) -> list[torch.Tensor]:
     return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(num_ranks)]
 

@@ -95,7 +95,7 @@ def test_emulated_host_reference(tmp_path):
     proc = _run(GC / "emulated.py", "--ranks", 2, 3, 8, "--host-only", "--json", out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     rec = json.loads(out.read_text())
-    assert rec["ok"] and len(rec["checks"]) == 3 * 5
+    assert rec["ok"] and len(rec["checks"]) == 3 * 7
     proc = _run(GC / "emulated.py", "--ranks", 2, "--small", "--host-only")
     assert proc.returncode == 0, proc.stdout[-3000:]
 
@@ -121,10 +121,36 @@ def test_ipc_harness_on_the_host_build(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["ok"] and set(rec["checks"]) == {"R2", "R3"}
     for R, check in (("R2", rec["checks"]["R2"]), ("R3", rec["checks"]["R3"])):
-        assert set(check["cases"]) == {"normal_bf16", "normal_fp8", "ll_bf16", "ll_fp8", "ll_fp8_ue8m0"}
+        assert set(check["cases"]) == {"normal_bf16", "normal_fp8", "internode_bf16", "internode_fp8", "ll_bf16",
+                                       "ll_fp8", "ll_fp8_ue8m0"}
         assert all(len(c["ranks"]) == int(R[1:]) for c in check["cases"].values())
     left = {p for p in (set(Path("/dev/shm").iterdir()) - before) if "gpu_check" in p.name}
     assert not left, f"ipc_ranks.py left {left}"
+
+
+def test_nvshmem_link_needs_the_gpu(tmp_path):
+    """ipc_ranks.py --link nvshmem off the GPU machine: a failed record saying why, never a pass."""
+    out = tmp_path / "nv.json"
+    proc = _run(GC / "ipc_ranks.py", "--ranks", 2, "--host-only", "--link", "nvshmem", "--json", out)
+    rec = json.loads(out.read_text())
+    assert proc.returncode == 1 and not rec["ok"], rec
+    assert "needs the GPU" in json.dumps(rec)
+
+
+def test_internode_semantics_catch_a_flat_sum():
+    """The across-nodes meaning of combine is the two-level sum: a flat sum over the ranks (what the
+    intranode kernels give) fails it where the two differ in bf16."""
+    h = _module("harness")
+    import torch
+    s = h.InternodeShape(R=8, node_ranks=4, K=5)  # up to 4 ranks of a node: its partial bf16(3x) rounds
+    ins = h.internode_inputs(s)
+    ref = h.InternodeCase(h.HostSide(8), s, ins).run()
+    assert not h.sanity(ins, ref, s)
+    flat = {r: dict(o) for r, o in ref.items()}
+    for r, o in flat.items():
+        x, n_t = ins[r]["x"].float(), ins[r]["in_rank"].sum(1).float().unsqueeze(1)
+        o["out"] = torch.where(n_t > 0, (x * n_t).to(torch.bfloat16), torch.zeros((), dtype=torch.bfloat16))
+    assert any("combine's out" in line for line in h.sanity(ins, flat, s))
 
 
 def test_compare_and_semantics_catch_a_flipped_byte():

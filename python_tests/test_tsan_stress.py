@@ -10,7 +10,12 @@ TSan sees every cross-thread access of the real protocol and kernel code.
 * the clean build passes every round and TSan reports nothing, with the backend's per-call handshake
   and with the low-latency calls run back to back without it (their protocol needs no host sync);
 * the test of the test: built with ``-DMOE_COMM_PLANT_RELAXED_TAIL`` (the ring tail published by a
-  relaxed store) TSan must report a data race on the ring slots, every run;
+  relaxed store) TSan must report a data race on the ring slots, every run; built with
+  ``-DMOE_COMM_PLANT_EARLY_FORWARD_HEAD`` (a forwarder across nodes frees its RDMA slots before it has
+  copied them out: an ordering bug in the two-hop forwarding queue) TSan must report the race between
+  the sender's put and the forwarder's reads;
+* half the rounds run normal mode across 2..3 nodes (kernels/internode.h: RDMA rings with staging and
+  drains, forwarders, NVL rings), so every case below covers the two-hop protocol too;
 * with launches that outlive their call (async_finish=True), and in normal mode without the
   handshake, it is clean too: the kernels' own barriers order the ranks.
 
@@ -18,11 +23,12 @@ Skips when g++ is missing or cannot build and run a ``-fsanitize=thread`` progra
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 
@@ -30,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 SOURCES = [CSRC / "cuda" / "host" / "stress.cpp", CSRC / "cuda" / "host" / "launches.cpp", CSRC / "cpu" / "flags.cpp"]
 FLAGS = ["-std=c++20", "-O1", "-g", "-fsanitize=thread", "-ffp-contract=off", f"-I{CSRC}"]
-PLANT = "-DMOE_COMM_PLANT_RELAXED_TAIL"
+PLANT_RELAXED_TAIL = "MOE_COMM_PLANT_RELAXED_TAIL"
+PLANT_EARLY_FORWARD_HEAD = "MOE_COMM_PLANT_EARLY_FORWARD_HEAD"
 TSAN_OPTIONS = "halt_on_error=1 exitcode=66 report_signal_unsafe=0"
 TSAN_EXIT = 66
 SEED, ROUNDS = 1, 30
@@ -61,20 +68,20 @@ def _probe(gxx: str, tmp: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def stress(tmp_path_factory) -> Callable[[bool], Path]:
-    """``stress(planted)``: the stress binary of that variant, built once per module (the three
-    translation units compile in parallel)."""
+def stress(tmp_path_factory) -> Callable[[Optional[str]], Path]:
+    """``stress(plant)``: the stress binary built with that planted bug (a ``-D`` name) or clean (None),
+    built once per module (the three translation units compile in parallel)."""
     gxx = _gxx()
     tmp = tmp_path_factory.mktemp("tsan_stress")
     _probe(gxx, tmp)
-    built: dict[bool, Path] = {}
+    built: dict[Optional[str], Path] = {}
 
-    def build(planted: bool) -> Path:
-        if planted in built:
-            return built[planted]
-        out = tmp / ("planted" if planted else "clean")
+    def build(plant: Optional[str]) -> Path:
+        if plant in built:
+            return built[plant]
+        out = tmp / (plant or "clean")
         out.mkdir()
-        flags = FLAGS + ([PLANT] if planted else [])
+        flags = FLAGS + ([f"-D{plant}"] if plant else [])
         begin = time.monotonic()
         jobs = [(src, subprocess.Popen([gxx, *flags, "-c", str(src), "-o", str(out / (src.stem + ".o"))],
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -90,7 +97,7 @@ def stress(tmp_path_factory) -> Callable[[bool], Path]:
                                "-pthread"], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         assert link.returncode == 0, f"the stress does not link:\n{link.stderr}"
         print(f"tsan stress ({out.name}): built in {time.monotonic() - begin:.1f} s")
-        built[planted] = exe
+        built[plant] = exe
         return exe
 
     return build
@@ -108,28 +115,31 @@ def _assert_clean(done: subprocess.CompletedProcess) -> None:
     assert "WARNING: ThreadSanitizer" not in done.stderr, f"ThreadSanitizer reported:\n{done.stderr[-12000:]}"
     assert done.returncode == 0, f"the stress failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr[-6000:]}"
     assert f"stress: {ROUNDS} rounds passed" in done.stdout, done.stdout
+    across = re.search(r"(\d+) rounds across nodes", done.stdout)
+    assert across and int(across[1]) >= ROUNDS // 4, f"too few rounds across nodes: {done.stdout}"
 
 
 def test_stress_clean(stress):
     """The backend's call sequence (a handshake before every call), every output checked: no race."""
-    _assert_clean(_run(stress(False)))
+    _assert_clean(_run(stress(None)))
 
 
 def test_low_latency_without_handshake_is_clean(stress):
     """Low-latency calls back to back with no host rendezvous (as a captured CUDA graph runs them): the
     count signals, combine flags and alternating halves alone order every access."""
-    _assert_clean(_run(stress(False), "--no-handshake"))
+    _assert_clean(_run(stress(None), "--no-handshake"))
 
 
 def test_planted_relaxed_tail_is_reported(stress):
     """The test of the test: a ring tail published by a relaxed store lets the receiver read slots the
     sender's copy is not ordered before; TSan must say so, on the ring's payload copies."""
-    done = _run(stress(True))
+    done = _run(stress(PLANT_RELAXED_TAIL))
     assert "WARNING: ThreadSanitizer: data race" in done.stderr, \
         f"TSan did not report the planted relaxed tail (exit {done.returncode}):\n{done.stdout}\n{done.stderr[-6000:]}"
     assert done.returncode == TSAN_EXIT, done.stderr[-6000:]
     report = done.stderr.split("WARNING: ThreadSanitizer: data race", 1)[1].split("SUMMARY:", 1)[0]
-    assert any(f in report for f in ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")), \
+    assert any(f in report for f in ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv",
+                                     "internode_forward", "internode_nvl_recv")), \
         f"TSan reported a race, but not on the rings' payload:\n{report}"
 
 
@@ -138,10 +148,24 @@ def test_async_launches_are_clean(stress):
     thread, so the next call's handshake may pass while the previous launch still runs. (This found
     notify writing peers' cells before any barrier of its call, racing a peer's previous launch; notify
     now opens with a barrier, as DeepEP's notify_dispatch does.)"""
-    _assert_clean(_run(stress(False), "--async"))
+    _assert_clean(_run(stress(None), "--async"))
 
 
 def test_normal_mode_without_handshake_is_clean(stress):
     """Normal-mode calls back to back with no host rendezvous between them: the kernels' barriers alone
     keep the ranks apart (what a device launch without a host handshake relies on)."""
-    _assert_clean(_run(stress(False), "--no-handshake-normal"))
+    _assert_clean(_run(stress(None), "--no-handshake-normal"))
+
+
+def test_planted_early_forward_head_is_reported(stress):
+    """The test of the test, across nodes: a forwarder that frees its RDMA ring slots (signals the
+    sender's head) before it has copied them out to the node's ranks lets the sender's next put
+    overwrite a slot still being read. TSan must report that race, between the RDMA sender's put and
+    the forwarder's reads."""
+    done = _run(stress(PLANT_EARLY_FORWARD_HEAD))
+    assert "WARNING: ThreadSanitizer: data race" in done.stderr, \
+        f"TSan did not report the planted early head (exit {done.returncode}):\n{done.stdout}\n{done.stderr[-6000:]}"
+    assert done.returncode == TSAN_EXIT, done.stderr[-6000:]
+    report = done.stderr.split("WARNING: ThreadSanitizer: data race", 1)[1].split("SUMMARY:", 1)[0]
+    assert "internode_forward" in report and "internode_rdma_send" in report, \
+        f"TSan reported a race, but not between the RDMA sender and the forwarder:\n{report}"

@@ -66,15 +66,19 @@ assert c.device_count() > 0, 'moe_comm._cuda sees no GPU'"
 
 # --- correctness of moe_comm._cuda against moe_comm._cuda_host, bitwise
 # emulated ranks (one launch serves R ranks), R = 2, 4, 8: normal bf16 / FP8, low latency bf16 / FP8 / UE8M0
-TAIL=30 step pytest_emulated 45 "$PY" -m pytest -q -p no:cacheprovider python_tests/test_cuda_build.py -k emulat \
+TAIL=30 step pytest_emulated 55 "$PY" -m pytest -q -p no:cacheprovider python_tests/test_cuda_build.py -k emulat \
   --junitxml "$OUT/pytest_emulated.xml"
-# 2 and 4 processes on the one GPU, buffers shared over CUDA IPC
+# 2 and 4 processes on the one GPU, buffers shared over CUDA IPC (intranode, internode over IPC, low latency)
 TAIL=20 step ipc 45 "$PY" $GC/ipc_ranks.py --ranks 2 4 --timeout 8 --deadline 20 --json "$OUT/ipc.json"
+# the same processes as one NVSHMEM world (moe_comm._cuda_nvshmem: internode RDMA and low latency over NVSHMEM;
+# several PEs on one GPU is NVSHMEM's limited mode, where puts and signals work)
+TAIL=20 step nvshmem 40 "$PY" $GC/ipc_ranks.py --link nvshmem --ranks 2 4 --timeout 8 --deadline 18 \
+  --cases internode_bf16 internode_fp8 ll_bf16 ll_fp8 --json "$OUT/nvshmem.json"
 # CUDA-graph capture and replay of the low-latency launches, 8 emulated ranks
 step graph 25 "$PY" $GC/graph.py --ranks 8 --replays 3 --json "$OUT/graph.json"
 
 # --- the benchmark (DeepEP's shapes and byte formulas, the device's copy bandwidth of the same run)
-TAIL=30 step bench 70 "$PY" $GC/bench.py --budget-s 40 --json "$OUT/bench.json"
+TAIL=30 step bench 60 "$PY" $GC/bench.py --budget-s 32 --json "$OUT/bench.json"
 
 # --- compute-sanitizer on the emulated R=2 case (it may refuse the device: the log says so). Without torch's
 # caching allocator every tensor is its own cudaMalloc, so an access past a tensor's end is one memcheck sees.
@@ -87,13 +91,13 @@ sanitize() {  # NAME BOX TOOL
     step "$1" "$2" bash -c 'echo "compute-sanitizer not found (PATH, /usr/local/cuda*, pip nvidia packages)"; exit 127'
   fi
 }
-sanitize sanitizer_memcheck 35 memcheck
-sanitize sanitizer_synccheck 35 synccheck
+sanitize sanitizer_memcheck 30 memcheck
+sanitize sanitizer_synccheck 30 synccheck
 
 # --- the older checks of the Triton ops on the GPU, shortened (they ran in full on 2026-11-29)
-step accuracy 25 "$PY" -m moe_comm.accuracy --no-interpreter --json "$OUT/accuracy_rows.json"
-step pytest_legacy 30 "$PY" -m pytest -q -p no:cacheprovider python_tests/test_fused_ops.py python_tests/test_cuda.py \
+step accuracy 15 "$PY" -m moe_comm.accuracy --no-interpreter --json "$OUT/accuracy_rows.json"
+step pytest_legacy 20 "$PY" -m pytest -q -p no:cacheprovider python_tests/test_fused_ops.py python_tests/test_cuda.py \
   --junitxml "$OUT/pytest_legacy.xml"
-step bench_ops 25 "$PY" -m moe_comm.bench ops --device cuda --warmup 1 --reps 5 --json "$OUT/bench_ops_rows.json"
+step bench_ops 15 "$PY" -m moe_comm.bench ops --device cuda --warmup 1 --reps 5 --json "$OUT/bench_ops_rows.json"
 
 TAIL=200 step summary 5 "$PY" $GC/summary.py --out "$OUT"

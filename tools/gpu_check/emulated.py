@@ -1,6 +1,7 @@
 """Emulated ranks of moe_comm._cuda (R ranks in each launch on one GPU) against moe_comm._cuda_host (R
 threads on the CPU), on the same inputs, byte for byte: normal mode (notify, dispatch, prologue,
-combine) in bf16 and FP8, low latency (dispatch send/receive, combine send/receive) in bf16, FP8 and
+combine) in bf16 and FP8, the same across 2 emulated nodes of R / 2 ranks (the internode kernels: RDMA
+rings over DirectLink, forwarders, node rings), low latency (dispatch send/receive, combine send/receive) in bf16, FP8 and
 FP8 with UE8M0 scales. The entry point compute-sanitizer runs (``--ranks 2 --small``).
 
     python tools/gpu_check/emulated.py --ranks 2 --small --json OUT.json
@@ -12,13 +13,18 @@ import argparse
 import sys
 
 import common  # noqa: F401  (import path)
-from harness import (EmulatedSide, HostSide, LowLatencyCase, LowLatencyShape, NormalCase, NormalShape, compare,
-                     ll_semantics, low_latency_inputs, normal_inputs, sanity)
+from harness import (EmulatedSide, HostSide, InternodeCase, InternodeShape, LowLatencyCase, LowLatencyShape,
+                     NormalCase, NormalShape, compare, internode_inputs, ll_semantics, low_latency_inputs,
+                     normal_inputs, sanity)
 
-CASES = ("normal_bf16", "normal_fp8", "ll_bf16", "ll_fp8", "ll_fp8_ue8m0")
+CASES = ("normal_bf16", "normal_fp8", "internode_bf16", "internode_fp8", "ll_bf16", "ll_fp8", "ll_fp8_ue8m0")
 
 
 def shapes(case: str, R: int, small: bool):
+    if case.startswith("internode"):
+        s = InternodeShape(R=R, C=2, L=2, H=256, T=12, K=2, chunk=2, combine_chunk=2, slots=8, rdma_slots=4,
+                           rdma_chunk=2) if small else InternodeShape(R=R)
+        return InternodeShape(**{**s.__dict__, "fp8": case.endswith("fp8"), "node_ranks": max(R // 2, 1)})
     if case.startswith("normal"):
         s = NormalShape(R=R, C=2, L=2, H=256, T=12, K=2, chunk=2, combine_chunk=2, slots=8) if small else \
             NormalShape(R=R)
@@ -30,9 +36,10 @@ def shapes(case: str, R: int, small: bool):
 
 def run_case(case: str, R: int, small: bool, host_only: bool, timeout_s: float) -> dict:
     s = shapes(case, R, small)
-    normal = case.startswith("normal")
-    ins = normal_inputs(s) if normal else low_latency_inputs(s)
-    Case = NormalCase if normal else LowLatencyCase
+    normal = not case.startswith("ll")
+    ins = internode_inputs(s) if case.startswith("internode") else normal_inputs(s) if normal else \
+        low_latency_inputs(s)
+    Case = InternodeCase if case.startswith("internode") else NormalCase if normal else LowLatencyCase
     host = HostSide(R, timeout_s)
     ref = Case(host, s, ins).run()
     out = {"shape": s.__dict__}

@@ -60,6 +60,19 @@ class NormalShape:
 
 
 @dataclass(frozen=True)
+class InternodeShape(NormalShape):
+    """Normal mode across nodes: R = nodes * node_ranks ranks, RDMA rings of ``rdma_slots`` slots fed
+    ``rdma_chunk`` tokens at a time (Config.num_max_rdma_chunked_{recv,send}_tokens)."""
+    node_ranks: int = 1
+    rdma_slots: int = 8
+    rdma_chunk: int = 2
+
+    @property
+    def nodes(self) -> int:
+        return self.R // self.node_ranks
+
+
+@dataclass(frozen=True)
 class LowLatencyShape:
     R: int = 2
     L: int = 2              # experts per rank
@@ -126,6 +139,36 @@ def normal_inputs(s: NormalShape, device: str = "cpu") -> list[dict[str, torch.T
     return ins
 
 
+def internode_inputs(s: InternodeShape, device: str = "cpu") -> list[dict[str, torch.Tensor]]:
+    """``normal_inputs`` plus each rank's node routing, as the internode handle gives it: ``rdma_chan`` [Rn, C]
+    cumulative tokens to each node, ``rdma_head`` [T, Rn] int32 each token's position among its channel's
+    tokens to node n (-1), and what the rank forwards: ``fwd_chan`` [Rn, C] (its rail peer in node n's
+    rdma_chan for this rank's node) and ``fwd_bits`` [N_fwd] int32 (each forwarded token's destination bits
+    in this node; source node ascending, then token)."""
+    ins = normal_inputs(s, device)
+    Rn, NL, C, T = s.nodes, s.node_ranks, s.C, s.T
+    channel = torch.arange(T, device=device) // max(-(-T // C), 1)
+    weights = 1 << torch.arange(NL, device=device)
+    for i in ins:
+        bits = (i["in_rank"].view(T, Rn, NL).to(torch.int64) * weights).sum(2)       # [T, Rn]
+        to_node = bits > 0
+        one_hot = torch.nn.functional.one_hot(channel, C).to(torch.int64)          # [T, C]
+        per = (to_node.to(torch.int64).unsqueeze(2) * one_hot.unsqueeze(1))        # [T, Rn, C]
+        before = per.cumsum(0) - per
+        i["rdma_chan"] = per.sum(0).cumsum(1).contiguous()
+        i["rdma_head"] = torch.where(to_node, before.gather(2, channel.view(T, 1, 1).expand(T, Rn, 1)).squeeze(2),
+                                     -1).to(torch.int32).contiguous()
+        i["_bits"] = bits
+    for r, i in enumerate(ins):
+        node, local = divmod(r, NL)
+        rail = [ins[n * NL + local] for n in range(Rn)]
+        i["fwd_chan"] = torch.stack([q["rdma_chan"][node] for q in rail]).contiguous()
+        i["fwd_bits"] = torch.cat([q["_bits"][:, node][q["_bits"][:, node] > 0] for q in rail]).to(torch.int32)
+    for i in ins:
+        del i["_bits"]
+    return ins
+
+
 def low_latency_inputs(s: LowLatencyShape, device: str = "cpu") -> list[dict[str, torch.Tensor]]:
     g, topks = routing(s.R, s.L, s.T, s.K, s.seed, device)
     out = []
@@ -159,12 +202,21 @@ class HostSide:
         self._keep += bufs
         return [ptr(b) for b in bufs]
 
+    def rdma_buffers(self, nbytes: int) -> list[int]:
+        return self.buffers(nbytes)
+
     def normal(self, bases, C, chunk, L, slots, slot_bytes):
         return [self.mod.Normal(bases, [os.getpid()] * self.R, r, self.timeout_s, C, chunk, L, slots, slot_bytes)
                 for r in range(self.R)]
 
     def low_latency(self, bases, L, M, H):
         return [self.mod.LowLatency(bases, [os.getpid()] * self.R, r, self.timeout_s, L, M, H) for r in range(self.R)]
+
+    def internode(self, nvl, rdma, NL, *geometry):
+        """``geometry``: C, nvl_chunk, rdma_chunk, L, nvl_slots, nvl_slot_bytes, rdma_slots, rdma_slot_bytes."""
+        Rn = self.R // NL
+        return [self.mod.Internode([nvl[r // NL * NL + j] for j in range(NL)], [rdma[n * NL + r % NL] for n in range(Rn)],
+                                   [os.getpid()] * self.R, r, self.timeout_s, *geometry) for r in range(self.R)]
 
     def prepare(self, args: dict[int, tuple]) -> Any:
         return [args[r] for r in self.served]
@@ -222,11 +274,17 @@ class EmulatedSide:
         self._keep += bufs
         return [ptr(b) for b in bufs]
 
+    def rdma_buffers(self, nbytes: int) -> list[int]:
+        return self.buffers(nbytes)
+
     def normal(self, bases, C, chunk, L, slots, slot_bytes):
         return self.mod.Normal.emulated(bases, self.timeout_s, C, chunk, L, slots, slot_bytes)
 
     def low_latency(self, bases, L, M, H):
         return self.mod.LowLatency.emulated(bases, self.timeout_s, L, M, H)
+
+    def internode(self, nvl, rdma, NL, *geometry):
+        return self.mod.Internode.emulated(nvl, rdma, NL, self.timeout_s, *geometry)
 
     def prepare(self, args: dict[int, tuple]) -> tuple:
         return merge([args[r] for r in self.served])
@@ -252,17 +310,26 @@ class EmulatedSide:
 class ProcessSide:
     """Rank ``rank`` of R processes. ``allgather(tag, obj)`` returns every rank's ``obj`` (a barrier too).
     On ``device="cuda"``: moe_comm._cuda, buffers shared over CUDA IPC; on ``"cpu"``: moe_comm._cuda_host,
-    buffers in /dev/shm files (named from ``shm_prefix``), mapped by every rank."""
+    buffers in /dev/shm files (named from ``shm_prefix``), mapped by every rank. With ``link="nvshmem"``
+    (on the GPU) the ranks also form an NVSHMEM world (unique id from rank 0) and the RDMA and low-latency
+    buffers are its symmetric memory, launched through moe_comm._cuda_nvshmem."""
 
     def __init__(self, rank: int, R: int, allgather: Callable[[str, Any], list], device: str = "cuda",
-                 timeout_s: float = TIMEOUT_S, shm_prefix: str = ""):
+                 timeout_s: float = TIMEOUT_S, shm_prefix: str = "", link: str = "ipc"):
         self.rank, self.R, self.allgather, self.timeout_s = rank, R, allgather, timeout_s
         self.served = [rank]
         self.on_gpu = device == "cuda"
         self.name = f"process{rank}"
+        self.nv = None
+        self._symmetric: list[int] = []
         if self.on_gpu:
             from moe_comm import _cuda
             self.mod, self.device = _cuda, torch.device("cuda")
+            if link == "nvshmem":
+                from moe_comm.backends.cuda.nvshmem_lib import load
+                self.nv = load()
+                uid = allgather("nvshmem uid", self.nv.unique_id() if rank == 0 else None)[0]
+                self.nv.init(uid, rank, R)
         else:
             from moe_comm import _cuda_host
             self.mod, self.device = _cuda_host, torch.device("cpu")
@@ -299,10 +366,31 @@ class ProcessSide:
         self._buffers.append(maps)
         return [ptr(m) for m in maps]
 
+    def rdma_buffers(self, nbytes: int) -> Any:
+        """The RDMA (and low-latency) buffers: as ``buffers``, or NVSHMEM's symmetric memory as
+        (this rank's base, every rank's base mapped here or 0, every rank's PE)."""
+        if self.nv is None:
+            return self.buffers(nbytes)
+        base = self.nv.alloc(nbytes)
+        self._symmetric.append(base)
+        return base, [self.nv.peer_ptr(base, pe) for pe in range(self.R)], list(range(self.R))
+
     def normal(self, bases, C, chunk, L, slots, slot_bytes):
         return self.mod.Normal(bases, self.pids, self.rank, self.timeout_s, C, chunk, L, slots, slot_bytes)
 
+    def internode(self, nvl, rdma, NL, *geometry):
+        node, local = divmod(self.rank, NL)
+        rail = [n * NL + local for n in range(self.R // NL)]
+        mine = [nvl[node * NL + j] for j in range(NL)]
+        if self.nv is None:
+            return self.mod.Internode(mine, [rdma[r] for r in rail], self.pids, self.rank, self.timeout_s, *geometry)
+        base, mapped, _ = rdma
+        return self.nv.Internode(mine, (base, [mapped[r] for r in rail], rail), self.pids, self.rank, self.timeout_s,
+                                 *geometry)
+
     def low_latency(self, bases, L, M, H):
+        if self.nv is not None:
+            return self.nv.LowLatency(bases, self.pids, self.rank, self.timeout_s, L, M, H, 0)
         return self.mod.LowLatency(bases, self.pids, self.rank, self.timeout_s, L, M, H)
 
     def prepare(self, args: dict[int, tuple]) -> tuple:
@@ -337,6 +425,10 @@ class ProcessSide:
             self.allgather("closed peers", None)
             for sb in self._buffers:
                 sb.close()
+            for base in self._symmetric:  # NVSHMEM's free is collective: every rank frees the same ones
+                self.nv.free(base)
+            if self.nv is not None:
+                self.nv.finalize()
         else:
             self.allgather("closed peers", None)
         self._buffers.clear()
@@ -427,6 +519,57 @@ class NormalCase:
         return {r: {k: v.cpu() for k, v in {**self.notes[r], **self.outs[r]}.items()} for r in self.side.served}
 
 
+# ---------------------------------------------------------------------- normal mode across nodes
+class InternodeCase(NormalCase):
+    """notify -> dispatch -> prologue -> combine across nodes (kernels/internode.h) of the served ranks:
+    every rank an NVL and an RDMA buffer, the forwarders' routing from ``internode_inputs``."""
+
+    def __init__(self, side, s: InternodeShape, inputs: Optional[list] = None):
+        self.side, self.s = side, s
+        mod, dev = side.mod, side.device
+        inputs = inputs if inputs is not None else internode_inputs(s)
+        self.ins = {r: {k: v.to(dev) for k, v in inputs[r].items()} for r in side.served}
+        slot_d = mod.dispatch_slot_bytes(s.x_bytes, s.scale_bytes, s.K)
+        slot_c = 2 * s.H + (4 * s.K if s.weights else 0)
+        geometry = (s.nodes, s.node_ranks, s.C)
+        need = [mod.internode_bytes(*geometry, s.L, s.slots, slot_d, s.rdma_slots, slot_d + 4),
+                mod.internode_bytes(*geometry, 0, s.slots, slot_c, s.rdma_slots, slot_c)]
+        nvl, rdma = side.buffers(max(n for n, _ in need)), side.rdma_buffers(max(n for _, n in need))
+        self.nd = side.internode(nvl, rdma, s.node_ranks, s.C, s.chunk, s.rdma_chunk, s.L, s.slots, slot_d,
+                                 s.rdma_slots, slot_d + 4)
+        self.nc = side.internode(nvl, rdma, s.node_ranks, s.C, s.combine_chunk, s.rdma_chunk, 0, s.slots, slot_c,
+                                 s.rdma_slots, slot_c)
+        self.epoch = 0
+        z = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        R, C = s.R, s.C
+        self.notes = {r: dict(gbl_prefix=z(R, dtype=torch.int32), recv_offset=z(R), chan_starts=z(R, C),
+                              chan_counts=z(R, C), recv_rdma=z(s.nodes, C), per_expert=z(s.L), num_recv=z(1))
+                      for r in side.served}
+        self.outs = {}
+
+    def notify(self) -> None:
+        self.epoch += 1
+        args = {r: (self.epoch, ptr(i["rows"]), ptr(i["per_expert"]), ptr(i["chan"]), ptr(i["rdma_chan"]), 1,
+                    ptr(n["gbl_prefix"]), ptr(n["recv_offset"]), ptr(n["chan_starts"]), ptr(n["chan_counts"]),
+                    ptr(n["recv_rdma"]), ptr(n["per_expert"]), ptr(n["num_recv"]))
+                for r, i, n in self._each(self.notes)}
+        self.side.call_normal(self.nd, "notify", self.side.prepare(args))
+        self._allocate()
+        s = self.s
+        self.dispatch_args = self.side.prepare({
+            r: (s.T, s.x_bytes, s.scale_bytes, s.K, ptr(i["x"]), ptr(i.get("scales")), ptr(i["topk"]), ptr(i["w"]),
+                ptr(i["in_rank"]), ptr(i["rdma_chan"]), ptr(i["fwd_chan"]), ptr(self.notes[r]["recv_offset"]),
+                ptr(self.notes[r]["chan_starts"]), ptr(self.notes[r]["chan_counts"]), ptr(o["recv_x"]),
+                ptr(o.get("recv_scales")), ptr(o["recv_idx"]), ptr(o["recv_w"]), ptr(o["recv_src"]))
+            for r, i, o in self._each(self.outs)})
+        self.combine_args = self.side.prepare({
+            r: (s.T, s.H, 2 * s.H, s.K if s.weights else 0, self.side.mod.RowType.BFLOAT16,
+                ptr(i["y"] if s.fp8 else o["recv_x"]), ptr(o["recv_w"]) if s.weights else 0,
+                ptr(self.notes[r]["recv_offset"]), ptr(self.notes[r]["chan_starts"]), ptr(self.notes[r]["chan_counts"]),
+                ptr(i["fwd_chan"]), ptr(i["fwd_bits"]), ptr(i["rdma_head"]), 0, 0, ptr(o["out"]), ptr(o.get("out_w")))
+            for r, i, o in self._each(self.outs)})
+
+
 # ---------------------------------------------------------------------- low latency
 class LowLatencyCase:
     """dispatch (send, receive; half 0) -> combine (send, receive; half 1) of the served ranks."""
@@ -437,7 +580,7 @@ class LowLatencyCase:
         fp8, round_scale, ue8m0 = LL_FORMATS[s.fmt]
         inputs = inputs if inputs is not None else low_latency_inputs(s)
         self.ins = {r: {k: v.to(dev) for k, v in inputs[r].items()} for r in side.served}
-        self.bases = side.buffers(mod.low_latency_bytes(s.R, s.L, s.M, s.H))
+        self.bases = side.rdma_buffers(mod.low_latency_bytes(s.R, s.L, s.M, s.H))
         self.obj = side.low_latency(self.bases, s.L, s.M, s.H)
         R, L, M, H, S = s.R, s.L, s.M, s.H, s.num_scales
         u8 = lambda n: torch.zeros(n, dtype=torch.uint8, device=dev)  # noqa: E731
@@ -515,12 +658,17 @@ def compare(ref: dict[int, dict], got: dict[int, dict]) -> list[str]:
 
 
 def sanity(ins: list[dict], outs: dict[int, dict], s: NormalShape) -> list[str]:
-    """What a normal-mode reference must satisfy whatever the kernels: counts that add up, real rows."""
+    """What a normal-mode reference must satisfy whatever the kernels: counts that add up, real rows
+    (across nodes: the received-row prefix and the forwarded tokens per channel)."""
     bad = []
     sent = torch.stack([i["rows"].cpu() for i in ins])  # [source][dest]
     for r, o in outs.items():
-        if not torch.equal(o["rank_prefix"], sent.cumsum(0).to(torch.int32)):
+        if "rank_prefix" in o and not torch.equal(o["rank_prefix"], sent.cumsum(0).to(torch.int32)):
             bad.append(f"rank {r}: rank_prefix is not the column prefix of the sent rows")
+        if "gbl_prefix" in o and not torch.equal(o["gbl_prefix"], sent[:, r].cumsum(0).to(torch.int32)):
+            bad.append(f"rank {r}: recv_gbl_rank_prefix_sum is not the prefix of the rows sent to it")
+        if "recv_rdma" in o and not torch.equal(o["recv_rdma"], ins[r]["fwd_chan"].cpu()):
+            bad.append(f"rank {r}: notify's forwarded tokens per channel differ from the routing's")
         if int(o["num_recv"]) != int(sent[:, r].sum()):
             bad.append(f"rank {r}: num_recv {int(o['num_recv'])} != {int(sent[:, r].sum())}")
         if s.T and not (o["out"].view(torch.int16) != 0).any():
@@ -532,7 +680,8 @@ def semantics(ins: list[dict], outs: dict[int, dict], s: NormalShape) -> list[st
     """The meaning of a normal dispatch + combine, on any device: rank r's rows from source q sit at
     recv_offset[q] in q's token order and are q's rows x[recv_src]; with bf16 rows combined back
     unchanged (combine of recv_x), out[t] = bf16(n_t * x[t]) for the n_t ranks token t went to (a sum
-    of n_t equal bf16 values is exact in fp32). Vectorised: cheap at 4096 x 7168 on a GPU."""
+    of n_t equal bf16 values is exact in fp32); across nodes the sum of each node's bf16(k_n * x[t]).
+    Vectorised: cheap at 4096 x 7168 on a GPU."""
     bad = []
     for r, o in outs.items():
         for q in range(s.R):
@@ -546,8 +695,13 @@ def semantics(ins: list[dict], outs: dict[int, dict], s: NormalShape) -> list[st
                 bad.append(f"rank {r}: rows from rank {q} are not its x[recv_src]")
         if not s.fp8:
             x = ins[r]["x"].to(o["out"].device)
-            n_t = ins[r]["in_rank"].to(x.device).sum(1, dtype=torch.int32)
-            want = torch.where(n_t.unsqueeze(1) > 0, (x.float() * n_t.unsqueeze(1).float()).to(torch.bfloat16),
+            in_rank = ins[r]["in_rank"].to(x.device)
+            nodes = s.nodes if isinstance(s, InternodeShape) else 1
+            # per node, the ranks token t went to (the node's partial: bf16(k * x), exact sum, one rounding);
+            # across nodes the partials' fp32 sum, rounded once (DeepEP's two-level order)
+            k = in_rank.view(in_rank.shape[0], nodes, -1).sum(2, dtype=torch.int32).float()
+            partials = (x.float().unsqueeze(1) * k.unsqueeze(2)).to(torch.bfloat16).float()
+            want = torch.where(k.sum(1, keepdim=True) > 0, partials.sum(1).to(torch.bfloat16),
                                torch.zeros((), dtype=torch.bfloat16, device=x.device))
             if not torch.equal(o["out"].view(torch.int16), want.view(torch.int16)):
                 bad.append(f"rank {r}: combine's out is not bf16(n_t * x[t])")

@@ -63,6 +63,12 @@ PROBES: dict[str, Spec] = {
     "probe_ll_dispatch_recv": Spec(False, True, "LL dispatch count signal wait"),
     "probe_ll_combine_send": Spec(True, False, "LL combine flag publish"),
     "probe_ll_combine_wait": Spec(False, True, "LL combine flag wait"),
+    "probe_rdma_put": Spec(True, False, "RDMA ring tail publish after the put (sender, IPC link)"),
+    "probe_rdma_release": Spec(True, False, "RDMA ring head signal (receiver, IPC link)"),
+    "probe_rdma_wait_data": Spec(False, True, "RDMA ring wait for data (tail)"),
+    "probe_rdma_wait_space": Spec(False, True, "RDMA ring wait for space (head; also the drain)"),
+    "probe_rail_barrier": Spec(True, True, "rail barrier arrivals + waits (IPC link)"),
+    "probe_node_barrier": Spec(True, True, "node barrier arrivals + waits"),
 }
 
 

@@ -13,7 +13,10 @@
 #include "cuda/protocol/barrier.h"
 #include "cuda/protocol/ring.h"
 #include "cuda/protocol/wait.h"
+#include "cuda/kernels/internode.h"
 #include "cuda/kernels/low_latency.h"
+#include "cuda/protocol/link.h"
+#include "cuda/protocol/rdma_ring.h"
 
 using moe_comm::cuda::DevicePlatform;
 namespace mc = moe_comm::cuda;
@@ -52,22 +55,52 @@ extern "C" __global__ void probe_wait_at_least(mc::Watch w, const int64_t* flag,
 
 // ---- low latency: the count signal and the combine flag, publish and wait ----------------------------
 
+using Link = mc::DirectLink<DevicePlatform>;  // the IPC build's link (kernels.cu)
+
 extern "C" __global__ void probe_ll_dispatch_send(mc::LowLatencyContext k, mc::LowLatencyDispatchArgs a,
                                                   int expert) {
-    mc::ll_dispatch_send<DevicePlatform>(k, a, expert);
+    mc::ll_dispatch_send<DevicePlatform>(k, Link{k.peers, k.rank}, a, expert);
 }
 
 extern "C" __global__ void probe_ll_dispatch_recv(mc::LowLatencyContext k, mc::LowLatencyDispatchArgs a,
                                                   int e_loc, int* out) {
-    const bool ok = mc::ll_dispatch_recv<DevicePlatform>(k, a, e_loc);
+    const bool ok = mc::ll_dispatch_recv<DevicePlatform>(k, Link{k.peers, k.rank}, a, e_loc);
     if (threadIdx.x == 0) *out = ok ? 1 : 0;
 }
 
 extern "C" __global__ void probe_ll_combine_send(mc::LowLatencyContext k, mc::LowLatencyCombineArgs a,
                                                  int e_loc) {
-    mc::ll_combine_send<DevicePlatform>(k, a, e_loc);
+    mc::ll_combine_send<DevicePlatform>(k, Link{k.peers, k.rank}, a, e_loc);
 }
 
 extern "C" __global__ void probe_ll_combine_wait(mc::LowLatencyContext k, int expert, int* out) {
-    *out = mc::ll_combine_wait<DevicePlatform>(k, expert) ? 1 : 0;
+    *out = mc::ll_combine_wait<DevicePlatform>(k, Link{k.peers, k.rank}, expert) ? 1 : 0;
+}
+
+// ---- across nodes: the RDMA ring over the IPC build's link, and the rail and node barriers ----------------
+
+extern "C" __global__ void probe_rdma_put(Link link, mc::RdmaRing ring, int peer, int64_t sent, int64_t n) {
+    mc::rdma_put<DevicePlatform, DevicePlatform::Group>(link, peer, ring, sent, n);
+}
+
+extern "C" __global__ void probe_rdma_release(Link link, mc::RdmaRing ring, int peer, int64_t head) {
+    if (threadIdx.x == 0) mc::rdma_release(link, peer, ring, head);
+}
+
+extern "C" __global__ void probe_rdma_wait_data(mc::Watch w, Link link, mc::RdmaRing ring, int64_t consumed, int peer,
+                                                int channel, int64_t* out) {
+    *out = mc::rdma_wait_data<DevicePlatform>(w, link, ring, consumed, peer, channel);
+}
+
+extern "C" __global__ void probe_rdma_wait_space(mc::Watch w, Link link, mc::RdmaRing ring, int64_t sent, int64_t n,
+                                                 int peer, int channel, int* out) {
+    *out = mc::rdma_wait_space<DevicePlatform>(w, link, ring, sent, n, peer, channel) ? 1 : 0;
+}
+
+extern "C" __global__ void probe_rail_barrier(mc::InternodeContext k, Link link, int64_t epoch, int* out) {
+    *out = mc::rail_barrier<DevicePlatform>(k, link, epoch) ? 1 : 0;
+}
+
+extern "C" __global__ void probe_node_barrier(mc::InternodeContext k, int64_t epoch, int* out) {
+    *out = mc::node_barrier<DevicePlatform>(k, epoch) ? 1 : 0;
 }

@@ -13,186 +13,21 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <atomic>
 #include <cstdint>
-#include <cstring>
-#include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
-#include "launch.h"
-#include "runtime.h"
+#include "../python/layout_bindings.h"
+#include "launch_bindings.h"
 
 namespace py = pybind11;
 using namespace moe_comm::cuda;
 using namespace moe_comm::cuda::device;
+using namespace moe_comm::cuda::device::bind;
+
+void bind_internode(py::module_& m);  // bind_internode.cpp
 
 namespace {
-
-// A pointer or size argument: one value for every rank of the launch, or one per rank.
-struct PerRank {
-    std::vector<int64_t> values{0};
-    bool per_rank = false;
-
-    int64_t at(size_t r) const {
-        if (!per_rank) return values[0];
-        if (r >= values.size())
-            throw py::value_error("a per-rank argument holds " + std::to_string(values.size()) +
-                                  " values, but this launch serves more ranks");
-        return values[r];
-    }
-    template <class T>
-    T* ptr(size_t r) const {
-        return reinterpret_cast<T*>(static_cast<uintptr_t>(at(r)));
-    }
-};
-
-}  // namespace
-
-namespace pybind11::detail {
-template <>
-struct type_caster<PerRank> {
-    PYBIND11_TYPE_CASTER(PerRank, const_name("int | Sequence[int]"));
-
-    static bool scalar(handle h, int64_t& out) {
-        if (h.is_none()) {
-            out = 0;
-            return true;
-        }
-        if (!PyLong_Check(h.ptr())) return false;
-        out = PyLong_AsLongLong(h.ptr());
-        if (out == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return false;
-        }
-        return true;
-    }
-    bool load(handle src, bool) {
-        int64_t v = 0;
-        if (scalar(src, v)) {
-            value.values = {v};
-            value.per_rank = false;
-            return true;
-        }
-        if (!PySequence_Check(src.ptr()) || PyUnicode_Check(src.ptr()) || PyBytes_Check(src.ptr())) return false;
-        const auto seq = reinterpret_borrow<sequence>(src);
-        value.values.clear();
-        for (const auto item : seq) {
-            if (!scalar(item, v)) return false;
-            value.values.push_back(v);
-        }
-        value.per_rank = true;
-        return true;
-    }
-    static handle cast(const PerRank& p, return_value_policy, handle) {
-        if (!p.per_rank) return PyLong_FromLongLong(p.values[0]);
-        list out;
-        for (int64_t v : p.values) out.append(v);
-        return out.release();
-    }
-};
-}  // namespace pybind11::detail
-
-namespace {
-
-using Error = std::optional<std::tuple<int, int, int, int, int, int64_t, int64_t>>;
-
-template <class T>
-T* ptr(int64_t p) {
-    return reinterpret_cast<T*>(static_cast<uintptr_t>(p));
-}
-
-Error result(const ErrorRecord& e) {
-    if (e.code == 0) return std::nullopt;
-    return std::make_tuple(e.code, e.kind, e.rank, e.peer, e.channel, e.observed, e.expected);
-}
-
-// Runs with `device` current, then restores the caller's.
-class DeviceGuard {
-public:
-    explicit DeviceGuard(int device) : device_(device) {
-        check(cudaGetDevice(&previous_), "cudaGetDevice");
-        if (previous_ != device_) check(cudaSetDevice(device_), "cudaSetDevice");
-    }
-    ~DeviceGuard() {
-        if (previous_ != device_) (void)cudaSetDevice(previous_);
-    }
-    DeviceGuard(const DeviceGuard&) = delete;
-    DeviceGuard& operator=(const DeviceGuard&) = delete;
-
-private:
-    int device_, previous_ = 0;
-};
-
-cudaStream_t stream_of(int64_t s) { return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(s)); }
-
-// What Normal and LowLatency share: the ranks a launch serves, the peer table, the error records.
-struct Ranks {
-    int device = 0;
-    int32_t num_ranks = 0;       // R: the ranks of the buffer
-    std::vector<int32_t> ranks;  // the ranks each launch serves: {rank}, or 0..R-1 emulated
-    bool emulated = false;
-    int64_t budget = 0;          // clock64 cycles of the timeout
-    DeviceTable<uint8_t*> peers;
-    MappedMemory errors;         // one ErrorRecord per served rank
-
-    Ranks(const std::vector<int64_t>& bases, std::vector<int32_t> served, bool emulate, double timeout_s)
-        : num_ranks(static_cast<int32_t>(bases.size())), ranks(std::move(served)), emulated(emulate) {
-        if (bases.empty()) throw py::value_error("no ranks: bases is empty");
-        if (ranks.size() > static_cast<size_t>(kMaxLaunchRanks))
-            throw py::value_error(std::to_string(ranks.size()) + " emulated ranks: a launch serves at most " +
-                                  std::to_string(kMaxLaunchRanks));
-        for (int32_t r : ranks)
-            if (r < 0 || r >= num_ranks)
-                throw py::value_error("rank " + std::to_string(r) + " outside " + std::to_string(num_ranks) +
-                                      " ranks");
-        device = current_device();
-        budget = budget_cycles(timeout_s, device);
-        std::vector<uint8_t*> table;
-        for (int64_t b : bases) table.push_back(ptr<uint8_t>(b));
-        peers = DeviceTable<uint8_t*>(table);
-        errors = MappedMemory(sizeof(ErrorRecord) * ranks.size());
-    }
-
-    size_t size() const { return ranks.size(); }
-    ErrorRecord* device_record(size_t i) const { return static_cast<ErrorRecord*>(errors.device()) + i; }
-    ErrorRecord* host_record(size_t i) const { return static_cast<ErrorRecord*>(errors.host()) + i; }
-    Watch watch(size_t i) const { return Watch{device_record(i), budget, ranks[i], nullptr}; }
-    void clear() const { std::memset(errors.host(), 0, errors.bytes()); }
-
-    // None or the record (a real rank); a list of them (emulated).
-    py::object results() const {
-        // The device claims a record (code -1), fills it, then publishes the code with a release
-        // store: read the code with acquire first, so a record read early is whole or absent.
-        auto read = [&](size_t i) -> Error {
-            ErrorRecord* e = host_record(i);
-            if (std::atomic_ref<int32_t>(e->code).load(std::memory_order_acquire) <= 0) return std::nullopt;
-            return result(*e);
-        };
-        if (!emulated) return py::cast(read(0));
-        py::list out;
-        for (size_t i = 0; i < size(); ++i) out.append(py::cast(read(i)));
-        return out;
-    }
-};
-
-std::vector<int32_t> all_ranks(size_t n) {
-    std::vector<int32_t> r;
-    for (size_t i = 0; i < n; ++i) r.push_back(static_cast<int32_t>(i));
-    return r;
-}
-
-// ---------------------------------------------------------------------- normal mode
-const char* kernel_name(NormalKernel k) {
-    switch (k) {
-        case NormalKernel::kNotify: return "notify";
-        case NormalKernel::kPrologue: return "prologue";
-        case NormalKernel::kDispatch: return "dispatch";
-        case NormalKernel::kCombine: return "combine";
-    }
-    return "?";
-}
 
 struct Normal {
     Ranks r;
@@ -228,26 +63,16 @@ struct Normal {
         Batch<NormalRank<Args>> b{};
         b.num_ranks = static_cast<int32_t>(r.size());
         for (size_t i = 0; i < r.size(); ++i) b.rank[i] = NormalRank<Args>{context(i, epoch), arrive.get(), make(i)};
-        r.clear();  // nothing is in flight: every normal launch ends synchronised
-        {
-            py::gil_scoped_release unlocked;
-            DeviceGuard on(r.device);
-            const std::string op = std::string("moe_comm._cuda: ") + kernel_name(kernel);
-            const cudaError_t e = fn(b, stream_of(stream));
-            if (e == cudaErrorCooperativeLaunchTooLarge)
-                check(e, op + ": its " + std::to_string(blocks(kernel)) +
-                             " blocks wait on each other, so they must all be resident at once, and this GPU holds " +
-                             std::to_string(cooperative_capacity(kernel)) +
-                             " of them (use fewer channels: Config.num_sms)");
-            check(e, op + " (launch)");
-            check(cudaStreamSynchronize(stream_of(stream)), op);
-        }
-        return r.results();
+        return launch_cooperative(r, kernel, blocks(kernel), stream, b, fn);
     }
 };
 
 // ---------------------------------------------------------------------- low latency
 struct LowLatency {
+    static constexpr auto dispatch_send = &launch_ll_dispatch_send;
+    static constexpr auto dispatch_recv = &launch_ll_dispatch_recv;
+    static constexpr auto combine_send = &launch_ll_combine_send;
+    static constexpr auto combine_recv = &launch_ll_combine_recv;
     Ranks r;
     LowLatencyLayout layout;
 
@@ -279,32 +104,9 @@ struct LowLatency {
 PYBIND11_MODULE(_cuda, m) {
     m.doc() = "Device build of moe-comm's CUDA kernels (csrc/cuda), for the cuda backend";
 
-    // module_local: moe_comm._cuda_host binds the same C++ enums; each module keeps its own Python type.
-    py::enum_<WaitKind>(m, "WaitKind", py::module_local())
-        .value("NONE", WaitKind::kNone).value("BARRIER", WaitKind::kBarrier)
-        .value("RING_SPACE", WaitKind::kRingSpace).value("RING_DATA", WaitKind::kRingData)
-        .value("COUNT", WaitKind::kCount).value("COMBINE_FLAG", WaitKind::kCombineFlag);
-    py::enum_<ErrorCode>(m, "ErrorCode", py::module_local())
-        .value("OK", ErrorCode::kOk).value("TIMEOUT", ErrorCode::kTimeout)
-        .value("PEER_EXITED", ErrorCode::kPeerExited);
-    py::enum_<RowType>(m, "RowType", py::module_local())
-        .value("BFLOAT16", RowType::kBFloat16).value("FLOAT16", RowType::kFloat16)
-        .value("FLOAT32", RowType::kFloat32);
-
+    moe_comm::cuda::python::def_layouts(m);
     m.attr("MAX_EMULATED_RANKS") = kMaxLaunchRanks;
     m.attr("IPC_HANDLE_BYTES") = static_cast<int>(kIpcHandleBytes);
-
-    // The layout of both builds: csrc/cuda/kernels/buffer_layout.h.
-    m.def("normal_bytes", [](int R, int C, int L, int64_t slots, int64_t slot_bytes) {
-        return NormalLayout(R, C, L, slots, slot_bytes).total;
-    }, py::arg("R"), py::arg("C"), py::arg("L"), py::arg("slots"), py::arg("slot_bytes"),
-       "Bytes of one rank's normal-mode buffer.");
-    m.def("dispatch_slot_bytes", &dispatch_slot_bytes, py::arg("x_bytes"), py::arg("scale_bytes"),
-          py::arg("num_topk"), "Bytes of a dispatch ring slot (before alignment).");
-    m.def("low_latency_bytes", [](int R, int L, int64_t M, int64_t H) {
-        return LowLatencyLayout(R, L, M, H).total;
-    }, py::arg("R"), py::arg("L"), py::arg("M"), py::arg("H"),
-       "Bytes of one rank's low-latency buffer (both halves and the staging rows).");
 
     m.def("layout", [](const PerRank& num_tokens, int num_topk, int num_ranks, int num_experts,
                        const PerRank& topk_idx, const PerRank& per_rank, const PerRank& per_expert,
@@ -387,6 +189,7 @@ PYBIND11_MODULE(_cuda, m) {
         .def("close", &MappedMemory::reset, "Frees the bytes now.");
 
     // ------------------------------------------------------------------ normal mode
+    bind_internode(m);
     py::class_<Normal>(m, "Normal")
         .def(py::init([](const std::vector<int64_t>& bases, const std::vector<int64_t>&, int rank, double timeout_s,
                          int C, int64_t chunk, int L, int64_t slots, int64_t slot_bytes) {
@@ -469,67 +272,23 @@ PYBIND11_MODULE(_cuda, m) {
            py::arg("bias0"), py::arg("bias1"), py::arg("out"), py::arg("out_weights"), py::arg("stream") = 0);
 
     // ------------------------------------------------------------------ low latency
-    py::class_<LowLatency>(m, "LowLatency")
+    py::class_<LowLatency> low_latency(m, "LowLatency");
+    low_latency
         .def(py::init([](const std::vector<int64_t>& bases, const std::vector<int64_t>&, int rank, double timeout_s,
-                         int L, int64_t M, int64_t H) {
+                         int L, int64_t M, int64_t H, int node_ranks) {
+                 if (node_ranks != 0)  // over CUDA IPC every rank's buffer is mapped: nothing goes through staging
+                     throw py::value_error("moe_comm._cuda.LowLatency reaches every rank directly (CUDA IPC): "
+                                           "node_ranks must be 0, got " + std::to_string(node_ranks));
                  return new LowLatency(bases, {static_cast<int32_t>(rank)}, false, timeout_s, L, M, H);
              }),
              py::arg("bases"), py::arg("pids"), py::arg("rank"), py::arg("timeout_s"), py::arg("L"), py::arg("M"),
-             py::arg("H"))
+             py::arg("H"), py::arg("node_ranks") = 0)
         .def_static("emulated", [](const std::vector<int64_t>& bases, double timeout_s, int L, int64_t M, int64_t H) {
             return new LowLatency(bases, all_ranks(bases.size()), true, timeout_s, L, M, H);
         }, py::arg("bases"), py::arg("timeout_s"), py::arg("L"), py::arg("M"), py::arg("H"),
            "Every rank of `bases` (buffers of this GPU) in each launch, as emulated ranks 0..R-1.")
         .def_property_readonly("ranks", [](const LowLatency& l) { return l.r.ranks; })
         .def_property_readonly("device", [](const LowLatency& l) { return l.r.device; })
-        .def_property_readonly("budget_cycles", [](const LowLatency& l) { return l.r.budget; })
-        .def("dispatch", [](LowLatency& l, bool receive, int half, const PerRank& skip, const PerRank& num_tokens,
-                            int64_t scale_bytes, int num_topk, bool fp8, bool round_scale, bool ue8m0,
-                            const PerRank& x, const PerRank& topk_idx, const PerRank& recv_x,
-                            const PerRank& recv_scales, const PerRank& src_info, const PerRank& layout_range,
-                            const PerRank& recv_count, int64_t stream) {
-            auto make = [&](size_t i) {
-                return LowLatencyDispatchArgs{num_tokens.at(i), scale_bytes, num_topk,
-                                              CastFormat{fp8, round_scale, ue8m0}, x.ptr<const uint16_t>(i),
-                                              topk_idx.ptr<const int64_t>(i), recv_x.ptr<uint8_t>(i),
-                                              recv_scales.ptr<uint8_t>(i), src_info.ptr<int32_t>(i),
-                                              layout_range.ptr<int64_t>(i), recv_count.ptr<int32_t>(i)};
-            };
-            if (receive)
-                l.launch<LowLatencyDispatchArgs>("low-latency dispatch (receive)", half, skip, stream, make,
-                                                 &launch_ll_dispatch_recv);
-            else
-                l.launch<LowLatencyDispatchArgs>("low-latency dispatch (send)", half, skip, stream, make,
-                                                 &launch_ll_dispatch_send);
-        }, py::arg("receive"), py::arg("half"), py::arg("skip"), py::arg("num_tokens"), py::arg("scale_bytes"),
-           py::arg("num_topk"), py::arg("fp8"), py::arg("round_scale"), py::arg("ue8m0"), py::arg("x"),
-           py::arg("topk_idx"), py::arg("recv_x"), py::arg("recv_scales"), py::arg("src_info"),
-           py::arg("layout_range"), py::arg("recv_count"), py::arg("stream") = 0,
-           "Enqueues the send half (receive=False) or the receive half of a low-latency dispatch; returns None "
-           "at once (check() reads the error record).")
-        .def("combine", [](LowLatency& l, bool receive, int half, const PerRank& skip, const PerRank& num_tokens,
-                           int num_topk, const PerRank& x, const PerRank& src_info, const PerRank& layout_range,
-                           const PerRank& topk_idx, const PerRank& topk_weights, const PerRank& out, int64_t stream) {
-            auto make = [&](size_t i) {
-                return LowLatencyCombineArgs{num_tokens.at(i), num_topk, x.ptr<const uint16_t>(i),
-                                             src_info.ptr<const int32_t>(i), layout_range.ptr<const int64_t>(i),
-                                             topk_idx.ptr<const int64_t>(i), topk_weights.ptr<const float>(i),
-                                             out.ptr<uint16_t>(i)};
-            };
-            if (receive)
-                l.launch<LowLatencyCombineArgs>("low-latency combine (receive)", half, skip, stream, make,
-                                                &launch_ll_combine_recv);
-            else
-                l.launch<LowLatencyCombineArgs>("low-latency combine (send)", half, skip, stream, make,
-                                                &launch_ll_combine_send);
-        }, py::arg("receive"), py::arg("half"), py::arg("skip"), py::arg("num_tokens"), py::arg("num_topk"),
-           py::arg("x"), py::arg("src_info"), py::arg("layout_range"), py::arg("topk_idx"), py::arg("topk_weights"),
-           py::arg("out"), py::arg("stream") = 0,
-           "Enqueues the send half (receive=False) or the receive half of a low-latency combine; returns None at "
-           "once (check() reads the error record).")
-        .def("check", [](const LowLatency& l) { return l.r.results(); },
-             "None or the error record of this object's launches so far (a list per rank, emulated); read it "
-             "after synchronising the stream. A record stays set (the buffer is broken) until clear().")
-        .def("clear", [](const LowLatency& l) { l.r.clear(); },
-             "Zeroes the error records; only while no launch of this object is in flight.");
+        .def_property_readonly("budget_cycles", [](const LowLatency& l) { return l.r.budget; });
+    def_low_latency_launches(low_latency);
 }

@@ -1,10 +1,29 @@
-// The device build of the kernel bodies (kernels/layout.h, intranode.h, low_latency.h) on
-// DevicePlatform: one __global__ wrapper per body, a block per group (launch.h says which block
-// serves which rank and role), and the host functions that launch them.
+// The device build of the kernel bodies (kernels/layout.h, intranode.h, internode.h, low_latency.h) on
+// DevicePlatform, every peer reached over CUDA IPC: one __global__ wrapper per body (the roles shared
+// with the NVSHMEM build in roles.cuh), a block per group (launch.h says which block serves which rank
+// and role), and the host functions that launch them.
 #include <cuda_runtime.h>
 
 #include "../platform/device.cuh"
+#include "../protocol/link.h"
 #include "launch.h"
+
+namespace moe_comm::cuda::device {
+
+// This build's links: every peer's buffer is mapped here (CUDA IPC, one host), found by the roles
+// (roles.cuh) through argument-dependent lookup on the rank structs of launch.h.
+template <class Args>
+__device__ __forceinline__ DirectLink<DevicePlatform> rail_of(const InternodeRank<Args>& r) {
+    return DirectLink<DevicePlatform>{r.rdma, r.k.node};
+}
+template <class Args>
+__device__ __forceinline__ DirectLink<DevicePlatform> link_of(const LowLatencyRank<Args>& r) {
+    return DirectLink<DevicePlatform>{r.k.peers, r.k.rank};
+}
+
+}  // namespace moe_comm::cuda::device
+
+#include "roles.cuh"
 
 namespace moe_comm::cuda::device {
 namespace {
@@ -14,26 +33,14 @@ using G = P::Group;
 
 static_assert(sizeof(LayoutBatch) <= 4096 && sizeof(NotifyBatch) <= 4096 && sizeof(PrologueBatch) <= 4096 &&
                   sizeof(DispatchBatch) <= 4096 && sizeof(CombineBatch) <= 4096 &&
+                  sizeof(InternodeNotifyBatch) <= 4096 && sizeof(InternodePrologueBatch) <= 4096 &&
+                  sizeof(InternodeDispatchBatch) <= 4096 && sizeof(InternodeCombineBatch) <= 4096 &&
                   sizeof(LowLatencyDispatchBatch) <= 4096 && sizeof(LowLatencyCombineBatch) <= 4096,
               "a launch's parameter fits the classic 4 KiB kernel parameter space");
 
-// This block's rank and its index among the rank's blocks.
-template <class B>
-__device__ __forceinline__ const auto& rank_of(const B& b) {
-    return b.rank[blockIdx.x / static_cast<unsigned>(b.blocks_per_rank)];
-}
-
-__device__ __forceinline__ int local_block(int blocks_per_rank) {
-    return static_cast<int>(blockIdx.x % static_cast<unsigned>(blocks_per_rank));
-}
-
-// The context with its wait budget made a deadline on this block's clock.
-template <class Ctx>
-__device__ __forceinline__ Ctx started(const Ctx& k) {
-    Ctx c = k;
-    c.watch.deadline = P::now() + k.watch.deadline;
-    return c;
-}
+using roles::local_block;
+using roles::rank_of;
+using roles::started;
 
 // ---------------------------------------------------------------------- layout
 __global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(const __grid_constant__ LayoutBatch b) {
@@ -76,75 +83,33 @@ __global__ void __launch_bounds__(kNormalThreads, 1) combine_kernel(const __grid
         combine_recv<P>(k, r.a, i - senders);
 }
 
-// ---------------------------------------------------------------------- low latency
-__global__ void __launch_bounds__(kCastThreads, 1) ll_cast_kernel(const __grid_constant__ LowLatencyDispatchBatch b) {
-    const auto& r = rank_of(b);
-    const int64_t t = local_block(b.blocks_per_rank);
-    if (t < r.a.num_tokens) ll_cast<P>(r.k, r.a, t);
-}
-
-__global__ void __launch_bounds__(kLowLatencyThreads, 1)
-    ll_dispatch_send_kernel(const __grid_constant__ LowLatencyDispatchBatch b) {
-    const auto& r = rank_of(b);
-    ll_dispatch_send<P>(r.k, r.a, local_block(b.blocks_per_rank));
-}
-
-__global__ void __launch_bounds__(kLowLatencyThreads, 1)
-    ll_dispatch_recv_kernel(const __grid_constant__ LowLatencyDispatchBatch b) {
-    const auto& r = rank_of(b);
-    const LowLatencyContext k = started(r.k);
-    ll_dispatch_recv<P>(k, r.a, local_block(b.blocks_per_rank));
-}
-
-__global__ void __launch_bounds__(kLowLatencyThreads, 1)
-    ll_combine_send_kernel(const __grid_constant__ LowLatencyCombineBatch b) {
-    const auto& r = rank_of(b);
-    ll_combine_send<P>(r.k, r.a, local_block(b.blocks_per_rank));
-}
-
+// ---------------------------------------------------------------------- normal mode across nodes
 __global__ void __launch_bounds__(kAgentThreads, 1)
-    ll_combine_wait_kernel(const __grid_constant__ LowLatencyCombineBatch b) {
-    const auto& r = rank_of(b);
-    const LowLatencyContext k = started(r.k);
-    ll_combine_wait<P>(k, local_block(b.blocks_per_rank));
-}
+    internode_notify_kernel(const __grid_constant__ InternodeNotifyBatch b) { roles::internode_notify(b); }
+__global__ void __launch_bounds__(kAgentThreads, 1)
+    internode_prologue_kernel(const __grid_constant__ InternodePrologueBatch b) { roles::internode_prologue(b); }
+__global__ void __launch_bounds__(kNormalThreads, 1)
+    internode_dispatch_kernel(const __grid_constant__ InternodeDispatchBatch b) { roles::internode_dispatch(b); }
+__global__ void __launch_bounds__(kNormalThreads, 1)
+    internode_combine_kernel(const __grid_constant__ InternodeCombineBatch b) { roles::internode_combine(b); }
 
+// ---------------------------------------------------------------------- low latency
+__global__ void __launch_bounds__(kCastThreads, 1)
+    ll_cast_kernel(const __grid_constant__ LowLatencyDispatchBatch b) { roles::ll_cast(b); }
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
-    ll_combine_reduce_kernel(const __grid_constant__ LowLatencyCombineBatch b) {
-    const auto& r = rank_of(b);
-    const int64_t t = local_block(b.blocks_per_rank);
-    if (t >= r.a.num_tokens) return;
-    int gave_up = 0;
-    if (G::leader()) gave_up = failed<P>(r.k.watch);
-    if (G::broadcast(gave_up)) return;  // a wait of this rank's combine failed: no sum, as on the host
-    ll_combine_reduce<P>(r.k, r.a, t);
-}
+    ll_dispatch_send_kernel(const __grid_constant__ LowLatencyDispatchBatch b) { roles::ll_dispatch_send(b); }
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+    ll_dispatch_recv_kernel(const __grid_constant__ LowLatencyDispatchBatch b) { roles::ll_dispatch_recv(b); }
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+    ll_combine_send_kernel(const __grid_constant__ LowLatencyCombineBatch b) { roles::ll_combine_send(b); }
+__global__ void __launch_bounds__(kAgentThreads, 1)
+    ll_combine_wait_kernel(const __grid_constant__ LowLatencyCombineBatch b) { roles::ll_combine_wait(b); }
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+    ll_combine_reduce_kernel(const __grid_constant__ LowLatencyCombineBatch b) { roles::ll_combine_reduce(b); }
 
 // ---------------------------------------------------------------------- launches
-template <class B>
-cudaError_t cooperative(void (*kernel)(B), B b, int blocks_per_rank, int threads, cudaStream_t s) {
-    b.blocks_per_rank = blocks_per_rank;
-    void* args[] = {&b};
-    return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel),
-                                       dim3(static_cast<unsigned>(b.num_ranks * blocks_per_rank)),
-                                       dim3(static_cast<unsigned>(threads)), args, 0, s);
-}
-
-template <class B>
-cudaError_t plain(void (*kernel)(B), B b, int64_t blocks_per_rank, int threads, cudaStream_t s) {
-    if (blocks_per_rank <= 0) return cudaSuccess;  // nothing to do (no tokens)
-    b.blocks_per_rank = static_cast<int32_t>(blocks_per_rank);
-    kernel<<<dim3(static_cast<unsigned>(b.num_ranks * blocks_per_rank)), dim3(static_cast<unsigned>(threads)), 0,
-             s>>>(b);
-    return cudaGetLastError();
-}
-
-template <class B>
-int64_t max_tokens(const B& b) {
-    int64_t m = 0;
-    for (int i = 0; i < b.num_ranks; ++i) m = b.rank[i].a.num_tokens > m ? b.rank[i].a.num_tokens : m;
-    return m;
-}
+using roles::cooperative;
+using roles::plain;
 
 int64_t max_tokens(const LayoutBatch& b) {
     int64_t m = 0;
@@ -155,8 +120,6 @@ int64_t max_tokens(const LayoutBatch& b) {
 int normal_blocks(const NormalContext& k, bool dispatch) {
     return dispatch ? 2 * k.num_channels * k.num_ranks : (k.num_ranks + 1) * k.num_channels;
 }
-
-int experts(const LowLatencyContext& k) { return k.num_ranks * k.layout.experts_per_rank; }
 
 }  // namespace
 
@@ -180,41 +143,58 @@ cudaError_t launch_combine(const CombineBatch& b, cudaStream_t s) {
     return cooperative(combine_kernel, b, normal_blocks(b.rank[0].k, false), kNormalThreads, s);
 }
 
+cudaError_t launch_internode_notify(const InternodeNotifyBatch& b, cudaStream_t s) {
+    return cooperative(internode_notify_kernel, b, 1, kAgentThreads, s);
+}
+
+cudaError_t launch_internode_prologue(const InternodePrologueBatch& b, cudaStream_t s) {
+    return cooperative(internode_prologue_kernel, b, 1, kAgentThreads, s);
+}
+
+cudaError_t launch_internode_dispatch(const InternodeDispatchBatch& b, cudaStream_t s) {
+    return cooperative(internode_dispatch_kernel, b, roles::internode_blocks(b.rank[0].k, true), kNormalThreads, s);
+}
+
+cudaError_t launch_internode_combine(const InternodeCombineBatch& b, cudaStream_t s) {
+    return cooperative(internode_combine_kernel, b, roles::internode_blocks(b.rank[0].k, false), kNormalThreads, s);
+}
+
 cudaError_t launch_ll_dispatch_send(const LowLatencyDispatchBatch& b, cudaStream_t s) {
-    const cudaError_t e = plain(ll_cast_kernel, b, max_tokens(b), kCastThreads, s);
-    if (e != cudaSuccess) return e;
-    return plain(ll_dispatch_send_kernel, b, experts(b.rank[0].k), kLowLatencyThreads, s);
+    return roles::launch_ll_dispatch_send(ll_cast_kernel, ll_dispatch_send_kernel, b, s);
 }
 
 cudaError_t launch_ll_dispatch_recv(const LowLatencyDispatchBatch& b, cudaStream_t s) {
-    return plain(ll_dispatch_recv_kernel, b, b.rank[0].k.layout.experts_per_rank, kLowLatencyThreads, s);
+    return roles::launch_ll_dispatch_recv(ll_dispatch_recv_kernel, b, s);
 }
 
 cudaError_t launch_ll_combine_send(const LowLatencyCombineBatch& b, cudaStream_t s) {
-    return plain(ll_combine_send_kernel, b, b.rank[0].k.layout.experts_per_rank, kLowLatencyThreads, s);
+    return roles::launch_ll_combine_send(ll_combine_send_kernel, b, s);
 }
 
 cudaError_t launch_ll_combine_recv(const LowLatencyCombineBatch& b, cudaStream_t s) {
-    const cudaError_t e = plain(ll_combine_wait_kernel, b, experts(b.rank[0].k), kAgentThreads, s);
-    if (e != cudaSuccess) return e;
-    return plain(ll_combine_reduce_kernel, b, max_tokens(b), kLowLatencyThreads, s);
+    return roles::launch_ll_combine_recv(ll_combine_wait_kernel, ll_combine_reduce_kernel, b, s);
 }
 
 int64_t cooperative_capacity(NormalKernel kernel) {
     const void* f = reinterpret_cast<const void*>(dispatch_kernel);
     int threads = kNormalThreads;
-    if (kernel == NormalKernel::kNotify || kernel == NormalKernel::kPrologue) threads = kAgentThreads;
-    if (kernel == NormalKernel::kNotify) f = reinterpret_cast<const void*>(notify_kernel);
-    if (kernel == NormalKernel::kPrologue) f = reinterpret_cast<const void*>(prologue_kernel);
-    if (kernel == NormalKernel::kCombine) f = reinterpret_cast<const void*>(combine_kernel);
-    int device = 0, sms = 0, per_sm = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, threads, 0) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return -1;
+    switch (kernel) {
+        case NormalKernel::kNotify: f = reinterpret_cast<const void*>(notify_kernel); threads = kAgentThreads; break;
+        case NormalKernel::kPrologue: f = reinterpret_cast<const void*>(prologue_kernel); threads = kAgentThreads; break;
+        case NormalKernel::kDispatch: break;
+        case NormalKernel::kCombine: f = reinterpret_cast<const void*>(combine_kernel); break;
+        case NormalKernel::kInternodeNotify:
+            f = reinterpret_cast<const void*>(internode_notify_kernel);
+            threads = kAgentThreads;
+            break;
+        case NormalKernel::kInternodePrologue:
+            f = reinterpret_cast<const void*>(internode_prologue_kernel);
+            threads = kAgentThreads;
+            break;
+        case NormalKernel::kInternodeDispatch: f = reinterpret_cast<const void*>(internode_dispatch_kernel); break;
+        case NormalKernel::kInternodeCombine: f = reinterpret_cast<const void*>(internode_combine_kernel); break;
     }
-    return static_cast<int64_t>(sms) * per_sm;
+    return roles::co_resident_blocks(f, threads);
 }
 
 }  // namespace moe_comm::cuda::device

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "../kernels/internode.h"
 #include "../kernels/intranode.h"
 #include "../kernels/layout.h"
 #include "../kernels/low_latency.h"
@@ -53,11 +54,24 @@ struct Batch {
     Rank rank[kMaxLaunchRanks];
 };
 
+// Across nodes: the rank's context (its NVL peers in the context) and its rail's RDMA buffers, every
+// one mapped here (the IPC build's link is DirectLink: one host, emulated nodes).
+template <class Args>
+struct InternodeRank {
+    InternodeContext k;
+    uint8_t* const* rdma;  // [Rn] the rail's RDMA buffers (device memory)
+    Args a;
+};
+
 using LayoutBatch = Batch<LayoutArgs>;
 using NotifyBatch = Batch<NormalRank<NotifyArgs>>;
 using PrologueBatch = Batch<NormalRank<NoArgs>>;
 using DispatchBatch = Batch<NormalRank<DispatchArgs>>;
 using CombineBatch = Batch<NormalRank<CombineArgs>>;
+using InternodeNotifyBatch = Batch<InternodeRank<InternodeNotifyArgs>>;
+using InternodePrologueBatch = Batch<InternodeRank<NoArgs>>;
+using InternodeDispatchBatch = Batch<InternodeRank<InternodeDispatchArgs>>;
+using InternodeCombineBatch = Batch<InternodeRank<InternodeCombineArgs>>;
 using LowLatencyDispatchBatch = Batch<LowLatencyRank<LowLatencyDispatchArgs>>;
 using LowLatencyCombineBatch = Batch<LowLatencyRank<LowLatencyCombineArgs>>;
 
@@ -74,6 +88,14 @@ cudaError_t launch_prologue(const PrologueBatch& b, cudaStream_t s);
 cudaError_t launch_dispatch(const DispatchBatch& b, cudaStream_t s);
 cudaError_t launch_combine(const CombineBatch& b, cudaStream_t s);
 
+// Normal mode across nodes, cooperative as above: notify and prologue one block per rank; dispatch
+// C * Rn RDMA senders (c, n), C forwarders, C * NL NVL receivers (c, l) per rank; combine C * NL NVL
+// senders (c, l), C forwarders, C receivers per rank.
+cudaError_t launch_internode_notify(const InternodeNotifyBatch& b, cudaStream_t s);
+cudaError_t launch_internode_prologue(const InternodePrologueBatch& b, cudaStream_t s);
+cudaError_t launch_internode_dispatch(const InternodeDispatchBatch& b, cudaStream_t s);
+cudaError_t launch_internode_combine(const InternodeCombineBatch& b, cudaStream_t s);
+
 // Low latency: no host synchronisation, plain launches in stream order.
 //   dispatch send: ll_cast (a block per token), then ll_dispatch_send (a block per expert)
 //   dispatch recv: ll_dispatch_recv (a block per local expert)
@@ -87,7 +109,10 @@ cudaError_t launch_ll_combine_recv(const LowLatencyCombineBatch& b, cudaStream_t
 
 // The blocks a normal-mode launch can hold co-resident on the current device (for the message of a
 // grid that is too large); -1 when the query fails.
-enum class NormalKernel { kNotify, kPrologue, kDispatch, kCombine };
+enum class NormalKernel {
+    kNotify, kPrologue, kDispatch, kCombine,
+    kInternodeNotify, kInternodePrologue, kInternodeDispatch, kInternodeCombine
+};
 int64_t cooperative_capacity(NormalKernel kernel);
 
 }  // namespace moe_comm::cuda::device

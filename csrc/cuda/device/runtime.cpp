@@ -150,6 +150,7 @@ std::vector<void*> SharedBuffer::open(const std::vector<std::string>& handles, i
                 bases[r] = own_.get();
                 continue;
             }
+            if (handles[r].empty()) continue;  // a rank of another node: not mapped here
             bases[r] = ipc_open_handle(handles[r]);
             opened_.push_back(bases[r]);
         }

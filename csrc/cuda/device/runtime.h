@@ -103,7 +103,8 @@ public:
     size_t bytes() const { return own_.bytes(); }
     int device() const { return device_; }
     std::string handle() const;
-    // handles[r] of every rank (this rank's own at `rank`): every rank's base in this process.
+    // handles[r] of every rank (this rank's own at `rank`): every rank's base in this process (null
+    // where handles[r] is empty: a rank of another node, not mapped).
     std::vector<void*> open(const std::vector<std::string>& handles, int rank);
     const std::vector<void*>& bases() const { return bases_; }
     void close_peers();

@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../python/layout_bindings.h"
 #include "launches.h"
 
 namespace py = pybind11;
@@ -54,9 +55,29 @@ struct Normal {
     }
 };
 
+// One rank's normal-mode buffers across nodes: its node's NVL buffers, its rail's RDMA buffers.
+struct Internode {
+    moe_comm::cuda::host::InternodePeers peers;
+    int32_t num_channels;
+    int64_t nvl_chunk, rdma_chunk;
+    InternodeLayout layout;
+
+    template <class F>
+    Error launch(int64_t epoch, F body) {
+        ErrorRecord err{};
+        InternodeContext k = host::internode_context(peers, num_channels, nvl_chunk, rdma_chunk, layout, epoch, &err);
+        {
+            py::gil_scoped_release unlocked;
+            body(k, peers.rdma.data());
+        }
+        return result(err);
+    }
+};
+
 struct LowLatency {
     Peers peers;
     LowLatencyLayout layout;
+    std::vector<uint8_t> remote;  // [R] peers on other nodes (sends put to them from staging); empty: none
 
     template <class F>
     Error launch(int half, int64_t skip, F body) {
@@ -64,35 +85,26 @@ struct LowLatency {
         LowLatencyContext k = host::low_latency_context(peers, half, layout, ptr<const uint8_t>(skip), &err);
         {
             py::gil_scoped_release unlocked;
-            body(k);
+            body(k, remote.empty() ? nullptr : remote.data());
         }
         return result(err);
     }
 };
+
+// Node n's ranks are [n * node_ranks, (n + 1) * node_ranks); 0: one node.
+std::vector<uint8_t> remote_peers(int num_ranks, int rank, int node_ranks) {
+    std::vector<uint8_t> remote;
+    if (node_ranks > 0)
+        for (int r = 0; r < num_ranks; ++r) remote.push_back(r / node_ranks != rank / node_ranks);
+    return remote;
+}
 
 }  // namespace
 
 PYBIND11_MODULE(_cuda_host, m) {
     m.doc() = "Host build of moe-comm's CUDA kernels (csrc/cuda), for the cuda_host backend";
 
-    py::enum_<WaitKind>(m, "WaitKind")
-        .value("NONE", WaitKind::kNone).value("BARRIER", WaitKind::kBarrier)
-        .value("RING_SPACE", WaitKind::kRingSpace).value("RING_DATA", WaitKind::kRingData)
-        .value("COUNT", WaitKind::kCount).value("COMBINE_FLAG", WaitKind::kCombineFlag);
-    py::enum_<ErrorCode>(m, "ErrorCode")
-        .value("OK", ErrorCode::kOk).value("TIMEOUT", ErrorCode::kTimeout)
-        .value("PEER_EXITED", ErrorCode::kPeerExited);
-    py::enum_<RowType>(m, "RowType")
-        .value("BFLOAT16", RowType::kBFloat16).value("FLOAT16", RowType::kFloat16)
-        .value("FLOAT32", RowType::kFloat32);
-
-    m.def("normal_bytes", [](int R, int C, int L, int64_t slots, int64_t slot_bytes) {
-        return NormalLayout(R, C, L, slots, slot_bytes).total;
-    }, "Bytes of one rank's normal-mode buffer.");
-    m.def("dispatch_slot_bytes", &dispatch_slot_bytes, "Bytes of a dispatch ring slot (before alignment).");
-    m.def("low_latency_bytes", [](int R, int L, int64_t M, int64_t H) {
-        return LowLatencyLayout(R, L, M, H).total;
-    }, "Bytes of one rank's low-latency buffer (both halves and the staging rows).");
+    moe_comm::cuda::python::def_layouts(m);
 
     m.def("layout", [](int64_t num_tokens, int num_topk, int num_ranks, int num_experts, int64_t topk_idx,
                        int64_t per_rank, int64_t per_expert, int64_t in_rank, int64_t bad) {
@@ -149,12 +161,90 @@ PYBIND11_MODULE(_cuda_host, m) {
             return n.launch(0, [&](const NormalContext& k) { host::combine(k, a); });
         });
 
+    py::class_<Internode>(m, "Internode")
+        .def(py::init([](const std::vector<int64_t>& nvl_bases, const std::vector<int64_t>& rdma_bases,
+                         const std::vector<int64_t>& pids, int rank, double timeout_s, int C, int64_t nvl_chunk,
+                         int64_t rdma_chunk, int L, int64_t nvl_slots, int64_t nvl_slot_bytes, int64_t rdma_slots,
+                         int64_t rdma_slot_bytes) {
+                 const int NL = static_cast<int>(nvl_bases.size()), Rn = static_cast<int>(rdma_bases.size());
+                 if (NL < 1 || NL > kMaxNodeRanks || Rn < 1 || Rn > kMaxNodes ||
+                     pids.size() != static_cast<size_t>(NL) * static_cast<size_t>(Rn) || rank < 0 || rank >= NL * Rn)
+                     throw py::value_error("Internode: " + std::to_string(Rn) + " nodes of " + std::to_string(NL) +
+                                           " ranks (at most " + std::to_string(kMaxNodes) + " of " +
+                                           std::to_string(kMaxNodeRanks) + "), " + std::to_string(pids.size()) +
+                                           " pids, rank " + std::to_string(rank));
+                 moe_comm::cuda::host::InternodePeers p{{}, {}, pids, rank, NL, timeout_s};
+                 for (int64_t b : nvl_bases) p.nvl.push_back(ptr<uint8_t>(b));
+                 for (int64_t b : rdma_bases) p.rdma.push_back(ptr<uint8_t>(b));
+                 return Internode{p, C, nvl_chunk, rdma_chunk,
+                                  InternodeLayout(Rn, NL, C, L, nvl_slots, nvl_slot_bytes, rdma_slots, rdma_slot_bytes)};
+             }))
+        .def("notify", [](Internode& n, int64_t epoch, int64_t rows_to_rank, int64_t tokens_per_expert,
+                          int64_t channel_prefix, int64_t rdma_channel_prefix, int64_t alignment,
+                          int64_t recv_gbl_rank_prefix, int64_t recv_offset, int64_t recv_channel_offset,
+                          int64_t recv_channel_count, int64_t recv_rdma_channel_prefix, int64_t recv_per_expert,
+                          int64_t num_recv) {
+            InternodeNotifyArgs a{ptr<const int64_t>(rows_to_rank), ptr<const int64_t>(tokens_per_expert),
+                                  ptr<const int64_t>(channel_prefix), ptr<const int64_t>(rdma_channel_prefix), alignment,
+                                  ptr<int32_t>(recv_gbl_rank_prefix), ptr<int64_t>(recv_offset),
+                                  ptr<int64_t>(recv_channel_offset), ptr<int64_t>(recv_channel_count),
+                                  ptr<int64_t>(recv_rdma_channel_prefix), ptr<int64_t>(recv_per_expert),
+                                  ptr<int64_t>(num_recv)};
+            return n.launch(epoch, [&](const InternodeContext& k, uint8_t* const* rdma) {
+                host::internode_notify(k, rdma, a);
+            });
+        })
+        .def("prologue", [](Internode& n, int64_t epoch) {
+            return n.launch(epoch, [&](const InternodeContext& k, uint8_t* const* rdma) {
+                host::internode_prologue(k, rdma);
+            });
+        })
+        .def("dispatch", [](Internode& n, int64_t num_tokens, int64_t x_bytes, int64_t scale_bytes, int num_topk,
+                            int64_t x, int64_t scales, int64_t topk_idx, int64_t topk_weights,
+                            int64_t is_token_in_rank, int64_t rdma_channel_prefix, int64_t recv_rdma_channel_prefix,
+                            int64_t recv_offset, int64_t recv_channel_offset, int64_t recv_channel_count,
+                            int64_t recv_x, int64_t recv_scales, int64_t recv_topk_idx, int64_t recv_topk_weights,
+                            int64_t recv_src_idx) {
+            InternodeDispatchArgs a{
+                DispatchArgs{num_tokens, x_bytes, scale_bytes, num_topk, ptr<const uint8_t>(x),
+                             ptr<const uint8_t>(scales), ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights),
+                             ptr<const uint8_t>(is_token_in_rank), nullptr, ptr<const int64_t>(recv_offset),
+                             ptr<const int64_t>(recv_channel_offset), ptr<const int64_t>(recv_channel_count),
+                             ptr<uint8_t>(recv_x), ptr<uint8_t>(recv_scales), ptr<int64_t>(recv_topk_idx),
+                             ptr<float>(recv_topk_weights), ptr<int32_t>(recv_src_idx)},
+                ptr<const int64_t>(rdma_channel_prefix), ptr<const int64_t>(recv_rdma_channel_prefix)};
+            return n.launch(0, [&](const InternodeContext& k, uint8_t* const* rdma) {
+                host::internode_dispatch(k, rdma, a);
+            });
+        })
+        .def("combine", [](Internode& n, int64_t num_tokens, int64_t hidden, int64_t x_bytes, int num_topk,
+                           RowType type, int64_t x, int64_t topk_weights, int64_t recv_offset,
+                           int64_t recv_channel_offset, int64_t recv_channel_count, int64_t recv_rdma_channel_prefix,
+                           int64_t forward_bits, int64_t send_rdma_head, int64_t bias0, int64_t bias1, int64_t out,
+                           int64_t out_weights) {
+            InternodeCombineArgs a{
+                CombineArgs{num_tokens, hidden, x_bytes, num_topk, type, ptr<const uint8_t>(x),
+                            ptr<const float>(topk_weights), ptr<const int64_t>(recv_offset),
+                            ptr<const int64_t>(recv_channel_offset), ptr<const int64_t>(recv_channel_count), nullptr,
+                            nullptr, nullptr, ptr<const uint8_t>(bias0), ptr<const uint8_t>(bias1), ptr<uint8_t>(out),
+                            ptr<float>(out_weights)},
+                ptr<const int64_t>(recv_rdma_channel_prefix), ptr<const int32_t>(forward_bits),
+                ptr<const int32_t>(send_rdma_head)};
+            return n.launch(0, [&](const InternodeContext& k, uint8_t* const* rdma) {
+                host::internode_combine(k, rdma, a);
+            });
+        });
+
     py::class_<LowLatency>(m, "LowLatency")
         .def(py::init([](const std::vector<int64_t>& bases, const std::vector<int64_t>& pids, int rank,
-                         double timeout_s, int L, int64_t M, int64_t H) {
-                 return LowLatency{peers(bases, pids, rank, timeout_s),
-                                   LowLatencyLayout(static_cast<int>(bases.size()), L, M, H)};
-             }))
+                         double timeout_s, int L, int64_t M, int64_t H, int node_ranks) {
+                 const int R = static_cast<int>(bases.size());
+                 return LowLatency{peers(bases, pids, rank, timeout_s), LowLatencyLayout(R, L, M, H, node_ranks > 0),
+                                   remote_peers(R, rank, node_ranks)};
+             }), py::arg("bases"), py::arg("pids"), py::arg("rank"), py::arg("timeout_s"), py::arg("L"), py::arg("M"),
+             py::arg("H"), py::arg("node_ranks") = 0,
+             "node_ranks > 0: ranks form nodes of that many; sends to other nodes put from this rank's staging "
+             "(the RDMA path), the buffers laid out `staged`.")
         .def("dispatch", [](LowLatency& l, bool receive, int half, int64_t skip, int64_t num_tokens,
                             int64_t scale_bytes, int num_topk, bool fp8, bool round_scale, bool ue8m0, int64_t x,
                             int64_t topk_idx, int64_t recv_x, int64_t recv_scales, int64_t src_info,
@@ -163,8 +253,8 @@ PYBIND11_MODULE(_cuda_host, m) {
                                      ptr<const uint16_t>(x), ptr<const int64_t>(topk_idx), ptr<uint8_t>(recv_x),
                                      ptr<uint8_t>(recv_scales), ptr<int32_t>(src_info), ptr<int64_t>(layout_range),
                                      ptr<int32_t>(recv_count)};
-            return l.launch(half, skip, [&](const LowLatencyContext& k) {
-                receive ? host::ll_dispatch_recv(k, a) : host::ll_dispatch_send(k, a);
+            return l.launch(half, skip, [&](const LowLatencyContext& k, const uint8_t* remote) {
+                receive ? host::ll_dispatch_recv(k, a) : host::ll_dispatch_send(k, a, remote);
             });
         }, "The send half (receive=False) or the receive half of a low-latency dispatch.")
         .def("combine", [](LowLatency& l, bool receive, int half, int64_t skip, int64_t num_tokens, int num_topk,
@@ -173,8 +263,8 @@ PYBIND11_MODULE(_cuda_host, m) {
             LowLatencyCombineArgs a{num_tokens, num_topk, ptr<const uint16_t>(x), ptr<const int32_t>(src_info),
                                     ptr<const int64_t>(layout_range), ptr<const int64_t>(topk_idx),
                                     ptr<const float>(topk_weights), ptr<uint16_t>(out)};
-            return l.launch(half, skip, [&](const LowLatencyContext& k) {
-                receive ? host::ll_combine_recv(k, a) : host::ll_combine_send(k, a);
+            return l.launch(half, skip, [&](const LowLatencyContext& k, const uint8_t* remote) {
+                receive ? host::ll_combine_recv(k, a) : host::ll_combine_send(k, a, remote);
             });
         }, "The send half (receive=False) or the receive half of a low-latency combine.");
 }

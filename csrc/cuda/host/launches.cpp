@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "../platform/host.h"
+#include "../protocol/link.h"
 
 namespace moe_comm::cuda::host {
 namespace {
@@ -37,6 +38,14 @@ NormalContext normal_context(const Peers& p, int32_t num_channels, int64_t chunk
                          watch(p, err), epoch};
 }
 
+InternodeContext internode_context(const InternodePeers& p, int32_t num_channels, int64_t nvl_chunk,
+                                   int64_t rdma_chunk, const InternodeLayout& layout, int64_t epoch, ErrorRecord* err) {
+    const int32_t node = p.rank / p.node_ranks, local = p.rank % p.node_ranks;
+    const Watch w{err, P::now() + static_cast<int64_t>(p.timeout_s * 1e9), p.rank, p.pids.data()};
+    return InternodeContext{p.rank, node, local, static_cast<int32_t>(p.rdma.size()), p.node_ranks, num_channels,
+                            nvl_chunk, rdma_chunk, layout, p.nvl.data(), w, epoch};
+}
+
 LowLatencyContext low_latency_context(const Peers& p, int32_t half, const LowLatencyLayout& layout,
                                       const uint8_t* skip, ErrorRecord* err) {
     return LowLatencyContext{p.rank, static_cast<int32_t>(p.bases.size()), half, layout, p.bases.data(), skip,
@@ -67,26 +76,81 @@ void combine(const NormalContext& k, const CombineArgs& a) {
     });
 }
 
-void ll_dispatch_send(const LowLatencyContext& k, const LowLatencyDispatchArgs& a) {
-    for (int64_t t = 0; t < a.num_tokens; ++t) ll_cast<P>(k, a, t);
+namespace {
+DirectLink<P> rail(const InternodeContext& k, uint8_t* const* rdma) { return DirectLink<P>{rdma, k.node}; }
+}  // namespace
+
+void internode_notify(const InternodeContext& k, uint8_t* const* rdma, const InternodeNotifyArgs& a) {
+    cuda::internode_notify<P>(k, rail(k, rdma), a);
+}
+
+void internode_prologue(const InternodeContext& k, uint8_t* const* rdma) {
+    cuda::internode_prologue<P>(k, rail(k, rdma));
+}
+
+void internode_dispatch(const InternodeContext& k, uint8_t* const* rdma, const InternodeDispatchArgs& a) {
+    const auto link = rail(k, rdma);
+    const int Rn = k.num_nodes, NL = k.node_ranks, C = k.num_channels;
+    run_threads(Rn + 1 + NL, [&](int i) {
+        if (i < Rn) {  // RDMA sender to node i, then its drain
+            for (int c = 0; c < C; ++c)
+                if (!internode_rdma_send<P>(k, link, a, c, i)) return;
+            for (int c = 0; c < C; ++c)
+                if (!internode_rdma_drain<P>(k, link, a.rdma_channel_prefix, c, i)) return;
+        } else if (i == Rn) {
+            for (int c = 0; c < C; ++c)
+                if (!internode_forward<P>(k, link, a, c)) return;
+        } else {
+            for (int c = 0; c < C; ++c)
+                if (!internode_nvl_recv<P>(k, a, c, i - Rn - 1)) return;
+        }
+    });
+}
+
+void internode_combine(const InternodeContext& k, uint8_t* const* rdma, const InternodeCombineArgs& a) {
+    const auto link = rail(k, rdma);
+    const int Rn = k.num_nodes, NL = k.node_ranks, C = k.num_channels;
+    run_threads(NL + 2, [&](int i) {
+        if (i < NL) {  // NVL sender to forwarder i
+            for (int c = 0; c < C; ++c)
+                if (!internode_combine_send<P>(k, a, c, i)) return;
+        } else if (i == NL) {  // the forwarder, then its drains
+            for (int c = 0; c < C; ++c)
+                if (!internode_combine_forward<P>(k, link, a, c)) return;
+            for (int c = 0; c < C; ++c)
+                for (int n = 0; n < Rn; ++n)
+                    if (!internode_rdma_drain<P>(k, link, a.recv_rdma_channel_prefix, c, n)) return;
+        } else {
+            for (int c = 0; c < C; ++c)
+                if (!internode_combine_recv<P>(k, link, a, c)) return;
+        }
+    });
+}
+
+void ll_dispatch_send(const LowLatencyContext& k, const LowLatencyDispatchArgs& a, const uint8_t* remote) {
+    const DirectLink<P> link{k.peers, k.rank, remote};
+    for (int64_t t = 0; t < a.num_tokens; ++t) ll_cast<P>(k, link, a, t);
     const int experts = k.num_ranks * k.layout.experts_per_rank;
-    for (int e = 0; e < experts; ++e) cuda::ll_dispatch_send<P>(k, a, e);
+    for (int e = 0; e < experts; ++e) cuda::ll_dispatch_send<P>(k, link, a, e);
 }
 
 void ll_dispatch_recv(const LowLatencyContext& k, const LowLatencyDispatchArgs& a) {
+    const DirectLink<P> link{k.peers, k.rank};
     for (int e = 0; e < k.layout.experts_per_rank; ++e)
-        if (!cuda::ll_dispatch_recv<P>(k, a, e)) return;
+        if (!cuda::ll_dispatch_recv<P>(k, link, a, e)) return;
 }
 
-void ll_combine_send(const LowLatencyContext& k, const LowLatencyCombineArgs& a) {
-    for (int e = 0; e < k.layout.experts_per_rank; ++e) cuda::ll_combine_send<P>(k, a, e);
+void ll_combine_send(const LowLatencyContext& k, const LowLatencyCombineArgs& a, const uint8_t* remote) {
+    const DirectLink<P> link{k.peers, k.rank, remote};
+    for (int e = 0; e < k.layout.experts_per_rank; ++e) cuda::ll_combine_send<P>(k, link, a, e);
 }
 
 void ll_combine_recv(const LowLatencyContext& k, const LowLatencyCombineArgs& a) {
+    const DirectLink<P> link{k.peers, k.rank};
     const int experts = k.num_ranks * k.layout.experts_per_rank;
     for (int e = 0; e < experts; ++e)
-        if (!ll_combine_wait<P>(k, e)) return;
-    for (int64_t t = 0; t < a.num_tokens; ++t) ll_combine_reduce<P>(k, a, t);
+        if (!ll_combine_wait<P>(k, link, e)) return;
+    for (int64_t t = 0; t < a.num_tokens; ++t) ll_combine_reduce<P>(k, link, a, t);
 }
 
 }  // namespace moe_comm::cuda::host

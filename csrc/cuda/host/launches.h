@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../kernels/internode.h"
 #include "../kernels/intranode.h"
 #include "../kernels/layout.h"
 #include "../kernels/low_latency.h"
@@ -24,6 +25,16 @@ struct Peers {
 
 NormalContext normal_context(const Peers& p, int32_t num_channels, int64_t chunk, const NormalLayout& layout,
                              int64_t epoch, ErrorRecord* err);
+// Across nodes: `nvl` the node's ranks' NVL buffers [NL], `rdma` the rail's RDMA buffers [Rn] (every
+// rank's buffer is mapped here: the host build's link is DirectLink), `pids` every rank's [R].
+struct InternodePeers {
+    std::vector<uint8_t*> nvl, rdma;
+    std::vector<int64_t> pids;
+    int32_t rank, node_ranks;
+    double timeout_s;
+};
+InternodeContext internode_context(const InternodePeers& p, int32_t num_channels, int64_t nvl_chunk,
+                                   int64_t rdma_chunk, const InternodeLayout& layout, int64_t epoch, ErrorRecord* err);
 LowLatencyContext low_latency_context(const Peers& p, int32_t half, const LowLatencyLayout& layout,
                                       const uint8_t* skip, ErrorRecord* err);
 
@@ -37,10 +48,21 @@ void prologue(const NormalContext& k);
 void dispatch(const NormalContext& k, const DispatchArgs& a);
 void combine(const NormalContext& k, const CombineArgs& a);
 
-// Low-latency mode: the send and the receive half of each operation, as separate launches.
-void ll_dispatch_send(const LowLatencyContext& k, const LowLatencyDispatchArgs& a);
+// Normal mode across nodes (kernels/internode.h), on `rdma` (the rail's RDMA buffers, mapped here).
+// `internode_notify` and `internode_prologue` run on the calling thread; dispatch runs one RDMA sender
+// thread per node, one forwarder and one NVL receiver per node rank; combine one NVL sender per node
+// rank, one forwarder and one receiver (each over the channels in order, then its drains).
+void internode_notify(const InternodeContext& k, uint8_t* const* rdma, const InternodeNotifyArgs& a);
+void internode_prologue(const InternodeContext& k, uint8_t* const* rdma);
+void internode_dispatch(const InternodeContext& k, uint8_t* const* rdma, const InternodeDispatchArgs& a);
+void internode_combine(const InternodeContext& k, uint8_t* const* rdma, const InternodeCombineArgs& a);
+
+// Low-latency mode: the send and the receive half of each operation, as separate launches. `remote`
+// ([R] or null) marks the peers across the network: the sends put to them from this rank's staging
+// (the layout must then be `staged`), as NVSHMEM's puts would.
+void ll_dispatch_send(const LowLatencyContext& k, const LowLatencyDispatchArgs& a, const uint8_t* remote = nullptr);
 void ll_dispatch_recv(const LowLatencyContext& k, const LowLatencyDispatchArgs& a);
-void ll_combine_send(const LowLatencyContext& k, const LowLatencyCombineArgs& a);
+void ll_combine_send(const LowLatencyContext& k, const LowLatencyCombineArgs& a, const uint8_t* remote = nullptr);
 void ll_combine_recv(const LowLatencyContext& k, const LowLatencyCombineArgs& a);
 
 }  // namespace moe_comm::cuda::host

@@ -11,6 +11,13 @@
 //   low-latency dispatch:    ll_dispatch_send -> ll_dispatch_recv   (buffer half: calls alternate)
 //   low-latency combine:     ll_combine_send -> ll_combine_recv
 //
+// Half the rounds split the ranks into 2..3 nodes of 1..2 ranks and run normal mode across nodes instead
+// (kernels/internode.h): internode_notify -> internode_dispatch, internode_prologue -> internode_dispatch
+// (cached), internode_prologue -> internode_combine, every rank with an NVL buffer its node maps and an RDMA
+// buffer its rail reaches, RDMA rings of 2..8 slots fed 1..slots/2 tokens at a time; outputs are checked
+// against the same references (rows by global source rank, then token; exact sums), notify's forwarding
+// counts against the routes.
+//
 // Every round draws its geometry from the seed: tokens 0..40 per rank, hidden 128 or 256 (512 for some
 // low-latency rounds), top-k 1..4 distinct experts with some -1, 1..3 experts per rank, 1..3
 // channels, 4..16 ring slots and a chunk of 1..slots-1, so rings wrap and senders wait for space.
@@ -179,6 +186,17 @@ struct Route {
     std::vector<int64_t> per_expert;    // [E]
     std::vector<int64_t> chan_prefix;   // [R][C] cumulative
     std::vector<int32_t> send_pos;      // [T][R] index among the rows to r, or -1
+    // across nodes (Round::nodes > 1)
+    std::vector<int64_t> rdma_prefix;     // [Rn][C] cumulative tokens to each node
+    std::vector<int32_t> send_rdma_head;  // [T][Rn] position among channel c(t)'s tokens to node n, or -1
+};
+
+// What a rank forwards in a dispatch across nodes: from each source node (the rank of its local index
+// there), the cumulative tokens per channel for its node, and each forwarded token's destination bits
+// in its node (source node ascending, then token).
+struct Forwarding {
+    std::vector<int64_t> recv_rdma_prefix;  // [Rn][C]
+    std::vector<int32_t> bits;              // [N_fwd]
 };
 
 std::vector<int64_t> draw_topk(Rng& rng, int64_t T, int K, int E) {
@@ -229,6 +247,44 @@ Route make_route(Rng& rng, int R, int L, int C, int K) {
     return rt;
 }
 
+int32_t node_bits(const Route& rt, int R, int NL, int64_t t, int n) {
+    int32_t bits = 0;
+    for (int l = 0; l < NL; ++l)
+        if (rt.in_rank[static_cast<size_t>(t * R + n * NL + l)]) bits |= 1 << l;
+    return bits;
+}
+
+// A route's node bookkeeping (DeepEP's rdma_channel_prefix_matrix and send_rdma_head).
+void add_node_routing(Route& rt, int Rn, int NL, int C) {
+    const int R = Rn * NL;
+    rt.rdma_prefix.assign(static_cast<size_t>(Rn * C), 0);
+    rt.send_rdma_head.assign(static_cast<size_t>(rt.T * Rn), -1);
+    const int64_t per = std::max<int64_t>((rt.T + C - 1) / C, 1);
+    for (int64_t t = 0; t < rt.T; ++t)
+        for (int n = 0; n < Rn; ++n)
+            if (node_bits(rt, R, NL, t, n)) {
+                const int c = static_cast<int>(t / per);
+                int64_t before = 0;  // this channel's earlier tokens to n
+                for (int64_t u = c * per; u < t; ++u) before += node_bits(rt, R, NL, u, n) != 0;
+                rt.send_rdma_head[static_cast<size_t>(t * Rn + n)] = static_cast<int32_t>(before);
+                rt.rdma_prefix[static_cast<size_t>(n * C + c)]++;
+            }
+    for (int n = 0; n < Rn; ++n)
+        for (int c = 1; c < C; ++c) rt.rdma_prefix[static_cast<size_t>(n * C + c)] += rt.rdma_prefix[static_cast<size_t>(n * C + c - 1)];
+}
+
+Forwarding forwarding(const std::vector<Route>& routes, int Rn, int NL, int C, int me) {
+    Forwarding f;
+    const int R = Rn * NL, node = me / NL, local = me % NL;
+    for (int ns = 0; ns < Rn; ++ns) {
+        const Route& src = routes[static_cast<size_t>(ns * NL + local)];
+        for (int c = 0; c < C; ++c) f.recv_rdma_prefix.push_back(src.rdma_prefix[static_cast<size_t>(node * C + c)]);
+        for (int64_t t = 0; t < src.T; ++t)
+            if (const int32_t b = node_bits(src, R, NL, t, node)) f.bits.push_back(b);
+    }
+    return f;
+}
+
 // ------------------------------------------------------------------------------------ a round
 enum class Kind { kDispatch, kCached, kCombine };
 
@@ -240,7 +296,9 @@ struct NormalRankIn {
 };
 
 struct NotifyOut {
-    std::vector<int32_t> rank_prefix;
+    std::vector<int32_t> rank_prefix;     // intranode
+    std::vector<int32_t> gbl_prefix;      // across nodes: [R] rows from ranks 0..s
+    std::vector<int64_t> recv_rdma;       // across nodes: [Rn][C]
     std::vector<int64_t> recv_offset, chan_offset, chan_count, per_expert;
     int64_t num_recv = -1;
 };
@@ -290,15 +348,18 @@ struct LlOp {
 
 struct Round {
     int R, L, C;
+    int nodes = 1, node_ranks = 0;            // nodes > 1: normal mode across nodes of node_ranks ranks
+    int64_t rdma_slots = 0, rdma_chunk = 0;
     int64_t slots, chunk, hidden, alignment;
     int64_t M, ll_hidden;
     bool shake_normal, shake_ll, async_launch;
     double timeout_s;
     std::vector<std::vector<Route>> routes;     // [dispatch][rank]
+    std::vector<std::vector<Forwarding>> fwd;   // [dispatch][rank] (across nodes)
     std::vector<std::vector<Route>> ll_routes;  // [dispatch][rank]
     std::vector<NormalOp> ops;
     std::vector<LlOp> ll_ops;
-    std::vector<uint8_t*> normal_bases, ll_bases;
+    std::vector<uint8_t*> normal_bases, rdma_bases, ll_bases;
 };
 
 // Rows rank `me` receives in a dispatch, in order: (source, token).
@@ -323,7 +384,13 @@ std::vector<int64_t> ll_tokens(const Route& rt, int64_t e) {
 
 Round make_round(Rng& rng, bool shake_ll, bool shake_normal, bool async_launch, double timeout_s) {
     Round rd;
-    rd.R = static_cast<int>(rng.range(2, 4));
+    if (rng.chance(50)) {
+        rd.nodes = static_cast<int>(rng.range(2, 3));
+        rd.node_ranks = static_cast<int>(rng.range(1, 2));
+        rd.rdma_slots = rng.range(2, 8);
+        rd.rdma_chunk = rng.range(1, rd.rdma_slots / 2);
+    }
+    rd.R = rd.nodes > 1 ? rd.nodes * rd.node_ranks : static_cast<int>(rng.range(2, 4));
     rd.L = static_cast<int>(rng.range(1, 3));
     rd.C = static_cast<int>(rng.range(1, 3));
     rd.slots = rng.range(4, 16);
@@ -346,6 +413,12 @@ Round make_round(Rng& rng, bool shake_ll, bool shake_normal, bool async_launch, 
             const int K = static_cast<int>(rng.range(1, 4));  // alike on every rank (the handshake checks it)
             rd.routes.emplace_back();
             for (int r = 0; r < R; ++r) rd.routes.back().push_back(make_route(rng, R, L, C, K));
+            if (rd.nodes > 1) {
+                for (auto& rt : rd.routes.back()) add_node_routing(rt, rd.nodes, rd.node_ranks, C);
+                rd.fwd.emplace_back();
+                for (int r = 0; r < R; ++r)
+                    rd.fwd.back().push_back(forwarding(rd.routes.back(), rd.nodes, rd.node_ranks, C, r));
+            }
         }
         op.route = static_cast<int>(rd.routes.size()) - 1;
         op.in.resize(static_cast<size_t>(R));
@@ -572,6 +645,108 @@ void run_normal(Round& rd, int me, Rendezvous& shake) {
     stream.synchronize();
 }
 
+// run_normal across nodes: the same calls on the internode kernels.
+void run_internode(Round& rd, int me, Rendezvous& shake) {
+    const int R = rd.R, C = rd.C, L = rd.L, Rn = rd.nodes, NL = rd.node_ranks;
+    host::InternodePeers peers{{}, {}, std::vector<int64_t>(static_cast<size_t>(R), 0), me, NL, rd.timeout_s};
+    for (int l = 0; l < NL; ++l) peers.nvl.push_back(rd.normal_bases[static_cast<size_t>((me / NL) * NL + l)]);
+    for (int n = 0; n < Rn; ++n) peers.rdma.push_back(rd.rdma_bases[static_cast<size_t>(n * NL + me % NL)]);
+    const int64_t chunk = rd.chunk, rdma_chunk = rd.rdma_chunk;
+    int64_t epoch = 0;
+    const NotifyOut* handle = nullptr;  // the latest dispatch's notify outputs (the backend's handle)
+    Stream stream{rd.async_launch, {}};
+    auto context = [&peers, C, chunk, rdma_chunk](const InternodeLayout& layout, int64_t e, ErrorRecord* err) {
+        return host::internode_context(peers, C, chunk, rdma_chunk, layout, e, err);
+    };
+    for (size_t i = 0; i < rd.ops.size(); ++i) {
+        NormalOp& op = rd.ops[i];
+        const Route& rt = rd.routes[static_cast<size_t>(op.route)][static_cast<size_t>(me)];
+        const Forwarding& fw = rd.fwd[static_cast<size_t>(op.route)][static_cast<size_t>(me)];
+        const NormalRankIn& in = op.in[static_cast<size_t>(me)];
+        NormalRankOut& out = op.out[static_cast<size_t>(me)];
+        uint8_t* const* rdma = peers.rdma.data();
+        if (rd.shake_normal) shake.arrive_and_wait();
+        stream.synchronize();
+        const int64_t e = ++epoch;
+        if (op.kind == Kind::kCombine) {
+            const int32_t K = op.with_weights ? rt.K : 0;
+            const InternodeLayout layout(Rn, NL, C, 0, rd.slots, op.x_bytes + 4 * K, rd.rdma_slots, op.x_bytes + 4 * K);
+            out.out.assign(static_cast<size_t>(rt.T * op.x_bytes), 0xee);
+            if (K) out.out_weights.assign(static_cast<size_t>(rt.T * K), -1.0f);
+            const InternodeCombineArgs a{
+                CombineArgs{rt.T, rd.hidden, op.x_bytes, K, op.type, in.cx.data(), K ? in.cw.data() : nullptr,
+                            handle->recv_offset.data(), handle->chan_offset.data(), handle->chan_count.data(), nullptr,
+                            nullptr, nullptr, op.with_b0 ? in.b0.data() : nullptr, op.with_b1 ? in.b1.data() : nullptr,
+                            out.out.data(), K ? out.out_weights.data() : nullptr},
+                fw.recv_rdma_prefix.data(), fw.bits.data(), rt.send_rdma_head.data()};
+            stream.submit([context, layout, e, a, me, rdma] {
+                ErrorRecord err{};
+                host::internode_prologue(context(layout, e, &err), rdma);
+                check_launch(err, "internode combine prologue", me);
+                ErrorRecord err2{};
+                host::internode_combine(context(layout, e, &err2), rdma, a);
+                check_launch(err2, "internode combine", me);
+            });
+            continue;
+        }
+        const bool cached = op.kind == Kind::kCached;
+        const int32_t K = op.with_topk ? rt.K : 0;
+        const int64_t slot = dispatch_slot_bytes(op.x_bytes, op.scale_bytes, K);
+        const InternodeLayout layout(Rn, NL, C, cached ? 0 : L, rd.slots, slot, rd.rdma_slots, slot + 4);
+        if (!cached) {
+            NotifyOut& n = out.notify;
+            n.gbl_prefix.assign(static_cast<size_t>(R), -7);
+            n.recv_offset.assign(static_cast<size_t>(R), -7);
+            n.chan_offset.assign(static_cast<size_t>(R * C), -7);
+            n.chan_count.assign(static_cast<size_t>(R * C), -7);
+            n.recv_rdma.assign(static_cast<size_t>(Rn * C), -7);
+            n.per_expert.assign(static_cast<size_t>(L), -7);
+            const InternodeNotifyArgs a{rt.rows_to_rank.data(), rt.per_expert.data(), rt.chan_prefix.data(),
+                                        rt.rdma_prefix.data(), rd.alignment, n.gbl_prefix.data(), n.recv_offset.data(),
+                                        n.chan_offset.data(), n.chan_count.data(), n.recv_rdma.data(),
+                                        n.per_expert.data(), &n.num_recv};
+            stream.run([&] {
+                ErrorRecord err{};
+                host::internode_notify(context(layout, e, &err), rdma, a);
+                check_launch(err, "internode notify", me);
+            });
+            handle = &n;
+            if (n.num_recv < 0 || n.num_recv > 6 * 40) {
+                std::fprintf(stderr, "stress: round %d: rank %d: internode notify gave num_recv %lld\n", g_round, me,
+                             static_cast<long long>(n.num_recv));
+                fail_exit();
+            }
+        }
+        const int64_t rows = handle->num_recv;
+        out.recv_x.assign(static_cast<size_t>(rows * op.x_bytes), 0xee);
+        out.recv_scales.assign(static_cast<size_t>(rows * op.scale_bytes), 0xee);
+        out.recv_src.assign(static_cast<size_t>(rows), -7);
+        if (K) {
+            out.recv_topk_idx.assign(static_cast<size_t>(rows * K), -7);
+            out.recv_topk_weights.assign(static_cast<size_t>(rows * K), -7.0f);
+        }
+        const InternodeDispatchArgs a{
+            DispatchArgs{rt.T, op.x_bytes, op.scale_bytes, K, in.x.data(), op.scale_bytes ? in.scales.data() : nullptr,
+                         K ? rt.topk.data() : nullptr, K ? rt.weights.data() : nullptr, rt.in_rank.data(), nullptr,
+                         handle->recv_offset.data(), handle->chan_offset.data(), handle->chan_count.data(),
+                         out.recv_x.data(), op.scale_bytes ? out.recv_scales.data() : nullptr,
+                         K ? out.recv_topk_idx.data() : nullptr, K ? out.recv_topk_weights.data() : nullptr,
+                         out.recv_src.data()},
+            rt.rdma_prefix.data(), fw.recv_rdma_prefix.data()};
+        stream.submit([context, layout, e, a, me, rdma, cached] {
+            if (cached) {
+                ErrorRecord err{};
+                host::internode_prologue(context(layout, e, &err), rdma);
+                check_launch(err, "internode cached dispatch prologue", me);
+            }
+            ErrorRecord err{};
+            host::internode_dispatch(context(layout, e, &err), rdma, a);
+            check_launch(err, cached ? "internode cached dispatch" : "internode dispatch", me);
+        });
+    }
+    stream.synchronize();
+}
+
 void run_low_latency(Round& rd, int me, Rendezvous& shake) {
     host::Peers peers{rd.ll_bases, std::vector<int64_t>(static_cast<size_t>(rd.R), 0), me, rd.timeout_s};
     const int R = rd.R, L = rd.L;
@@ -620,7 +795,7 @@ void run_low_latency(Round& rd, int me, Rendezvous& shake) {
 
 // ------------------------------------------------------------------------------------ checks
 struct Stats {
-    int64_t ring_rows = 0, wrapped_rings = 0, full_chunks = 0, ll_messages = 0, launches = 0;
+    int64_t ring_rows = 0, wrapped_rings = 0, full_chunks = 0, ll_messages = 0, launches = 0, internode_rounds = 0;
 };
 
 void check_normal(const Round& rd, Stats& st) {
@@ -651,12 +826,15 @@ void check_normal(const Round& rd, Stats& st) {
                 int64_t offset = 0;
                 for (int s = 0; s < R; ++s) {
                     const Route& src = routes[static_cast<size_t>(s)];
-                    for (int j = 0; j < R; ++j) {
+                    for (int j = 0; j < R && rd.nodes == 1; ++j) {
                         int64_t sum = 0;
                         for (int q = 0; q <= s; ++q) sum += routes[static_cast<size_t>(q)].rows_to_rank[static_cast<size_t>(j)];
                         expect_eq<int64_t>(n.rank_prefix[static_cast<size_t>(s * R + j)], sum,
                                            at("notify rank_prefix_matrix", me, oi) + "[" + std::to_string(s) + "][" + std::to_string(j) + "]");
                     }
+                    if (rd.nodes > 1)
+                        expect_eq<int64_t>(n.gbl_prefix[static_cast<size_t>(s)], offset + src.rows_to_rank[static_cast<size_t>(me)],
+                                           at("internode notify recv_gbl_rank_prefix_sum", me, oi));
                     expect_eq(n.recv_offset[static_cast<size_t>(s)], offset, at("notify recv_offset", me, oi));
                     offset += src.rows_to_rank[static_cast<size_t>(me)];
                     for (int c = 0; c < C; ++c) {
@@ -665,6 +843,11 @@ void check_normal(const Round& rd, Stats& st) {
                         expect_eq(n.chan_count[static_cast<size_t>(s * C + c)],
                                   src.chan_prefix[static_cast<size_t>(me * C + c)] - before, at("notify recv_channel_count", me, oi));
                     }
+                }
+                if (rd.nodes > 1) {
+                    const Forwarding& fw = rd.fwd[static_cast<size_t>(op.route)][static_cast<size_t>(me)];
+                    for (size_t j = 0; j < fw.recv_rdma_prefix.size(); ++j)
+                        expect_eq(n.recv_rdma[j], fw.recv_rdma_prefix[j], at("internode notify recv_rdma_channel_prefix", me, oi));
                 }
                 for (int e = 0; e < L; ++e) {
                     int64_t sum = 0;
@@ -816,20 +999,31 @@ int main(int argc, char** argv) {
         g_round = round;
         Round rd = make_round(rng, shake_ll, !no_shake_normal, async_launch, timeout_s);
         const int R = rd.R;
-        int64_t normal_bytes = 0;
+        int64_t normal_bytes = 0, rdma_bytes = 0;
         for (const NormalOp& op : rd.ops) {
             const int K = rd.routes[static_cast<size_t>(op.route)][0].K;
             const int64_t slot = op.kind == Kind::kCombine
                                      ? op.x_bytes + 4 * (op.with_weights ? K : 0)
                                      : dispatch_slot_bytes(op.x_bytes, op.scale_bytes, op.with_topk ? K : 0);
-            normal_bytes = std::max(normal_bytes,
-                                    NormalLayout(R, rd.C, op.kind == Kind::kDispatch ? rd.L : 0, rd.slots, slot).total);
+            const int experts = op.kind == Kind::kDispatch ? rd.L : 0;
+            if (rd.nodes > 1) {
+                const InternodeLayout l(rd.nodes, rd.node_ranks, rd.C, experts, rd.slots, slot, rd.rdma_slots,
+                                        op.kind == Kind::kCombine ? slot : slot + 4);
+                normal_bytes = std::max(normal_bytes, l.nvl_total);
+                rdma_bytes = std::max(rdma_bytes, l.rdma_total);
+            } else {
+                normal_bytes = std::max(normal_bytes, NormalLayout(R, rd.C, experts, rd.slots, slot).total);
+            }
         }
         const int64_t ll_bytes = LowLatencyLayout(R, rd.L, rd.M, rd.ll_hidden).total;
         std::vector<std::unique_ptr<Buffer>> buffers;
         for (int r = 0; r < R; ++r) {
             buffers.push_back(std::make_unique<Buffer>(static_cast<size_t>(normal_bytes)));
             rd.normal_bases.push_back(buffers.back()->p);
+        }
+        for (int r = 0; r < R && rdma_bytes; ++r) {
+            buffers.push_back(std::make_unique<Buffer>(static_cast<size_t>(rdma_bytes)));
+            rd.rdma_bases.push_back(buffers.back()->p);
         }
         for (int r = 0; r < R; ++r) {
             buffers.push_back(std::make_unique<Buffer>(static_cast<size_t>(ll_bytes)));
@@ -839,17 +1033,21 @@ int main(int argc, char** argv) {
         std::vector<std::thread> ranks;
         for (int r = 0; r < R; ++r)
             ranks.emplace_back([&rd, &shake, r] {
-                run_normal(rd, r, shake);
+                if (rd.nodes > 1)
+                    run_internode(rd, r, shake);
+                else
+                    run_normal(rd, r, shake);
                 run_low_latency(rd, r, shake);
             });
         for (auto& t : ranks) t.join();
         check_normal(rd, st);
         check_low_latency(rd, st);
+        st.internode_rounds += rd.nodes > 1;
         if (mismatches) {
             std::fprintf(stderr,
-                         "stress: round %d (seed %llu) FAILED: %d mismatches (ranks %d, experts per rank %d, channels "
-                         "%d, slots %lld, chunk %lld, hidden %lld / %lld)\n",
-                         round, static_cast<unsigned long long>(seed), mismatches, R, rd.L, rd.C,
+                         "stress: round %d (seed %llu) FAILED: %d mismatches (ranks %d, nodes %d, experts per rank %d, "
+                         "channels %d, slots %lld, chunk %lld, hidden %lld / %lld)\n",
+                         round, static_cast<unsigned long long>(seed), mismatches, R, rd.nodes, rd.L, rd.C,
                          static_cast<long long>(rd.slots), static_cast<long long>(rd.chunk),
                          static_cast<long long>(rd.hidden), static_cast<long long>(rd.ll_hidden));
             fail_exit();
@@ -857,10 +1055,10 @@ int main(int argc, char** argv) {
     }
     std::printf("stress: %d rounds passed (seed %llu; handshake: normal %s, low-latency %s; normal launches %s): "
                 "%lld ring rows, %lld ring transfers past the ring's size, %lld full chunks, %lld low-latency "
-                "messages, %lld launches\n",
+                "messages, %lld launches, %lld rounds across nodes\n",
                 rounds, static_cast<unsigned long long>(seed), no_shake_normal ? "off" : "on",
                 shake_ll ? "on" : "off", async_launch ? "async" : "in the call", static_cast<long long>(st.ring_rows), static_cast<long long>(st.wrapped_rings),
                 static_cast<long long>(st.full_chunks), static_cast<long long>(st.ll_messages),
-                static_cast<long long>(st.launches));
+                static_cast<long long>(st.launches), static_cast<long long>(st.internode_rounds));
     return 0;
 }

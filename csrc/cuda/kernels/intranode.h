@@ -151,27 +151,54 @@ MC_HD int64_t dispatch_slot_bytes(int64_t x_bytes, int64_t scale_bytes, int64_t 
     return x_bytes + scale_bytes + 12 * num_topk + 4;
 }
 
+// Token t of a dispatch into a slot (every lane: the payload; the leader: the small fields).
+template <class G>
+MC_HD void pack_dispatch_slot(const DispatchArgs& a, uint8_t* slot, int64_t t) {
+    const int64_t K = a.num_topk, off_s = a.x_bytes, off_i = off_s + a.scale_bytes, off_w = off_i + 8 * K,
+                  off_src = off_w + 4 * K;
+    copy_bytes<G>(slot, a.x + t * a.x_bytes, a.x_bytes);
+    if (a.scales) copy_bytes<G>(slot + off_s, a.scales + t * a.scale_bytes, a.scale_bytes);
+    if (G::leader()) {
+        if (a.topk_idx) {
+            copy_one(slot + off_i, a.topk_idx + t * K, 8 * K);
+            copy_one(slot + off_w, a.topk_weights + t * K, 4 * K);
+        }
+        const int32_t src = static_cast<int32_t>(t);
+        copy_one(slot + off_src, &src, 4);
+    }
+}
+
+// A received slot into receive row `row` (every lane): top-k ids become local ids of this rank's
+// experts [first, first + L), or -1 with weight 0.
+template <class G>
+MC_HD void unpack_dispatch_slot(const DispatchArgs& a, const uint8_t* slot, int64_t row, int64_t first, int64_t L) {
+    const int64_t K = a.num_topk, off_s = a.x_bytes, off_i = off_s + a.scale_bytes, off_w = off_i + 8 * K,
+                  off_src = off_w + 4 * K;
+    copy_bytes<G>(a.recv_x + row * a.x_bytes, slot, a.x_bytes);
+    if (a.recv_scales) copy_bytes<G>(a.recv_scales + row * a.scale_bytes, slot + off_s, a.scale_bytes);
+    if (a.recv_topk_idx)
+        for (int64_t j = G::lane(); j < K; j += G::lanes()) {
+            int64_t e;
+            float w;
+            copy_one(&e, slot + off_i + 8 * j, 8);
+            copy_one(&w, slot + off_w + 4 * j, 4);
+            const bool local = e >= first && e < first + L;
+            a.recv_topk_idx[row * K + j] = local ? e - first : -1;
+            a.recv_topk_weights[row * K + j] = local ? w : 0.0f;
+        }
+    if (G::leader()) copy_one(a.recv_src_idx + row, slot + off_src, 4);
+}
+
 template <class P>
 MC_HD bool dispatch_send(const NormalContext& k, const DispatchArgs& a, int c, int d) {
     using G = typename P::Group;
     const int R = k.num_ranks, C = k.num_channels;
     const int64_t count = a.channel_prefix[d * C + c] - (c ? a.channel_prefix[d * C + c - 1] : 0);
     const Ring ring = k.layout.ring(k.peers[d], c, k.rank);
-    const int64_t K = a.num_topk, off_s = a.x_bytes, off_i = off_s + a.scale_bytes, off_w = off_i + 8 * K,
-                  off_src = off_w + 4 * K;
     int64_t t = channel_begin(a.num_tokens, C, c);  // the next token of the channel to look at
     return ring_send<P>(k.watch, ring, count, k.chunk, d, c, [&](uint8_t* slot, int64_t) {
         while (!a.is_token_in_rank[t * R + d]) ++t;
-        copy_bytes<G>(slot, a.x + t * a.x_bytes, a.x_bytes);
-        if (a.scales) copy_bytes<G>(slot + off_s, a.scales + t * a.scale_bytes, a.scale_bytes);
-        if (G::leader()) {
-            if (a.topk_idx) {
-                copy_one(slot + off_i, a.topk_idx + t * K, 8 * K);
-                copy_one(slot + off_w, a.topk_weights + t * K, 4 * K);
-            }
-            const int32_t src = static_cast<int32_t>(t);
-            copy_one(slot + off_src, &src, 4);
-        }
+        pack_dispatch_slot<G>(a, slot, t);
         ++t;
     });
 }
@@ -183,31 +210,13 @@ MC_HD bool dispatch_recv(const NormalContext& k, const DispatchArgs& a, int c, i
     const int64_t count = a.recv_channel_count[s * C + c];
     const int64_t row0 = a.recv_offset[s] + a.recv_channel_offset[s * C + c];
     const Ring ring = k.layout.ring(k.peers[k.rank], c, s);
-    const int64_t K = a.num_topk, off_s = a.x_bytes, off_i = off_s + a.scale_bytes, off_w = off_i + 8 * K,
-                  off_src = off_w + 4 * K;
     const int64_t first = static_cast<int64_t>(k.rank) * k.layout.experts_per_rank, L = k.layout.experts_per_rank;
     for (int64_t consumed = 0; consumed < count;) {
         int64_t tail = 0;
         if (G::leader()) tail = ring_wait_data<P>(k.watch, ring, consumed, s, c);
         tail = G::broadcast(tail);
         if (tail == INT64_MIN) return false;
-        for (int64_t i = consumed; i < tail; ++i) {
-            const uint8_t* slot = ring.slot(i);
-            const int64_t row = row0 + i;
-            copy_bytes<G>(a.recv_x + row * a.x_bytes, slot, a.x_bytes);
-            if (a.recv_scales) copy_bytes<G>(a.recv_scales + row * a.scale_bytes, slot + off_s, a.scale_bytes);
-            if (a.recv_topk_idx)
-                for (int64_t j = G::lane(); j < K; j += G::lanes()) {
-                    int64_t e;
-                    float w;
-                    copy_one(&e, slot + off_i + 8 * j, 8);
-                    copy_one(&w, slot + off_w + 4 * j, 4);
-                    const bool local = e >= first && e < first + L;
-                    a.recv_topk_idx[row * K + j] = local ? e - first : -1;
-                    a.recv_topk_weights[row * K + j] = local ? w : 0.0f;
-                }
-            if (G::leader()) copy_one(a.recv_src_idx + row, slot + off_src, 4);
-        }
+        for (int64_t i = consumed; i < tail; ++i) unpack_dispatch_slot<G>(a, ring.slot(i), row0 + i, first, L);
         G::sync();
         consumed = tail;
         if (G::leader()) ring_publish_head<P>(ring, consumed);

@@ -3,25 +3,29 @@
 // sequence can be captured in a CUDA graph.
 //
 //   dispatch send (per token, then per expert e): cast each token once into the staging rows (FP8
-//       with DeepEP's scales, or bf16 as is); then for expert e, in token order, copy each token that
-//       chose e into slot [e_loc][this rank][i] of e's rank, then release the count signal (i + 1)
+//       with DeepEP's scales, or bf16 as is); then for expert e, in token order, put each token that
+//       chose e into slot [e_loc][this rank][i] of e's rank, then signal its count (i + 1) after them
 //   dispatch recv (per local expert): for each source rank ascending, wait for its count, take the
 //       count and zero the signal, copy its slots to rows begin + j (blocks by source rank, then
 //       source token: deterministic, where DeepEP's order is the order of arrival)
-//   combine send (per local expert): return each received row to its source rank's row
-//       [expert][source token], then release that expert's flag
+//   combine send (per local expert): put each received row into its source rank's row
+//       [expert][source token] (through this rank's staging when the source is across the network),
+//       then signal that expert's flag after them
 //   combine recv (per expert, then per token): wait for the flag of every expert whose rank is not
 //       masked and zero it; then out[t] = bf16(0 + w_0 * y_0 + w_1 * y_1 + ...) over top-k slots in
 //       order, in fp32 (multiply, then add)
 //
-// Signals are zeroed by their reader, and calls alternate between the two halves: call n + 2 reuses
-// call n's half only after every rank has finished call n + 1, which needs call n received. Model:
-// tools/spin/ll_double_buffer.pml.
+// Peers are reached through a link (protocol/link.h): mapped buffers (NVLink, the host's shared memory)
+// or NVSHMEM across nodes; puts and signals go through it, waits read this rank's own buffer. Signals
+// are zeroed by their reader, and calls alternate between the two halves (staging included): call n + 2
+// reuses call n's half only after every rank has finished call n + 1, which needs call n received.
+// Model: tools/spin/ll_double_buffer.pml.
 #pragma once
 
 #include <cstdint>
 
 #include "../../common/numeric.h"
+#include "../protocol/link.h"
 #include "../protocol/wait.h"
 #include "buffer_layout.h"
 #include "copy.h"
@@ -68,11 +72,12 @@ MC_HD void cast_token(uint8_t* codes, uint8_t* scales, const uint16_t* x, int64_
     }
 }
 
-// What one rank's low-latency launch knows.
+// What one rank's low-latency launch knows. Peers' buffers are reached through a link (protocol/link.h:
+// a DirectLink over mapped buffers, or NVSHMEM's puts and signals across nodes): every body takes one.
 struct LowLatencyContext {
     int32_t rank, num_ranks, half;
     LowLatencyLayout layout;
-    uint8_t* const* peers;  // [R] every rank's low-latency buffer, mapped here
+    uint8_t* const* peers;  // [R] every rank's low-latency buffer, mapped here (DirectLink's bases)
     const uint8_t* skip;    // [R] masked ranks: nothing is sent to or awaited from them
     Watch watch;
 };
@@ -93,11 +98,11 @@ struct LowLatencyDispatchArgs {
 MC_HD int64_t x_wire_bytes(int64_t hidden, bool fp8) { return fp8 ? hidden : 2 * hidden; }
 
 // The staging row of token t: its message as the wire carries it.
-template <class P>
-MC_HD void ll_cast(const LowLatencyContext& k, const LowLatencyDispatchArgs& a, int64_t t) {
+template <class P, class L>
+MC_HD void ll_cast(const LowLatencyContext& k, const L& link, const LowLatencyDispatchArgs& a, int64_t t) {
     using G = typename P::Group;
     const LowLatencyLayout& l = k.layout;
-    uint8_t* msg = k.peers[k.rank] + l.staging + t * l.message_bytes;
+    uint8_t* msg = link.local(l.staged_message(k.half, t));
     const int64_t x_bytes = x_wire_bytes(l.hidden, a.format.fp8);
     if (a.format.fp8)
         cast_token<G>(msg, msg + x_bytes, a.x + t * l.hidden, l.hidden, a.format);
@@ -109,30 +114,25 @@ MC_HD void ll_cast(const LowLatencyContext& k, const LowLatencyDispatchArgs& a, 
     }
 }
 
-template <class P>
-MC_HD void ll_dispatch_send(const LowLatencyContext& k, const LowLatencyDispatchArgs& a, int expert) {
+template <class P, class L>
+MC_HD void ll_dispatch_send(const LowLatencyContext& k, const L& link, const LowLatencyDispatchArgs& a, int expert) {
     using G = typename P::Group;
     const LowLatencyLayout& l = k.layout;
     const int dest = expert / l.experts_per_rank, e_loc = expert % l.experts_per_rank;
     if (k.skip[dest]) return;
-    uint8_t* half = l.half(k.peers[dest], k.half);
-    const uint8_t* staging = k.peers[k.rank] + l.staging;
     int64_t n = 0;
     for (int64_t t = 0; t < a.num_tokens; ++t)
         for (int32_t j = 0; j < a.num_topk; ++j)
             if (a.topk_idx[t * a.num_topk + j] == expert)
-                copy_bytes<G>(l.slot(half, e_loc, k.rank, n++), staging + t * l.message_bytes, l.message_bytes);
-    G::sync();
-    if (G::leader()) {
-            P::store_release(l.count(half, e_loc, k.rank), n + 1);
-    }
+                link.template put<G>(dest, l.slot(k.half, e_loc, k.rank, n++), link.local(l.staged_message(k.half, t)),
+                                     l.message_bytes);
+    link.template publish<G>(dest, l.count(k.half, e_loc, k.rank), n + 1);
 }
 
-template <class P>
-MC_HD bool ll_dispatch_recv(const LowLatencyContext& k, const LowLatencyDispatchArgs& a, int e_loc) {
+template <class P, class L>
+MC_HD bool ll_dispatch_recv(const LowLatencyContext& k, const L& link, const LowLatencyDispatchArgs& a, int e_loc) {
     using G = typename P::Group;
     const LowLatencyLayout& l = k.layout;
-    uint8_t* half = l.half(k.peers[k.rank], k.half);
     const int64_t rows = static_cast<int64_t>(k.num_ranks) * l.max_tokens;
     const int64_t x_bytes = x_wire_bytes(l.hidden, a.format.fp8), num_scales = a.scale_bytes / 4;
     int64_t row = 0;
@@ -141,15 +141,19 @@ MC_HD bool ll_dispatch_recv(const LowLatencyContext& k, const LowLatencyDispatch
         if (!k.skip[s]) {
             int64_t v = 0;
             if (G::leader()) {
-                v = wait_at_least<P>(k.watch, l.count(half, e_loc, s), 1, WaitKind::kCount, s, e_loc);
-                if (v != INT64_MIN) P::store_relaxed(l.count(half, e_loc, s), int64_t{0});
+                int64_t* count = link.local_flag(l.count(k.half, e_loc, s));
+                v = wait_at_least<P>(k.watch, count, 1, WaitKind::kCount, s, e_loc);
+                if (v != INT64_MIN) {
+                    link.settle(l.count(k.half, e_loc, s), v);  // the slots the count covers are visible
+                    P::store_relaxed(count, int64_t{0});
+                }
             }
             v = G::broadcast(v);
             if (v == INT64_MIN) return false;
             n = v - 1;
         }
         for (int64_t i = 0; i < n; ++i) {
-            const uint8_t* msg = l.slot(half, e_loc, s, i);
+            const uint8_t* msg = link.local(l.slot(k.half, e_loc, s, i));
             const int64_t r = row + i;
             copy_bytes<G>(a.recv_x + (e_loc * rows + r) * x_bytes, msg, x_bytes);
             for (int64_t j = G::lane(); a.recv_scales && j < num_scales; j += G::lanes())
@@ -175,51 +179,59 @@ struct LowLatencyCombineArgs {
     uint16_t* out;                // [T][H] bf16
 };
 
-template <class P>
-MC_HD void ll_combine_send(const LowLatencyContext& k, const LowLatencyCombineArgs& a, int e_loc) {
+// Each row returned to a staged peer (across nodes) is first copied into this rank's buffer, from where
+// the put reads it; a direct peer's rows go from x at once.
+template <class P, class L>
+MC_HD void ll_combine_send(const LowLatencyContext& k, const L& link, const LowLatencyCombineArgs& a, int e_loc) {
     using G = typename P::Group;
     const LowLatencyLayout& l = k.layout;
     const int expert = k.rank * l.experts_per_rank + e_loc;
-    const int64_t rows = static_cast<int64_t>(k.num_ranks) * l.max_tokens;
+    const int64_t rows = static_cast<int64_t>(k.num_ranks) * l.max_tokens, row_bytes = 2 * l.hidden;
     for (int s = 0; s < k.num_ranks; ++s) {
         if (k.skip[s]) continue;
-        uint8_t* half = l.half(k.peers[s], k.half);
+        const bool staged = link.staged(s);
         const int64_t range = a.layout_range[e_loc * k.num_ranks + s], begin = range >> 32, n = range & 0xffffffff;
+        if (staged) {
+            for (int64_t i = 0; i < n; ++i) {
+                const int64_t r = e_loc * rows + begin + i;
+                copy_bytes<G>(link.local(l.send_row(k.half, r)), a.x + r * l.hidden, row_bytes);
+            }
+            G::sync();
+        }
         for (int64_t i = 0; i < n; ++i) {
             const int64_t r = e_loc * rows + begin + i;
-            copy_bytes<G>(l.combine_row(half, expert, a.src_info[r]), a.x + r * l.hidden, 2 * l.hidden);
+            const void* row = staged ? static_cast<const void*>(link.local(l.send_row(k.half, r)))
+                                     : static_cast<const void*>(a.x + r * l.hidden);
+            link.template put<G>(s, l.combine_row(k.half, expert, a.src_info[r]), row, row_bytes);
         }
-        G::sync();
-        if (G::leader()) {
-                    P::store_release(l.flag(half, expert), int64_t{1});
-        }
+        link.template publish<G>(s, l.flag(k.half, expert), int64_t{1});
     }
 }
 
 // Waits for expert `expert`'s rows (unless its rank is masked) and zeroes its flag.
-template <class P>
-MC_HD bool ll_combine_wait(const LowLatencyContext& k, int expert) {
+template <class P, class L>
+MC_HD bool ll_combine_wait(const LowLatencyContext& k, const L& link, int expert) {
     const LowLatencyLayout& l = k.layout;
     const int owner = expert / l.experts_per_rank;
     if (k.skip[owner]) return true;
-    int64_t* flag = l.flag(l.half(k.peers[k.rank], k.half), expert);
+    int64_t* flag = link.local_flag(l.flag(k.half, expert));
     if (wait_at_least<P>(k.watch, flag, 1, WaitKind::kCombineFlag, owner, expert) == INT64_MIN) return false;
+    link.settle(l.flag(k.half, expert), 1);  // the rows the flag covers are visible
     P::store_relaxed(flag, int64_t{0});
     return true;
 }
 
-template <class P>
-MC_HD void ll_combine_reduce(const LowLatencyContext& k, const LowLatencyCombineArgs& a, int64_t t) {
+template <class P, class L>
+MC_HD void ll_combine_reduce(const LowLatencyContext& k, const L& link, const LowLatencyCombineArgs& a, int64_t t) {
     using G = typename P::Group;
     const LowLatencyLayout& l = k.layout;
-    uint8_t* half = l.half(k.peers[k.rank], k.half);
     for (int64_t h = G::lane(); h < l.hidden; h += G::lanes()) {
         float acc = 0.0f;
         for (int32_t j = 0; j < a.num_topk; ++j) {
             const int64_t e = a.topk_idx[t * a.num_topk + j];
             if (e < 0) continue;
-            const float y = numeric::bf16_to_float(l.combine_row(half, static_cast<int>(e), t)[h]);
-            acc = numeric::add_rn(acc, numeric::mul_rn(a.topk_weights[t * a.num_topk + j], y));
+            const uint16_t* row = reinterpret_cast<const uint16_t*>(link.local(l.combine_row(k.half, static_cast<int>(e), t)));
+            acc = numeric::add_rn(acc, numeric::mul_rn(a.topk_weights[t * a.num_topk + j], numeric::bf16_to_float(row[h])));
         }
         a.out[t * l.hidden + h] = numeric::float_to_bf16(acc);
     }

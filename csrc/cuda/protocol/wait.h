@@ -18,6 +18,8 @@ enum class WaitKind : int32_t {
     kRingData = 3,       // a sender publishing ring slots (the receiver waits)
     kCount = 4,          // a low-latency dispatch count signal
     kCombineFlag = 5,    // a low-latency combine arrival flag
+    kRdmaSpace = 6,      // an RDMA ring's receiver consuming slots (the sender waits; also its drain)
+    kRdmaData = 7,       // an RDMA ring's sender putting slots (the receiver waits)
 };
 
 // Why (ErrorRecord::code).

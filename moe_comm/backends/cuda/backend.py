@@ -40,13 +40,19 @@ class CudaHostBackend(PortableBackend):
             raise ValueError(f"Buffer: the cuda_host backend runs on CPU tensors, but the {self.transport_name} "
                              f"transport moves {self.transport.device.type} tensors")
         self._normal_buffers = SharedBuffers(self.transport, "normal-mode")
+        # Across nodes each rank also has an RDMA buffer (its rail's puts and signals land there), as on
+        # the GPU: here shared memory too, which the host build's link writes directly.
+        self._rdma_buffers = SharedBuffers(self.transport, "RDMA") if self.topology.internode else None
         self._low_latency_buffers = SharedBuffers(self.transport, "low-latency")
         pids = self._normal_buffers.pids
         #: the buffer's communication stream (DeepEP's comm stream): launches in order, on a host thread
         self.stream = HostStream(lambda op, record: raise_for(_cuda_host, op, timeout_s, pids, record))
-        self.normal = KernelNormalMode(self.normal, _cuda_host, self._normal_buffers, self.stream, timeout_s)
+        self.normal = KernelNormalMode(self.normal, _cuda_host, self._normal_buffers, self.stream, timeout_s,
+                                       rdma_buffers=self._rdma_buffers)
+        # Across full nodes the low-latency kernels reach other nodes' ranks through staging, as NVSHMEM does.
+        node_ranks = self.topology.ranks_per_node if self.normal.internode is not None else 0
         self.low_latency = KernelLowLatencyMode(self.transport, self.agreement, _cuda_host,
-                                                self._low_latency_buffers, self.stream, timeout_s)
+                                                self._low_latency_buffers, self.stream, timeout_s, node_ranks)
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
         """The layout kernel's histograms (the same as the portable backend's; an id out of range is the
@@ -74,6 +80,7 @@ class CudaHostBackend(PortableBackend):
                 self.stream.synchronize()  # the last launch may still use the buffers
             except Exception:  # a failed launch: its error was the buffer's to raise, the memory goes anyway
                 pass
-            self._normal_buffers.close()
-            self._low_latency_buffers.close()
+            for buffers in (self._normal_buffers, self._rdma_buffers, self._low_latency_buffers):
+                if buffers is not None:
+                    buffers.close()
         super().destroy()

@@ -1,5 +1,6 @@
 """The ``cuda`` backend: the CUDA kernels of ``csrc/cuda`` built for the GPU (``moe_comm._cuda``), on
-CUDA tensors, the GPUs of one node sharing their buffers through CUDA IPC.
+CUDA tensors, the GPUs of one node sharing their buffers through CUDA IPC; across hosts, NVSHMEM
+(``moe_comm._cuda_nvshmem``) carries what crosses between nodes.
 
 It is the portable backend with its payload path replaced, like ``cuda_host`` (``backend.py``): the
 same call agreement and handshakes (so the same argument checks and cross-rank errors), run over the
@@ -7,6 +8,13 @@ buffer's transport (``shm`` between the CPU ranks of a gloo group, ``collective`
 the handshake vectors live on ``transport.device``), then the kernels' own protocol (notify, barriers,
 rings, low-latency slots and signals) moves every byte between the ranks' GPU buffers
 (``ipc_buffers.IpcBuffers``). Payload tensors stay on the GPU; the kernels read and write them by address.
+
+Across nodes (``topology.Topology``; nodes of equal size) normal mode takes the two-hop kernels
+(``internode.KernelInternodeMode``): on one host (nodes split by ``LOCAL_WORLD_SIZE``) every buffer is
+an IPC buffer; across hosts the node's NVL buffers are IPC buffers of its ranks, and the RDMA and
+low-latency buffers NVSHMEM's symmetric memory (``symmetric_buffers``: one NVSHMEM world per process,
+joined by a unique id the transport all-gathers), with ``moe_comm._cuda_nvshmem``'s kernels (puts with
+signals to other nodes, NVLink stores where ``nvshmem_ptr`` maps a peer).
 
 Streams: every launch runs on the buffer's comm stream (``get_comm_stream()``, DeepEP's), after the
 work already queued on the caller's current stream. Normal-mode launches return once their kernel has
@@ -45,8 +53,12 @@ from ..base import DispatchResult, LowLatencyDispatch, Receive
 from ..portable.backend import PortableBackend
 from .device_kernels import CommStream, DeviceKernels, MappedOutputs
 from .device_stream import DeviceStream
+from .internode import kernels_span
 from .ipc_buffers import IpcBuffers
 from .kernel_errors import raise_for
+from .nvshmem_lib import NvshmemUnavailableError
+from .nvshmem_lib import load as load_nvshmem
+from .symmetric_buffers import SymmetricBuffers, join_world
 from .low_latency import KernelLowLatencyMode
 from .normal import KernelNormalMode
 
@@ -68,21 +80,37 @@ class CudaBackend(PortableBackend):
         self.device = self._device()
         super().__init__(group, comm, transport, timeout_s, 0, shrink)
         try:
-            self._on_one_node()
             kernels = self.kernels_module
             #: the buffer's communication stream (DeepEP's comm stream)
             self.comm_stream = self._comm_stream()
             self.kernels = DeviceKernels(kernels, self.comm_stream, self._guard)
-            self._normal_buffers = IpcBuffers(self.transport, "normal-mode", kernels, self._guard)
-            self._low_latency_buffers = IpcBuffers(self.transport, "low-latency", kernels, self._guard)
+            node_kernels, node_ranks = self.kernels, 0
+            self._rdma_buffers = None
+            if self._across_hosts():
+                nvshmem = self._nvshmem()
+                join_world(self.transport, nvshmem, self._guard)
+                node_kernels = DeviceKernels(nvshmem, self.comm_stream, self._guard)
+                node_ranks = self.topology.ranks_per_node
+                node = self.topology.node_of(self.rank)
+                mine = [self.topology.rank_at(node, j) for j in range(node_ranks)]
+                self._normal_buffers = IpcBuffers(self.transport, "NVL", kernels, self._guard, reach=mine)
+                self._rdma_buffers = SymmetricBuffers(self.transport, "RDMA", nvshmem, kernels, self._guard)
+                self._low_latency_buffers = SymmetricBuffers(self.transport, "low-latency", nvshmem, kernels,
+                                                             self._guard)
+            else:
+                self._normal_buffers = IpcBuffers(self.transport, "normal-mode", kernels, self._guard)
+                if self.topology.internode:  # nodes of one host (LOCAL_WORLD_SIZE): RDMA buffers over IPC too
+                    self._rdma_buffers = IpcBuffers(self.transport, "RDMA", kernels, self._guard)
+                self._low_latency_buffers = IpcBuffers(self.transport, "low-latency", kernels, self._guard)
             pids = self._normal_buffers.pids
             self.stream = DeviceStream(lambda op, record: raise_for(kernels, op, timeout_s, pids, record),
                                        self.comm_stream)
             self._notify_outputs = MappedOutputs(kernels)
-            self.normal = KernelNormalMode(self.normal, self.kernels, self._normal_buffers, self.stream, timeout_s,
-                                           notify_outputs=self._notify_outputs, name=self.name)
-            self.low_latency = KernelLowLatencyMode(self.transport, self.agreement, self.kernels,
-                                                    self._low_latency_buffers, self.stream, timeout_s)
+            self.normal = KernelNormalMode(self.normal, node_kernels, self._normal_buffers, self.stream, timeout_s,
+                                           notify_outputs=self._notify_outputs, name=self.name,
+                                           rdma_buffers=self._rdma_buffers)
+            self.low_latency = KernelLowLatencyMode(self.transport, self.agreement, node_kernels,
+                                                    self._low_latency_buffers, self.stream, timeout_s, node_ranks)
         except BaseException:
             self.transport.close()
             raise
@@ -105,15 +133,32 @@ class CudaBackend(PortableBackend):
         """A new communication stream on this buffer's GPU."""
         return CommStream(self.device)
 
-    def _on_one_node(self) -> None:
-        """Raises (on every rank alike) unless every rank runs on this host: CUDA IPC maps GPU memory
-        between the processes of one node only."""
+    def _across_hosts(self) -> bool:
+        """Whether the ranks run on several hosts (collective; the same answer on every rank). Across
+        hosts, CUDA IPC maps only a node's memory, so the nodes must be whole: refused, on every rank alike,
+        unless the topology's nodes are the hosts' blocks of equal size."""
         me = torch.tensor([host_id()], dtype=torch.int64, device=self.transport.device)
         hosts = self.transport.all_gather_rows(me, op="cuda: the ranks' hosts").view(-1).tolist()
-        others = [r for r, h in enumerate(hosts) if h != hosts[0]]
-        if others:
-            raise ValueError(f"Buffer: the cuda backend serves the GPUs of one node (CUDA IPC), but ranks {others} "
-                             f"run on another host than rank 0; use backend='portable' across nodes")
+        if len(set(hosts)) == 1:
+            return False
+        topo = self.topology
+        split = [r for r in range(self.num_ranks) if hosts[r] != hosts[topo.rank_at(topo.node_of(r), 0)]]
+        if not kernels_span(topo, self.kernels_module.MAX_NODES) or split:
+            raise ValueError(f"Buffer: the cuda backend across hosts needs nodes of equal size, each on one host "
+                             f"(DeepEP's rule), at most {self.kernels_module.MAX_NODES} of them; these {self.num_ranks} "
+                             f"ranks make {topo.num_nodes} nodes of up to {topo.ranks_per_node} ranks"
+                             + (f", and ranks {split} share a node with a rank of another host" if split else "")
+                             + "; use backend='portable', or LOCAL_WORLD_SIZE to set the node size")
+        return True
+
+    @staticmethod
+    def _nvshmem() -> Any:
+        """moe_comm._cuda_nvshmem, or the reason it cannot serve as a ValueError (on every rank alike)."""
+        try:
+            return load_nvshmem()
+        except NvshmemUnavailableError as exc:
+            raise ValueError(f"Buffer: the cuda backend across hosts moves data between nodes with NVSHMEM, "
+                             f"which is not available: {exc}") from exc
 
     def _on_device(self, op: str, **tensors: Optional[torch.Tensor]) -> None:
         """Refuses tensors off this buffer's GPU: the kernels take them by address."""
@@ -142,15 +187,17 @@ class CudaBackend(PortableBackend):
                 self.stream.synchronize()  # the last launch may still use the buffers
             except Exception:  # a failed launch: its error was the buffer's to raise, the memory goes anyway
                 pass
-            buffers = (self._normal_buffers, self._low_latency_buffers)
+            buffers = [b for b in (self._normal_buffers, self._rdma_buffers, self._low_latency_buffers)
+                       if b is not None]
+            healthy = self.agreement.broken is None
             for b in buffers:
                 b.close_peers()
             try:
-                if self.agreement.broken is None:
+                if healthy:
                     self.transport.barrier(op="cuda: unmapping the buffers")
             finally:
                 for b in buffers:
-                    b.free()
+                    b.free(collective=healthy)
                 self.kernels.forget()
                 self._notify_outputs.close()
         finally:

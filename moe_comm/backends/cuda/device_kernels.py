@@ -113,6 +113,8 @@ class DeviceKernels:
         self.normal_bytes = module.normal_bytes
         self.dispatch_slot_bytes = module.dispatch_slot_bytes
         self.low_latency_bytes = module.low_latency_bytes
+        self.internode_bytes = module.internode_bytes
+        self.MAX_NODES = module.MAX_NODES
         self._objects: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
 
     def _object(self, key: tuple, make: Callable[[], Any]) -> Any:
@@ -133,15 +135,29 @@ class DeviceKernels:
         return self._object(key, lambda: _NormalLaunches(
             self.module.Normal(list(bases), list(pids), rank, timeout_s, C, chunk, L, slots, slot_bytes), self.comm))
 
-    def LowLatency(self, bases: Sequence[int], pids: Sequence[int], rank: int, timeout_s: float, L: int, M: int,
-                   H: int) -> _LowLatencyLaunches:  # noqa: N802 (the host build's name)
-        key = ("low_latency", tuple(bases), tuple(pids), rank, timeout_s, L, M, H)
+    def Internode(self, nvl: Sequence[int], rail: Any, pids: Sequence[int], rank: int, timeout_s: float,
+                  *geometry: int) -> _NormalLaunches:  # noqa: N802 (the host build's name)
+        """``rail``: the RDMA buffers' ``peers(...)`` (addresses over IPC; (base, mappings, PEs) over NVSHMEM);
+        ``geometry``: C, nvl_chunk, rdma_chunk, L, nvl_slots, nvl_slot_bytes, rdma_slots, rdma_slot_bytes."""
+        key = ("internode", tuple(nvl), _frozen(rail), tuple(pids), rank, timeout_s, geometry)
+        return self._object(key, lambda: _NormalLaunches(
+            self.module.Internode(list(nvl), rail, list(pids), rank, timeout_s, *geometry), self.comm))
+
+    def LowLatency(self, peers: Any, pids: Sequence[int], rank: int, timeout_s: float, L: int, M: int,
+                   H: int, node_ranks: int = 0) -> _LowLatencyLaunches:  # noqa: N802 (the host build's name)
+        """``peers``: the low-latency buffers' ``peers(...)`` (as ``Internode``'s rail)."""
+        key = ("low_latency", _frozen(peers), tuple(pids), rank, timeout_s, L, M, H, node_ranks)
         return self._object(key, lambda: _LowLatencyLaunches(
-            self.module.LowLatency(list(bases), list(pids), rank, timeout_s, L, M, H), self.comm))
+            self.module.LowLatency(peers, list(pids), rank, timeout_s, L, M, H, node_ranks), self.comm))
 
     def forget(self) -> None:
         """Drops the kept objects (at destroy, after the last launch)."""
         self._objects.clear()
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` with its lists and tuples made tuples, all the way down (a cache key)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 _ALIGN = 64  # bytes between the tensors of MappedOutputs (any dtype's alignment)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
@@ -37,8 +37,11 @@ class IpcBuffers:
             every rank's process; nbytes: the size of each buffer (0 before the first ``ensure``).
     """
 
-    def __init__(self, transport: Transport, what: str, module: Any, guard: Guard = contextlib.nullcontext) -> None:
+    def __init__(self, transport: Transport, what: str, module: Any, guard: Guard = contextlib.nullcontext,
+                 reach: Optional[Sequence[int]] = None) -> None:
         self.transport, self.what, self.module, self._guard = transport, what, module, guard
+        #: the ranks whose buffers are mapped here (None: all; across hosts, the ranks of this node)
+        self.reach = None if reach is None else frozenset(reach)
         self.nbytes = 0
         self.bases: list[int] = []
         self._own: Optional[Any] = None  # this rank's SharedBuffer
@@ -64,7 +67,8 @@ class IpcBuffers:
         try:
             handle = mine.handle()
             row = torch.tensor(list(handle), dtype=torch.uint8, device=self.transport.device)
-            handles = [bytes(r) for r in self.transport.all_gather_rows(row, op=op).cpu().tolist()]
+            handles = [bytes(r) if self.reach is None or i in self.reach else b""
+                       for i, r in enumerate(self.transport.all_gather_rows(row, op=op).cpu().tolist())]
             if old is not None:  # every rank has unmapped it (they all reached the all-gather)
                 old.close()
                 old = None
@@ -77,6 +81,16 @@ class IpcBuffers:
             raise
         self._own, self.bases, self.nbytes = mine, list(bases), nbytes
         return True
+
+    def peers(self, ranks: Sequence[int]) -> list[int]:
+        """What a kernel object takes for these ranks' buffers (``Internode``'s rail, ``LowLatency``'s
+        peers): their addresses here."""
+        return [self.bases[r] for r in ranks]
+
+    def unmapped(self, skip: frozenset[int]) -> list[int]:
+        """Ranks outside ``skip`` and ``reach``'s complement whose buffer is not mapped here."""
+        return [r for r, base in enumerate(self.bases)
+                if not base and r not in skip and (self.reach is None or r in self.reach)]
 
     def zero_own(self, stream: int = 0) -> None:
         """Zeroes this rank's buffer (its peers must not be writing to it), waiting until it is done."""
@@ -91,8 +105,10 @@ class IpcBuffers:
             self._own.close_peers()
         self.bases = []
 
-    def free(self) -> None:
-        """Frees this rank's buffer: after every rank has unmapped it (``close_peers`` and a barrier). Idempotent."""
+    def free(self, collective: bool = True) -> None:
+        """Frees this rank's buffer: after every rank has unmapped it (``close_peers`` and a barrier; a
+        broken buffer's peers may never come, so then without: ``collective`` changes nothing here).
+        Idempotent."""
         own, self._own, self.bases, self.nbytes = self._own, None, [], 0
         if own is not None:
             own.close()

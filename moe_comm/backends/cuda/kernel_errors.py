@@ -10,7 +10,9 @@ __all__ = ["raise_for"]
 #: What each wait waited for (``WaitKind``), for messages.
 _WAITED_FOR = {"BARRIER": "its arrival at the barrier", "RING_SPACE": "free ring slots (its receiver)",
                "RING_DATA": "ring data (its sender)", "COUNT": "its low-latency dispatch count",
-               "COMBINE_FLAG": "its low-latency combine rows"}
+               "COMBINE_FLAG": "its low-latency combine rows",
+               "RDMA_SPACE": "free RDMA ring slots (its receiver across nodes)",
+               "RDMA_DATA": "RDMA ring data (its sender across nodes)"}
 
 
 def raise_for(kernels, op: str, timeout_s: float, pids: list[int],

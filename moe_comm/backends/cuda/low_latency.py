@@ -40,21 +40,24 @@ class KernelLowLatencyMode(LowLatencyMode):
     device build's adapter ``device_kernels.DeviceKernels``)."""
 
     def __init__(self, transport: Transport, agreement: CallAgreement, kernels: Any,
-                 buffers: SharedBuffers, stream: HostStream, timeout_s: float) -> None:
+                 buffers: SharedBuffers, stream: HostStream, timeout_s: float, node_ranks: int = 0) -> None:
         super().__init__(transport, agreement)
         self.kernels, self.buffers, self.stream, self.timeout_s = kernels, buffers, stream, timeout_s
+        #: > 0: the ranks form nodes of this many, and the kernels reach other nodes' ranks as NVSHMEM
+        #: does, putting from this rank's staging (the host build; its buffers are laid out for it)
+        self.node_ranks = node_ranks
 
     def _launcher(self, local: int, m: int, hidden: int, skip: frozenset[int]) -> Any:
-        need = self.kernels.low_latency_bytes(self.num_ranks, local, m, hidden)
+        need = self.kernels.low_latency_bytes(self.num_ranks, local, m, hidden, self.node_ranks > 0)
         if need > self.buffers.nbytes:  # the same on every rank: the sizes follow from agreed fields
             self.stream.synchronize()  # no launch may run on buffers being replaced
             self.buffers.ensure(need, skip)
-        unmapped = [r for r, base in enumerate(self.buffers.bases) if not base and r not in skip]
+        unmapped = self.buffers.unmapped(skip)
         if unmapped:  # mapped while those ranks were masked; a kernel would write through address 0
             raise RuntimeError(f"low-latency call: ranks {unmapped} were masked when this rank's buffers were mapped "
                                f"and are not masked now; a rank masked while alive cannot rejoin this Buffer")
-        return self.kernels.LowLatency(self.buffers.bases, self.buffers.pids, self.rank, self.timeout_s, local, m,
-                                       hidden)
+        return self.kernels.LowLatency(self.buffers.peers(range(self.num_ranks)), self.buffers.pids, self.rank,
+                                       self.timeout_s, local, m, hidden, self.node_ranks)
 
     def _skip_mask(self, skip: frozenset[int], device: torch.device) -> torch.Tensor:
         """``[R]`` uint8 on ``device``: 1 for the ranks this call leaves out."""

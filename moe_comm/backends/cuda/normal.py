@@ -26,6 +26,8 @@ from ...ops import DispatchLayout
 from ..base import DispatchResult
 from ..portable.normal import NormalMode, channel_prefix, dispatch_outputs, fill_padding, rows_within_destination
 from .host_stream import HostStream
+from .internode import KernelInternodeMode, kernels_span
+from .kernel_outputs import finish_dispatch, kernel_topk_ids
 from .pins import Pins
 from .shared_buffers import SharedBuffers
 
@@ -55,12 +57,19 @@ class KernelNormalMode:
 
     def __init__(self, portable: NormalMode, kernels: Any, buffers: SharedBuffers, stream: HostStream,
                  timeout_s: float, notify_outputs: NotifyOutputs = host_notify_outputs,
-                 name: str = "cuda_host") -> None:
+                 name: str = "cuda_host", rdma_buffers: Optional[SharedBuffers] = None) -> None:
         self.portable, self.kernels, self.buffers, self.stream = portable, kernels, buffers, stream
         self.timeout_s = timeout_s
         self.notify_outputs, self.name = notify_outputs, name
         self.rank, self.num_ranks = portable.rank, portable.num_ranks
         self._epoch = 0  # barriers this buffer's ranks have passed together
+        #: the two-hop kernels, when the group spans several full nodes (``buffers`` is then the NVL
+        #: buffer of every rank, ``rdma_buffers`` the RDMA one); None: one node, or nodes of unequal size,
+        #: where the intranode kernels dispatch and the portable backend combines
+        self.internode = None
+        if rdma_buffers is not None and kernels_span(portable.topology, kernels.MAX_NODES):
+            self.internode = KernelInternodeMode(portable, kernels, buffers, rdma_buffers, stream, timeout_s,
+                                                 notify_outputs, name)
 
     def _launcher(self, num_channels: int, config: Config, experts_per_rank: int, slot_bytes: int) -> Any:
         """The kernels' view of the buffers for this geometry, grown (collectively) when it needs more."""
@@ -82,6 +91,9 @@ class KernelNormalMode:
                  topk_weights: Optional[torch.Tensor], layout: DispatchLayout, expert_alignment: int,
                  num_worst_tokens: int, config: Config) -> DispatchResult:
         """Non-cached dispatch of checked arguments (see ``Buffer.dispatch``)."""
+        if self.internode is not None:
+            return self.internode.dispatch(x, scales, topk_idx, topk_weights, layout, expert_alignment,
+                                           num_worst_tokens, config)
         R, me, pin, device = self.num_ranks, self.rank, Pins(), x.device
         plan, shake = self.portable.agree_dispatch(x, scales, topk_idx, layout, num_worst_tokens, config)
         C = config.num_channels
@@ -108,8 +120,7 @@ class KernelNormalMode:
         rows = num_worst_tokens if num_worst_tokens > 0 else received
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = dispatch_outputs(rows, x, scales,
                                                                                                topk_idx)
-        idx64 = recv_topk_idx if recv_topk_idx is None or recv_topk_idx.dtype == torch.int64 else \
-            torch.empty(recv_topk_idx.shape, dtype=torch.int64, device=device)
+        idx64 = kernel_topk_ids(recv_topk_idx, device)
         args = (x.shape[0], x.shape[1] * x.element_size(), scale_bytes, K, pin(x),
                 pin(None if scales is None else scales.contiguous()),
                 pin(None if topk_idx is None else topk_idx.to(torch.int64).contiguous()),
@@ -117,14 +128,8 @@ class KernelNormalMode:
                 pin(layout.is_token_in_rank.contiguous()), pin(sends), pin(recv_offset), pin(chan_starts),
                 pin(chan_counts), pin(recv_x), pin(recv_scales), pin(idx64), pin(recv_topk_weights), pin(recv_src_idx))
         job = self.stream.submit("dispatch", lambda: pin.launch(kernel.dispatch, *args))
-
-        @self.portable.agreement.deferred("dispatch")
-        def finish() -> None:
-            job.wait()
-            if idx64 is not recv_topk_idx:
-                recv_topk_idx[:received].copy_(idx64[:received])
-            fill_padding([recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx], [0, 0, -1, 0.0, -1],
-                         received)
+        finish = finish_dispatch(self.portable.agreement, job, (recv_x, recv_scales, recv_topk_idx,
+                                                                recv_topk_weights, recv_src_idx), idx64, received)
 
         # (on the host build .to(device) keeps notify's own tensors; the device build copies them out)
         handle = self.portable.complete_handle(NormalHandle(rank_prefix.to(device), chan_prefix,
@@ -136,6 +141,8 @@ class KernelNormalMode:
     def cached_dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], handle: NormalHandle,
                         config: Config) -> DispatchResult:
         """Dispatch with the routing of ``handle`` (see ``Buffer.dispatch``)."""
+        if self.internode is not None:
+            return self.internode.cached_dispatch(x, scales, handle, config, self._received)
         self.portable.agree_cached(x, scales, handle, config)
         pin = Pins()
         C = handle.channel_prefix_matrix.shape[1]
@@ -160,6 +167,13 @@ class KernelNormalMode:
 
         return DispatchResult(recv_x, recv_scales, None, None, None, None, finish)
 
+    def _row_type(self, dtype: torch.dtype) -> Any:
+        """The kernels' ``RowType`` of combine rows of ``dtype`` (raised after the handshake, which has
+        checked that every rank's dtype is the same, so every rank raises alike)."""
+        if dtype not in _ROW_TYPES:
+            raise TypeError(f"combine: the {self.name} kernels sum {list(_ROW_TYPES)} rows, got x of dtype {dtype}")
+        return getattr(self.kernels.RowType, _ROW_TYPES[dtype])
+
     def _received(self, handle: NormalHandle, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """From a handle: (first row of each source, first row of each (source, channel), rows per
@@ -175,14 +189,17 @@ class KernelNormalMode:
                 bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor], config: Config
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Callable[[], None]]:
         """Combine of checked arguments (see ``Buffer.combine``): returns (out, out_weights, finish). Across
-        nodes the portable backend's combine sums (the kernels are intranode: NVLink only)."""
-        if self.portable.topology.internode:
+        full nodes the two-hop kernels combine; across nodes of unequal size the portable backend's combine
+        sums (the intranode kernels' rings cannot give DeepEP's two-level order)."""
+        if self.internode is None and self.portable.topology.internode:
             self.stream.synchronize()  # stream order: launches queued before this combine finish first
             return self.portable.combine(x, handle, topk_weights, bias0, bias1, config)
+        if self.internode is not None:
+            return self.internode.combine(x, handle, topk_weights, bias0, bias1, config, self._row_type,
+                                          self._received)
         self.portable.agree_combine(x, handle, topk_weights, config)
+        row_type = self._row_type(x.dtype)
         pin = Pins()
-        if x.dtype not in _ROW_TYPES:
-            raise TypeError(f"combine: the {self.name} kernels sum {list(_ROW_TYPES)} rows, got x of dtype {x.dtype}")
         C = handle.channel_prefix_matrix.shape[1]
         x, K = x.contiguous(), 0 if topk_weights is None else topk_weights.shape[1]
         x_bytes = x.shape[1] * x.element_size()
@@ -193,7 +210,7 @@ class KernelNormalMode:
         out_weights = None if topk_weights is None else torch.empty(num_tokens, K, dtype=torch.float32,
                                                                     device=x.device)
         epoch = self._next_epoch()
-        args = (num_tokens, x.shape[1], x_bytes, K, getattr(self.kernels.RowType, _ROW_TYPES[x.dtype]), pin(x),
+        args = (num_tokens, x.shape[1], x_bytes, K, row_type, pin(x),
                 pin(None if topk_weights is None else topk_weights.to(torch.float32).contiguous()), pin(recv_offset),
                 pin(chan_starts), pin(chan_counts), pin(handle.is_token_in_rank.contiguous()),
                 pin(handle.channel_prefix_matrix.to(x.device, torch.int64).contiguous()),

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from typing import Sequence
+
 import torch
 
 from ...transport import Transport
@@ -61,6 +63,15 @@ class SharedBuffers:
         self._segments, self.nbytes = segments, nbytes
         self.bases = [0 if s is None else s.base for s in segments]
         return True
+
+    def peers(self, ranks: Sequence[int]) -> list[int]:
+        """What a kernel object takes for these ranks' buffers (``Internode``'s rail, ``LowLatency``'s
+        peers): their addresses here."""
+        return [self.bases[r] for r in ranks]
+
+    def unmapped(self, skip: frozenset[int]) -> list[int]:
+        """Ranks outside ``skip`` whose buffer is not mapped here (mapped while they were masked)."""
+        return [r for r, base in enumerate(self.bases) if not base and r not in skip]
 
     def zero_own(self) -> None:
         """Zeroes this rank's buffer (its peers must not be writing to it)."""

@@ -29,7 +29,7 @@ from ...ops.layout import token_channels
 from ...topology import Topology
 from ...transport import Transport
 
-__all__ = ["attach_internode", "check_tokens_per_node", "tokens_per_node"]
+__all__ = ["attach_internode", "check_tokens_per_node", "forward_bits", "rdma_channel_prefix", "tokens_per_node"]
 
 
 def _in_node(is_token_in_rank: torch.Tensor, topology: Topology) -> torch.Tensor:
@@ -51,6 +51,25 @@ def tokens_per_node(is_token_in_rank: torch.Tensor, topology: Topology) -> torch
     """``[Rn]`` int32: DeepEP's ``num_tokens_per_rdma_rank``, tokens with a destination in each node
     (a token counts once per node)."""
     return _in_node(is_token_in_rank, topology).any(2).sum(0).to(torch.int32)
+
+
+def rdma_channel_prefix(is_token_in_rank: torch.Tensor, topology: Topology, num_channels: int) -> torch.Tensor:
+    """``[Rn, C]`` int64 on the CPU: DeepEP's ``rdma_channel_prefix_matrix``, tokens with a destination
+    in node n from channels 0..c (a token counts once per node)."""
+    in_rank = is_token_in_rank.cpu()
+    to_node = _in_node(in_rank, topology).any(2)
+    pairs = torch.nonzero(to_node)
+    channel = token_channels(in_rank.shape[0], num_channels, torch.device("cpu"))
+    flat = pairs[:, 1] * num_channels + channel[pairs[:, 0]]
+    return torch.bincount(flat, minlength=topology.num_nodes * num_channels).view(
+        topology.num_nodes, num_channels).cumsum(1)
+
+
+def forward_bits(send_nvl_head: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
+    """``[N_rdma]`` int32 on the CPU: for each token a rank forwards (``send_nvl_head``'s rows), bit l set
+    when it goes to local rank l of the forwarder's node."""
+    member = send_nvl_head.cpu()[:, :ranks_per_node] >= 0
+    return (member.to(torch.int32) << torch.arange(ranks_per_node, dtype=torch.int32)).sum(1, dtype=torch.int32)
 
 
 def _positions(channel: torch.Tensor, member: torch.Tensor, num_channels: int) -> torch.Tensor:
@@ -75,9 +94,7 @@ def attach_internode(transport: Transport, topology: Topology, handle: NormalHan
     to_node = in_node.any(2)                                                      # [T, Rn]
     bits = _node_bits(in_node)                                                    # [T, Rn]
     channel = token_channels(num_tokens, C, torch.device("cpu"))
-    pairs = torch.nonzero(to_node)
-    per_channel = torch.bincount(pairs[:, 1] * C + channel[pairs[:, 0]], minlength=Rn * C).view(Rn, C)
-    rdma_prefix = per_channel.cumsum(1)                                           # [Rn, C]
+    rdma_prefix = rdma_channel_prefix(in_rank, topology, C)                       # [Rn, C]
     send_rdma_head = _positions(channel, to_node, C)
 
     # 1: to each rank, the channel prefix of the tokens for its node (what its forwarder would read).
