@@ -98,3 +98,33 @@ def both_backends(group: dist.ProcessGroup, seed: int, config: dict[str, int],
         os.environ.pop("LOCAL_WORLD_SIZE", None)
     assert len(a) == len(b) > 50
     return [torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v for u, v in zip(a, b)]
+
+
+def tampered_internode_handle(group: dist.ProcessGroup) -> tuple[str, str, bool]:
+    """cuda_host across 2 nodes (LOCAL_WORLD_SIZE=2): rank 0 changes its handle's forwarded-token prefix
+    in place before a combine (the forwarders index by it): its ValueError, the others'
+    CrossRankMismatchError; with the field restored the next combine is the portable sum."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        buf = moe_comm.Buffer(group, backend="cuda_host", explicitly_destroy=True, timeout_s=60)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+    g = torch.Generator().manual_seed(group.rank())
+    T, H, E = 17, 256, 2 * group.size()
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    topk = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(T)])
+    recv, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, topk_weights=torch.ones(T, 3), num_experts=E)
+    prefix = handle[3]
+    saved = prefix.clone()
+    if group.rank() == 0:
+        prefix[0, -1] += 5
+    try:
+        buf.combine(recv, handle)
+        kind, message = "none", ""
+    except Exception as exc:  # the test asserts on the type and the words
+        kind, message = type(exc).__name__, str(exc)
+    prefix.copy_(saved)
+    out, _, _ = buf.combine(recv, handle)
+    ok = bool(torch.isfinite(out.float()).all())
+    buf.destroy()
+    return kind, message, ok

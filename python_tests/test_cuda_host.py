@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from cuda_host_cases import both_backends
+from cuda_host_cases import both_backends, tampered_internode_handle
 from deadlines import before, found_within
 from moe_comm import _cuda_host as kernels
 from moe_comm.backends.cuda.kernel_errors import raise_for
@@ -55,6 +55,19 @@ def test_same_bits_as_portable_across_nodes(world_size, ranks_per_node, config):
     with local_world(world_size, "shm", timeout_s=240, threads_per_rank=1) as world:
         for rank, equal in enumerate(world.run(both_backends, 5, INTERNODE_CONFIGS[config], ranks_per_node)):
             assert all(equal), (rank, [i for i, e in enumerate(equal) if not e])
+
+
+def test_a_tampered_internode_handle_is_refused_on_every_rank():
+    """The forwarders index by the handle's forwarded-token prefix: changed in place on one rank, that
+    rank's combine raises naming handle[3], the others the same CrossRankMismatchError, and the buffer
+    goes on (nothing moved)."""
+    with local_world(4, "shm", timeout_s=120, threads_per_rank=1) as world:
+        results = world.run(tampered_internode_handle)
+    (kind0, message0, ok0), *others = results
+    assert kind0 == "ValueError" and "handle[3] (recv_rdma_channel_prefix_matrix)" in message0, message0
+    for kind, message, _ in others:
+        assert kind == "CrossRankMismatchError" and "rank 0 rejected its arguments" in message, message
+    assert ok0 and all(ok for _, _, ok in others)
 
 
 def _buffers(num_ranks: int, nbytes: int) -> list[torch.Tensor]:

@@ -58,7 +58,7 @@ from .ipc_buffers import IpcBuffers
 from .kernel_errors import raise_for
 from .nvshmem_lib import NvshmemUnavailableError
 from .nvshmem_lib import load as load_nvshmem
-from .symmetric_buffers import SymmetricBuffers, join_world
+from .symmetric_buffers import SymmetricBuffers, heap_bytes, join_world
 from .low_latency import KernelLowLatencyMode
 from .normal import KernelNormalMode
 
@@ -88,7 +88,7 @@ class CudaBackend(PortableBackend):
             self._rdma_buffers = None
             if self._across_hosts():
                 nvshmem = self._nvshmem()
-                join_world(self.transport, nvshmem, self._guard)
+                join_world(self.transport, nvshmem, self._guard, heap_bytes(buffer_bytes))
                 node_kernels = DeviceKernels(nvshmem, self.comm_stream, self._guard)
                 node_ranks = self.topology.ranks_per_node
                 node = self.topology.node_of(self.rank)

@@ -22,7 +22,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ...checks import check_tensor
 from ...config import Config
+from ...errors import bad_argument
 from ...handle import NormalHandle
 from ...ops import DispatchLayout
 from ...topology import Topology
@@ -88,6 +90,24 @@ class KernelInternodeMode:
         self._epoch += 1
         return self._epoch
 
+    def _check_fields(self, op: str, handle: NormalHandle) -> None:
+        """The internode fields the kernels index by (a handle's tensors can be changed in place): the
+        forwarded tokens per channel, a prefix whose totals are the rows of ``send_nvl_head`` (the
+        forwarders index its bits by them), and ``send_rdma_head`` of the handle's shape."""
+        f, topo = handle.internode, self.topology
+        C = handle.channel_prefix_matrix.shape[1]
+        prefix = f.recv_rdma_channel_prefix_matrix
+        check_tensor(op, "handle[3] (recv_rdma_channel_prefix_matrix)", prefix, shape=(topo.num_nodes, C),
+                     dtype=torch.int32)
+        check_tensor(op, "handle[8] (send_rdma_head)", f.send_rdma_head,
+                     shape=(handle.is_token_in_rank.shape[0], topo.num_nodes), dtype=torch.int32)
+        rows = f.send_nvl_head.shape[0]
+        p = prefix.cpu().to(torch.int64)
+        if bool((p.diff(dim=1, prepend=torch.zeros(p.shape[0], 1, dtype=torch.int64)) < 0).any()) or \
+                int(p[:, -1].sum()) != rows:
+            bad_argument(op, "handle[3] (recv_rdma_channel_prefix_matrix)", f"a prefix over channels (non-decreasing "
+                         f"rows) whose totals add up to the {rows} rows of handle[9] (send_nvl_head)", p.tolist())
+
     def _protocol_bug(self, what: str, kernel: torch.Tensor, agreed: torch.Tensor) -> None:
         if not torch.equal(kernel.cpu(), agreed.cpu()):
             raise RuntimeError(f"dispatch: rank {self.rank}: the notify kernel's {what} {kernel.tolist()} differs from "
@@ -149,6 +169,7 @@ class KernelInternodeMode:
                         config: Config, received: Received) -> DispatchResult:
         """Dispatch with the routing of ``handle`` (see ``Buffer.dispatch``); ``received``: the handle's
         receive offsets (``KernelNormalMode._received``)."""
+        self._check_fields("dispatch", handle)
         self.portable.agree_cached(x, scales, handle, config)
         pin, device, fields = Pins(), x.device, handle.internode
         x = x.contiguous()
@@ -179,6 +200,7 @@ class KernelInternodeMode:
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Callable[[], None]]:
         """Combine of checked arguments (see ``Buffer.combine``); ``row_type(dtype)``: the kernels' ``RowType``
         of x's rows (raising for one they cannot sum). Returns (out, out_weights, finish)."""
+        self._check_fields("combine", handle)
         self.portable.agree_combine(x, handle, topk_weights, config)
         rows = row_type(x.dtype)
         pin, device, fields = Pins(), x.device, handle.internode

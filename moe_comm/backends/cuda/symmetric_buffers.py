@@ -2,6 +2,10 @@
 
 One NVSHMEM world per process: every rank of the buffer's group is one PE (PE = rank), joined once by a
 unique id that rank 0 makes and the group's transport all-gathers (no MPI, no launcher support needed).
+NVSHMEM sizes its symmetric heap once, at init, from ``NVSHMEM_SYMMETRIC_SIZE`` (its default, 1 GiB, is
+below DeepEP's decode-shape buffers): unless the user has set it, ``join_world`` sets it to the largest
+``heap_bytes`` of the ranks (the same on every PE, as the heap is symmetric) and logs that it did. It sets
+no other NVSHMEM variable: the transport (IBGDA, IBRC, ...) stays NVSHMEM's choice and the user's.
 ``SymmetricBuffers`` has the interface of ``SharedBuffers`` / ``IpcBuffers`` (``ensure``, ``zero_own``,
 ``peers``, ``unmapped``, ``close``), so the kernel modes drive it alike; what it gives a kernel object for
 a set of ranks is ``(base, p2p, pes)``: this rank's symmetric buffer, each rank's buffer as mapped here
@@ -16,6 +20,7 @@ this has run on a GPU.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -23,15 +28,29 @@ import torch
 
 from ...transport import Transport
 
-__all__ = ["SymmetricBuffers", "join_world"]
+__all__ = ["HEAP_VARIABLE", "SymmetricBuffers", "heap_bytes", "join_world"]
+
+_log = logging.getLogger(__name__)
 
 Guard = Callable[[], ContextManager[Any]]
 
 
-def join_world(transport: Transport, module: Any, guard: Guard = contextlib.nullcontext) -> None:
+#: NVSHMEM's variable for the size of its symmetric heap (read once, at init).
+HEAP_VARIABLE = "NVSHMEM_SYMMETRIC_SIZE"
+
+
+def heap_bytes(buffer_bytes: int) -> int:
+    """The symmetric heap a Buffer of DeepEP's ``max(num_nvl_bytes, num_rdma_bytes)`` asks for: room for the
+    low-latency buffers (their layout takes up to twice DeepEP's, staging the rows that cross nodes) and
+    the normal-mode RDMA rings, at least 1 GiB."""
+    return max(1 << 30, 2 * buffer_bytes + (512 << 20))
+
+
+def join_world(transport: Transport, module: Any, guard: Guard = contextlib.nullcontext, heap: int = 1 << 30) -> None:
     """Makes this process PE ``transport.rank`` of an NVSHMEM world of the transport's ranks (collective),
-    or checks that it already is: one process serves one world, so every Buffer across hosts in a process
-    must be built on the same ranks."""
+    with a symmetric heap of the largest ``heap`` bytes of the ranks unless ``NVSHMEM_SYMMETRIC_SIZE`` is set;
+    or checks that it already is one: one process serves one world, so every Buffer across hosts in a
+    process must be built on the same ranks."""
     op = "cuda: joining NVSHMEM"
     rank, size = transport.rank, transport.num_ranks
     if module.initialized():
@@ -41,10 +60,16 @@ def join_world(transport: Transport, module: Any, guard: Guard = contextlib.null
                                f"serves one NVSHMEM world, so build every Buffer that spans hosts on the same ranks")
         return
     uid = module.unique_id() if rank == 0 else bytes(module.UNIQUE_ID_BYTES)
-    row = torch.tensor(list(uid), dtype=torch.uint8, device=transport.device)
+    row = torch.tensor(list(uid) + list(heap.to_bytes(8, "little")), dtype=torch.uint8, device=transport.device)
     rows = transport.all_gather_rows(row, op=op).cpu()
+    n = module.UNIQUE_ID_BYTES
+    if HEAP_VARIABLE not in os.environ:
+        largest = max(int.from_bytes(bytes(r[n:].tolist()), "little") for r in rows)
+        os.environ[HEAP_VARIABLE] = str(largest)
+        _log.info("moe_comm: %s=%d (NVSHMEM's symmetric heap, sized for this Buffer; set it to override)",
+                  HEAP_VARIABLE, largest)
     with guard():
-        module.init(bytes(rows[0].tolist()), rank, size)
+        module.init(bytes(rows[0][:n].tolist()), rank, size)
 
 
 class SymmetricBuffers:
