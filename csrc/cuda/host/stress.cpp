@@ -528,6 +528,17 @@ Round make_round(Rng& rng, bool shake_ll, bool shake_normal, bool async_launch, 
     return rd;
 }
 
+// A dispatch's outputs of `rows` rows, filled with values no kernel writes (so a row it misses shows).
+void fill_dispatch_outputs(NormalRankOut& out, int64_t rows, const NormalOp& op, int32_t K) {
+    out.recv_x.assign(static_cast<size_t>(rows * op.x_bytes), 0xee);
+    out.recv_scales.assign(static_cast<size_t>(rows * op.scale_bytes), 0xee);
+    out.recv_src.assign(static_cast<size_t>(rows), -7);
+    if (K) {
+        out.recv_topk_idx.assign(static_cast<size_t>(rows * K), -7);
+        out.recv_topk_weights.assign(static_cast<size_t>(rows * K), -7.0f);
+    }
+}
+
 // ------------------------------------------------------------------------------------ rank threads
 // The backend's communication stream (moe_comm/backends/cuda/host_stream.py): one rank's launches in
 // order. submit waits for the previous launch, then starts this one: on its own thread with --async
@@ -616,14 +627,7 @@ void run_normal(Round& rd, int me, Rendezvous& shake) {
                 fail_exit();
             }
         }
-        const int64_t rows = handle->num_recv;
-        out.recv_x.assign(static_cast<size_t>(rows * op.x_bytes), 0xee);
-        out.recv_scales.assign(static_cast<size_t>(rows * op.scale_bytes), 0xee);
-        out.recv_src.assign(static_cast<size_t>(rows), -7);
-        if (K) {
-            out.recv_topk_idx.assign(static_cast<size_t>(rows * K), -7);
-            out.recv_topk_weights.assign(static_cast<size_t>(rows * K), -7.0f);
-        }
+        fill_dispatch_outputs(out, handle->num_recv, op, K);
         const DispatchArgs a{rt.T, op.x_bytes, op.scale_bytes, K, in.x.data(),
                              op.scale_bytes ? in.scales.data() : nullptr, K ? rt.topk.data() : nullptr,
                              K ? rt.weights.data() : nullptr, rt.in_rank.data(), rt.chan_prefix.data(),
@@ -717,14 +721,7 @@ void run_internode(Round& rd, int me, Rendezvous& shake) {
                 fail_exit();
             }
         }
-        const int64_t rows = handle->num_recv;
-        out.recv_x.assign(static_cast<size_t>(rows * op.x_bytes), 0xee);
-        out.recv_scales.assign(static_cast<size_t>(rows * op.scale_bytes), 0xee);
-        out.recv_src.assign(static_cast<size_t>(rows), -7);
-        if (K) {
-            out.recv_topk_idx.assign(static_cast<size_t>(rows * K), -7);
-            out.recv_topk_weights.assign(static_cast<size_t>(rows * K), -7.0f);
-        }
+        fill_dispatch_outputs(out, handle->num_recv, op, K);
         const InternodeDispatchArgs a{
             DispatchArgs{rt.T, op.x_bytes, op.scale_bytes, K, in.x.data(), op.scale_bytes ? in.scales.data() : nullptr,
                          K ? rt.topk.data() : nullptr, K ? rt.weights.data() : nullptr, rt.in_rank.data(), nullptr,

@@ -30,9 +30,9 @@ from ...ops import DispatchLayout
 from ...topology import Topology
 from ..base import DispatchResult
 from ..portable.internode import forward_bits, rdma_channel_prefix
-from ..portable.normal import NormalMode, channel_prefix, dispatch_outputs, fill_padding
+from ..portable.normal import NormalMode, channel_prefix, dispatch_outputs
 from .host_stream import HostStream
-from .kernel_outputs import finish_dispatch, kernel_topk_ids
+from .kernel_outputs import cached_result, finish_dispatch, kernel_topk_ids
 from .pins import Pins
 from .shared_buffers import SharedBuffers
 
@@ -185,13 +185,7 @@ class KernelInternodeMode:
                 pin(_i64(fields.recv_rdma_channel_prefix_matrix, device)), pin(recv_offset), pin(chan_starts),
                 pin(chan_counts), pin(recv_x), pin(recv_scales), 0, 0, pin(src_idx))
         job = self.stream.submit("dispatch", lambda: kernel.prologue(epoch) or pin.launch(kernel.dispatch, *args))
-
-        @self.portable.agreement.deferred("dispatch")
-        def finish() -> None:
-            job.wait()
-            fill_padding([recv_x, recv_scales], [0, 0], num_recv)
-
-        return DispatchResult(recv_x, recv_scales, None, None, None, None, finish)
+        return cached_result(self.portable.agreement, job, recv_x, recv_scales, num_recv)
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle: NormalHandle, topk_weights: Optional[torch.Tensor],

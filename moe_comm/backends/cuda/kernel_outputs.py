@@ -6,9 +6,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..base import DispatchResult
 from ..portable.normal import fill_padding
 
-__all__ = ["finish_dispatch", "kernel_topk_ids"]
+__all__ = ["cached_result", "finish_dispatch", "kernel_topk_ids"]
 
 
 def kernel_topk_ids(recv_topk_idx: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
@@ -34,3 +35,16 @@ def finish_dispatch(agreement: Any, job: Any, outputs: tuple, idx64: Optional[to
                      received)
 
     return finish
+
+
+def cached_result(agreement: Any, job: Any, recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
+                  received: int) -> DispatchResult:
+    """A cached kernel dispatch's result: ``recv_x`` and ``recv_scales`` (None: no scales), filled by the
+    deferred end, which waits for the launch and pads the rows past the ``received`` ones."""
+
+    @agreement.deferred("dispatch")
+    def finish() -> None:
+        job.wait()
+        fill_padding([recv_x, recv_scales], [0, 0], received)
+
+    return DispatchResult(recv_x, recv_scales, None, None, None, None, finish)

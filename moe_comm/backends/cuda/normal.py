@@ -24,10 +24,10 @@ from ...config import Config
 from ...handle import NormalHandle
 from ...ops import DispatchLayout
 from ..base import DispatchResult
-from ..portable.normal import NormalMode, channel_prefix, dispatch_outputs, fill_padding, rows_within_destination
+from ..portable.normal import NormalMode, channel_prefix, dispatch_outputs, rows_within_destination
 from .host_stream import HostStream
 from .internode import KernelInternodeMode, kernels_span
-from .kernel_outputs import finish_dispatch, kernel_topk_ids
+from .kernel_outputs import cached_result, finish_dispatch, kernel_topk_ids
 from .pins import Pins
 from .shared_buffers import SharedBuffers
 
@@ -159,13 +159,7 @@ class KernelNormalMode:
                 pin(handle.channel_prefix_matrix.to(x.device, torch.int64).contiguous()), pin(recv_offset),
                 pin(chan_starts), pin(chan_counts), pin(recv_x), pin(recv_scales), 0, 0, pin(src_idx))
         job = self.stream.submit("dispatch", lambda: kernel.prologue(epoch) or pin.launch(kernel.dispatch, *args))
-
-        @self.portable.agreement.deferred("dispatch")
-        def finish() -> None:
-            job.wait()
-            fill_padding([recv_x, recv_scales], [0, 0], received)
-
-        return DispatchResult(recv_x, recv_scales, None, None, None, None, finish)
+        return cached_result(self.portable.agreement, job, recv_x, recv_scales, received)
 
     def _row_type(self, dtype: torch.dtype) -> Any:
         """The kernels' ``RowType`` of combine rows of ``dtype`` (raised after the handshake, which has
