@@ -189,8 +189,8 @@ def test_low_latency_layout_matches_the_host_build(R, L, M, H, staged):
 
 
 @pytest.mark.parametrize("Rn, NL, C, L, nvl_slots, nvl_slot, rdma_slots, rdma_slot",
-                         [(2, 1, 1, 1, 2, 1, 2, 5), (2, 8, 10, 32, 288, 14358, 128, 14362), (8, 8, 12, 4, 720, 7200, 128, 100),
-                          (3, 2, 4, 0, 4, 100, 4, 100)])
+                         [(2, 1, 1, 1, 2, 1, 2, 5), (2, 8, 10, 32, 288, 14358, 128, 14362),
+                          (8, 8, 12, 4, 720, 7200, 128, 100), (3, 2, 4, 0, 4, 100, 4, 100)])
 @needs_nvcc
 def test_internode_layout_matches_the_host_build(Rn, NL, C, L, nvl_slots, nvl_slot, rdma_slots, rdma_slot):
     from moe_comm import _cuda_host as host

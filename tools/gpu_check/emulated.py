@@ -1,8 +1,8 @@
 """Emulated ranks of moe_comm._cuda (R ranks in each launch on one GPU) against moe_comm._cuda_host (R
 threads on the CPU), on the same inputs, byte for byte: normal mode (notify, dispatch, prologue,
 combine) in bf16 and FP8, the same across 2 emulated nodes of R / 2 ranks (the internode kernels: RDMA
-rings over DirectLink, forwarders, node rings), low latency (dispatch send/receive, combine send/receive) in bf16, FP8 and
-FP8 with UE8M0 scales. The entry point compute-sanitizer runs (``--ranks 2 --small``).
+rings over DirectLink, forwarders, node rings), low latency (dispatch send/receive, combine
+send/receive) in bf16, FP8 and FP8 with UE8M0 scales. The entry point compute-sanitizer runs (``--ranks 2 --small``).
 
     python tools/gpu_check/emulated.py --ranks 2 --small --json OUT.json
     python tools/gpu_check/emulated.py --ranks 2 --host-only      # the CPU reference alone (no GPU)

@@ -215,7 +215,8 @@ class HostSide:
     def internode(self, nvl, rdma, NL, *geometry):
         """``geometry``: C, nvl_chunk, rdma_chunk, L, nvl_slots, nvl_slot_bytes, rdma_slots, rdma_slot_bytes."""
         Rn = self.R // NL
-        return [self.mod.Internode([nvl[r // NL * NL + j] for j in range(NL)], [rdma[n * NL + r % NL] for n in range(Rn)],
+        return [self.mod.Internode([nvl[r // NL * NL + j] for j in range(NL)],
+                                   [rdma[n * NL + r % NL] for n in range(Rn)],
                                    [os.getpid()] * self.R, r, self.timeout_s, *geometry) for r in range(self.R)]
 
     def prepare(self, args: dict[int, tuple]) -> Any:

@@ -145,8 +145,8 @@ class CudaBackend(PortableBackend):
         split = [r for r in range(self.num_ranks) if hosts[r] != hosts[topo.rank_at(topo.node_of(r), 0)]]
         if not kernels_span(topo, self.kernels_module.MAX_NODES) or split:
             raise ValueError(f"Buffer: the cuda backend across hosts needs nodes of equal size, each on one host "
-                             f"(DeepEP's rule), at most {self.kernels_module.MAX_NODES} of them; these {self.num_ranks} "
-                             f"ranks make {topo.num_nodes} nodes of up to {topo.ranks_per_node} ranks"
+                             f"(DeepEP's rule), at most {self.kernels_module.MAX_NODES} of them; these "
+                             f"{self.num_ranks} ranks make {topo.num_nodes} nodes of up to {topo.ranks_per_node} ranks"
                              + (f", and ranks {split} share a node with a rank of another host" if split else "")
                              + "; use backend='portable', or LOCAL_WORLD_SIZE to set the node size")
         return True

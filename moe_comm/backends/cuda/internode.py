@@ -32,7 +32,7 @@ from ..base import DispatchResult
 from ..portable.internode import forward_bits, rdma_channel_prefix
 from ..portable.normal import NormalMode, channel_prefix, dispatch_outputs
 from .host_stream import HostStream
-from .kernel_outputs import cached_result, finish_dispatch, kernel_topk_ids
+from .kernel_outputs import cached_result, check_notify, finish_dispatch, kernel_topk_ids, pinned_inputs
 from .pins import Pins
 from .shared_buffers import SharedBuffers
 
@@ -108,11 +108,6 @@ class KernelInternodeMode:
             bad_argument(op, "handle[3] (recv_rdma_channel_prefix_matrix)", f"a prefix over channels (non-decreasing "
                          f"rows) whose totals add up to the {rows} rows of handle[9] (send_nvl_head)", p.tolist())
 
-    def _protocol_bug(self, what: str, kernel: torch.Tensor, agreed: torch.Tensor) -> None:
-        if not torch.equal(kernel.cpu(), agreed.cpu()):
-            raise RuntimeError(f"dispatch: rank {self.rank}: the notify kernel's {what} {kernel.tolist()} differs from "
-                               f"the handshake's {agreed.tolist()} (a protocol bug in csrc/cuda)")
-
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], layout: DispatchLayout, expert_alignment: int,
@@ -139,19 +134,16 @@ class KernelInternodeMode:
                 pin(gbl_prefix), pin(recv_offset), pin(chan_starts), pin(chan_counts), pin(recv_rdma),
                 pin(per_expert), pin(num_recv))
         self.stream.run("dispatch", lambda: pin.launch(kernel.notify, *args))
-        self._protocol_bug("received-row prefix", gbl_prefix, shake.sent[:, me].cumsum(0).to(torch.int32))
+        check_notify(me, "received-row prefix", gbl_prefix, shake.sent[:, me].cumsum(0).to(torch.int32))
         received = int(num_recv)
         rows = num_worst_tokens if num_worst_tokens > 0 else received
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = dispatch_outputs(rows, x, scales,
                                                                                                topk_idx)
         idx64 = kernel_topk_ids(recv_topk_idx, device)
-        args = (x.shape[0], x.shape[1] * x.element_size(), scale_bytes, K, pin(x),
-                pin(None if scales is None else scales.contiguous()),
-                pin(None if topk_idx is None else topk_idx.to(i64).contiguous()),
-                pin(None if topk_weights is None else topk_weights.to(torch.float32).contiguous()),
-                pin(layout.is_token_in_rank.contiguous()), pin(rdma_prefix), pin(recv_rdma), pin(recv_offset),
-                pin(chan_starts), pin(chan_counts), pin(recv_x), pin(recv_scales), pin(idx64), pin(recv_topk_weights),
-                pin(recv_src_idx))
+        args = (x.shape[0], x.shape[1] * x.element_size(), scale_bytes, K,
+                *pinned_inputs(pin, x, scales, topk_idx, topk_weights), pin(layout.is_token_in_rank.contiguous()),
+                pin(rdma_prefix), pin(recv_rdma), pin(recv_offset), pin(chan_starts), pin(chan_counts), pin(recv_x),
+                pin(recv_scales), pin(idx64), pin(recv_topk_weights), pin(recv_src_idx))
         job = self.stream.submit("dispatch", lambda: pin.launch(kernel.dispatch, *args))
         finish = finish_dispatch(self.portable.agreement, job, (recv_x, recv_scales, recv_topk_idx,
                                                                 recv_topk_weights, recv_src_idx), idx64, received)
@@ -160,7 +152,7 @@ class KernelInternodeMode:
         handle = self.portable.complete_handle(NormalHandle(rank_prefix, chan_prefix, chan_starts.to(torch.int32)
                                                             .to(device), recv_src_idx, layout.is_token_in_rank,
                                                             plan.send_pos))
-        self._protocol_bug("forwarded-token prefix", recv_rdma, handle.internode.recv_rdma_channel_prefix_matrix
+        check_notify(me, "forwarded-token prefix", recv_rdma, handle.internode.recv_rdma_channel_prefix_matrix
                            .to(i64))
         expert_list = [] if num_worst_tokens > 0 else per_expert.tolist()
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_list, handle, finish)

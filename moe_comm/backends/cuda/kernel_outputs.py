@@ -1,5 +1,6 @@
-"""What the kernel dispatches of both layouts (``normal.py`` intranode, ``internode.py`` across nodes) do
-with their outputs once the launch is queued."""
+"""What the kernel dispatches of both layouts (``normal.py`` intranode, ``internode.py`` across nodes) share:
+their inputs by address, the check of notify's counts, and what they do with their outputs once the
+launch is queued."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -9,7 +10,24 @@ import torch
 from ..base import DispatchResult
 from ..portable.normal import fill_padding
 
-__all__ = ["cached_result", "finish_dispatch", "kernel_topk_ids"]
+__all__ = ["cached_result", "check_notify", "finish_dispatch", "kernel_topk_ids", "pinned_inputs"]
+
+
+def pinned_inputs(pin: Any, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                  topk_weights: Optional[torch.Tensor]) -> tuple[int, int, int, int]:
+    """A dispatch's inputs as the kernels read them, by address (``pin``: a ``Pins``; 0 for None): x
+    (contiguous), scales, top-k ids as int64, top-k weights as float32."""
+    return (pin(x.contiguous()), pin(None if scales is None else scales.contiguous()),
+            pin(None if topk_idx is None else topk_idx.to(torch.int64).contiguous()),
+            pin(None if topk_weights is None else topk_weights.to(torch.float32).contiguous()))
+
+
+def check_notify(rank: int, what: str, kernel: torch.Tensor, agreed: torch.Tensor) -> None:
+    """Raises unless the notify kernel's ``what`` equals what the handshake (or the handle) agreed: a
+    difference is a protocol bug in csrc/cuda, never a caller's error."""
+    if not torch.equal(kernel.cpu(), agreed.cpu()):
+        raise RuntimeError(f"dispatch: rank {rank}: the notify kernel's {what} {kernel.tolist()} differs from the "
+                           f"handshake's {agreed.tolist()} (a protocol bug in csrc/cuda)")
 
 
 def kernel_topk_ids(recv_topk_idx: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:

@@ -27,7 +27,7 @@ from ..base import DispatchResult
 from ..portable.normal import NormalMode, channel_prefix, dispatch_outputs, rows_within_destination
 from .host_stream import HostStream
 from .internode import KernelInternodeMode, kernels_span
-from .kernel_outputs import cached_result, finish_dispatch, kernel_topk_ids
+from .kernel_outputs import cached_result, check_notify, finish_dispatch, kernel_topk_ids, pinned_inputs
 from .pins import Pins
 from .shared_buffers import SharedBuffers
 
@@ -112,21 +112,16 @@ class KernelNormalMode:
                 pin(layout.num_tokens_per_expert.to(device, torch.int64).contiguous()), pin(sends), expert_alignment,
                 pin(rank_prefix), pin(recv_offset), pin(chan_starts), pin(chan_counts), pin(per_expert), pin(num_recv))
         self.stream.run("dispatch", lambda: pin.launch(kernel.notify, *args))
-        agreed = shake.sent.cumsum(0).to(torch.int32)
-        if not torch.equal(rank_prefix, agreed):
-            raise RuntimeError(f"dispatch: rank {me}: the notify kernel's rank prefix matrix {rank_prefix.tolist()} "
-                               f"differs from the handshake's {agreed.tolist()} (a protocol bug in csrc/cuda)")
+        check_notify(me, "rank prefix matrix", rank_prefix, shake.sent.cumsum(0).to(torch.int32))
         received = int(num_recv)
         rows = num_worst_tokens if num_worst_tokens > 0 else received
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = dispatch_outputs(rows, x, scales,
                                                                                                topk_idx)
         idx64 = kernel_topk_ids(recv_topk_idx, device)
-        args = (x.shape[0], x.shape[1] * x.element_size(), scale_bytes, K, pin(x),
-                pin(None if scales is None else scales.contiguous()),
-                pin(None if topk_idx is None else topk_idx.to(torch.int64).contiguous()),
-                pin(None if topk_weights is None else topk_weights.to(torch.float32).contiguous()),
-                pin(layout.is_token_in_rank.contiguous()), pin(sends), pin(recv_offset), pin(chan_starts),
-                pin(chan_counts), pin(recv_x), pin(recv_scales), pin(idx64), pin(recv_topk_weights), pin(recv_src_idx))
+        args = (x.shape[0], x.shape[1] * x.element_size(), scale_bytes, K,
+                *pinned_inputs(pin, x, scales, topk_idx, topk_weights), pin(layout.is_token_in_rank.contiguous()),
+                pin(sends), pin(recv_offset), pin(chan_starts), pin(chan_counts), pin(recv_x), pin(recv_scales),
+                pin(idx64), pin(recv_topk_weights), pin(recv_src_idx))
         job = self.stream.submit("dispatch", lambda: pin.launch(kernel.dispatch, *args))
         finish = finish_dispatch(self.portable.agreement, job, (recv_x, recv_scales, recv_topk_idx,
                                                                 recv_topk_weights, recv_src_idx), idx64, received)
