@@ -103,22 +103,26 @@ def test_auto_picks_mpi_on_the_mpi_backend():
 
 
 @needs_mpi
-def test_shrink_without_torch_distributed_is_refused():
-    """A pure MPI job has no rendezvous store for the shrink protocol: the Buffer says so."""
+def test_shrink_without_torch_distributed_is_refused(tmp_path):
+    """A pure MPI job has no rendezvous store for the shrink protocol: the Buffer says so on every rank."""
     import subprocess
     import sys
 
     from moe_comm.launch.mpiexec import find_mpiexec
-    code = ("from mpi4py import MPI; import moe_comm\n"
+    # Each rank reports to its own file: mpiexec forwards the ranks' stdout in pieces that can interleave.
+    code = ("import sys; from mpi4py import MPI; import moe_comm\n"
+            "out = open(sys.argv[1] + f'/rank{MPI.COMM_WORLD.Get_rank()}.txt', 'w')\n"
             "try:\n"
             "    moe_comm.Buffer(None, comm=MPI.COMM_WORLD, low_latency_mode=True, enable_shrink=True, timeout_s=30)\n"
             "except ValueError as exc:\n"
-            "    print('REFUSED', exc)\n"
+            "    out.write(f'REFUSED {exc}\\n')\n"
             "moe_comm.Buffer(None, comm=MPI.COMM_WORLD, low_latency_mode=True, timeout_s=30)\n"
-            "print('PLAIN OK')\n")
-    done = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+            "out.write('PLAIN OK\\n')\n")
+    done = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.count("REFUSED Buffer: enable_shrink=True masks the ranks that miss a low-latency deadline, "
-                             "which needs torch.distributed's rendezvous store") == 2, done.stdout
-    assert done.stdout.count("PLAIN OK") == 2, done.stdout
+    for rank in range(2):
+        report = (tmp_path / f"rank{rank}.txt").read_text()
+        assert report.startswith("REFUSED Buffer: enable_shrink=True masks the ranks that miss a low-latency deadline, "
+                                 "which needs torch.distributed's rendezvous store"), (rank, report)
+        assert report.endswith("PLAIN OK\n"), (rank, report)
