@@ -21,6 +21,10 @@ TRITON_INTERPRET     (Triton's own) ``1`` runs Triton kernels in its CPU interpr
 MOE_COMM_DEEP_EP     ``1``: the vLLM and SGLang plugin entry points make ``import deep_ep`` give moe-comm
                      (``moe_comm.integrations.install_deep_ep_alias``); ``force``: even over another
                      ``deep_ep`` already imported; unset, empty or ``0``: the plugins do nothing.
+MOE_COMM_ASCEND_COMM_ALG  ``comm_alg`` of the ascend backend's MC2 v2 calls (unset: ``""``, the operators'
+                     default; Atlas A2: ``fullmesh``/``hierarchy``, A3: ``fullmesh_v1``/``fullmesh_v2``/``hierarchy``).
+HCCL_BUFFSIZE        (HCCL's own) MB of each HCCL communicator's buffers (default 200); the ascend
+                     backend checks it against MC2's documented need before a low-latency call.
 LOCAL_WORLD_SIZE     (set by torchrun) ranks per node: the ``shm`` transport groups global ranks
                      ``r // LOCAL_WORLD_SIZE`` as one node.
 """
@@ -30,11 +34,12 @@ import os
 from typing import Optional
 
 __all__ = ["backend", "transport", "timeout_s", "num_threads", "pool_bytes", "weight_cache_bytes", "local_world_size",
-           "ops_backend", "triton_interpret", "deep_ep_alias"]
+           "ops_backend", "triton_interpret", "deep_ep_alias", "ascend_comm_alg", "hccl_buffsize_mb"]
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_POOL_BYTES = 2 << 30
 DEFAULT_WEIGHT_CACHE_BYTES = 1 << 30
+DEFAULT_HCCL_BUFFSIZE_MB = 200  # HCCL's documented default
 
 
 def backend() -> Optional[str]:
@@ -115,3 +120,14 @@ def deep_ep_alias() -> Optional[str]:
     if value not in ("1", "force"):
         raise ValueError(f"environment variable MOE_COMM_DEEP_EP must be 1, force, 0 or unset, got {value!r}")
     return value
+
+
+def ascend_comm_alg() -> str:
+    """``MOE_COMM_ASCEND_COMM_ALG`` (default ``""``: MC2's own default algorithm)."""
+    return os.environ.get("MOE_COMM_ASCEND_COMM_ALG", "")
+
+
+def hccl_buffsize_mb() -> int:
+    """``HCCL_BUFFSIZE`` in MB (HCCL's default 200 when unset)."""
+    value = os.environ.get("HCCL_BUFFSIZE")
+    return DEFAULT_HCCL_BUFFSIZE_MB if not value else int(_positive("HCCL_BUFFSIZE", value, int))

@@ -9,12 +9,16 @@
 #include <tuple>
 #include <vector>
 
+#include "../ascend/mc2_limits.h"
 #include "../common/logfmt.h"
 #include "../cpu/api.h"
 #include "../cpu/flags.h"
+#include "../vendor/expert_rows.h"
 
 namespace py = pybind11;
 namespace cpu = moe_comm::cpu;
+namespace ascend = moe_comm::ascend;
+namespace vendor = moe_comm::vendor;
 
 namespace {
 
@@ -74,6 +78,58 @@ py::dict logfmt_constants() {
 }
 
 }  // namespace
+
+ascend::Mc2Call mc2_call(const std::string& product, int version, const std::string& comm_alg, int64_t ep_world_size,
+                         int64_t moe_expert_num, int64_t hidden, int64_t batch, int64_t topk, bool quant) {
+    if (product != "A2" && product != "A3")
+        throw std::invalid_argument("mc2: product must be 'A2' or 'A3', got '" + product + "'");
+    return {product == "A2" ? ascend::Product::kA2 : ascend::Product::kA3, version, comm_alg, ep_world_size,
+            moe_expert_num, hidden, batch, topk, quant};
+}
+
+// The host-side logic of the vendor backends (csrc/ascend, csrc/vendor) under moe_comm._C.
+void def_vendor(py::module_& m) {
+    auto mc2_args = [] {
+        return std::make_tuple(py::arg("product"), py::arg("version"), py::arg("comm_alg"), py::arg("ep_world_size"),
+                               py::arg("moe_expert_num"), py::arg("hidden"), py::arg("batch"), py::arg("topk"),
+                               py::arg("quant"));
+    };
+    auto [a0, a1, a2, a3, a4, a5, a6, a7, a8] = mc2_args();
+    m.def("mc2_check", [](const std::string& p, int v, const std::string& alg, int64_t ep, int64_t e, int64_t h,
+                          int64_t bs, int64_t k, bool q) { return ascend::mc2_check(mc2_call(p, v, alg, ep, e, h, bs, k, q)); },
+          a0, a1, a2, a3, a4, a5, a6, a7, a8, "What MC2 refuses of this call, or ''.");
+    m.def("mc2_recv_rows", [](const std::string& p, int v, const std::string& alg, int64_t ep, int64_t e, int64_t h,
+                              int64_t bs, int64_t k, bool q) { return ascend::mc2_recv_rows(mc2_call(p, v, alg, ep, e, h, bs, k, q)); },
+          a0, a1, a2, a3, a4, a5, a6, a7, a8, "Rows of expand_x one rank may receive (MC2's A).");
+    m.def("mc2_min_buffsize_mb", [](const std::string& p, int v, const std::string& alg, int64_t ep, int64_t e,
+                                    int64_t h, int64_t bs, int64_t k, bool q) {
+              return ascend::mc2_min_buffsize_mb(mc2_call(p, v, alg, ep, e, h, bs, k, q)); },
+          a0, a1, a2, a3, a4, a5, a6, a7, a8, "The least HCCL_BUFFSIZE (MB) MC2's formula allows.");
+    m.def(
+        "check_expert_counts",
+        [](const std::vector<int64_t>& counts, int64_t capacity, int64_t grouped_rows) {
+            return vendor::check_expert_counts(counts.data(), static_cast<int64_t>(counts.size()), capacity,
+                                               grouped_rows);
+        },
+        py::arg("counts"), py::arg("capacity"), py::arg("grouped_rows"));
+    for (bool to_packed : {true, false}) {
+        m.def(
+            to_packed ? "grouped_to_packed" : "packed_to_grouped",
+            [to_packed](std::uintptr_t packed, std::uintptr_t grouped, const std::vector<int64_t>& counts,
+                        int64_t capacity, int64_t grouped_rows, int64_t row_bytes) {
+                py::gil_scoped_release release;
+                const auto local = static_cast<int64_t>(counts.size());
+                if (to_packed)
+                    vendor::grouped_to_packed(ptr<uint8_t>(packed), ptr<const uint8_t>(grouped), counts.data(), local,
+                                              capacity, grouped_rows, row_bytes);
+                else
+                    vendor::packed_to_grouped(ptr<uint8_t>(grouped), ptr<const uint8_t>(packed), counts.data(), local,
+                                              capacity, grouped_rows, row_bytes);
+            },
+            py::arg("packed"), py::arg("grouped"), py::arg("counts"), py::arg("capacity"), py::arg("grouped_rows"),
+            py::arg("row_bytes"));
+    }
+}
 
 PYBIND11_MODULE(_C, m) {
     m.doc() = "moe-comm native kernels (raw-pointer API; no libtorch linkage)";
@@ -353,4 +409,5 @@ PYBIND11_MODULE(_C, m) {
     m.def("set_quantize_rows_isa_cap", &cpu::set_quantize_rows_isa_cap, py::arg("cap"));
     m.def("set_combine_reduce_generic", &cpu::set_combine_reduce_generic, py::arg("generic"));
     m.def("hardware_threads", &cpu::hardware_threads);
+    def_vendor(m);
 }

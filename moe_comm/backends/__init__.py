@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from .._native import build_info, cuda_module
+from .._native import cuda_module
 from ..errors import BackendUnavailableError
 from .base import Backend
 
@@ -32,12 +32,9 @@ __all__ = ["Backend", "Choice", "CUDA_HOST", "KNOWN", "PORTABLE", "available", "
 
 @dataclass(frozen=True)
 class _Native:
-    """A native backend: the device type it serves, the build flag of its kernels, and the torch
-    device module it needs."""
+    """A native backend: the device type it serves and what it is built from."""
 
     device_type: str
-    build_flag: str
-    torch_module: str
     kernels: str
 
 
@@ -45,20 +42,25 @@ PORTABLE = "portable"
 #: the host build of the CUDA kernels (moe_comm._cuda_host), on CPU tensors
 CUDA_HOST = "cuda_host"
 # The native backends and what each needs (their classes register in _built()).
-_NATIVE = {"cuda": _Native("cuda", "cuda", "torch.cuda", "csrc/cuda (moe_comm._cuda, CUDA IPC)"),
-           "ascend": _Native("npu", "ascend", "torch_npu", "csrc/ascend (HCCL, MC2)"),
-           "cambricon": _Native("mlu", "bang", "torch_mlu", "csrc/cambricon (CNCL)")}
+_NATIVE = {"cuda": _Native("cuda", "csrc/cuda (moe_comm._cuda, CUDA IPC)"),
+           "ascend": _Native("npu", "torch_npu's HCCL and MC2 operators (backends/ascend)"),
+           "cambricon": _Native("mlu", "torch_mlu's CNCL and torch_mlu_ops (backends/cambricon)")}
 #: every backend name ``Buffer(backend=...)`` knows, built or not
 KNOWN = (PORTABLE, CUDA_HOST) + tuple(_NATIVE)
-# torch.distributed backend of a group -> the device type its tensors live on
+# torch.distributed backend of a group -> the device type its tensors live on, where the group does not
+# say (``dist.get_backend_config`` names the devices: "npu:hccl" is Ascend, "hpu:hccl" Intel Gaudi)
 _GROUP_DEVICE = {"gloo": "cpu", "mpi": "cpu", "nccl": "cuda", "hccl": "npu", "cncl": "mlu"}
 
 
 def _built() -> dict[str, type[Backend]]:
     """The backend classes this moe_comm has. Imported when a Buffer is built: the modes import
-    ``moe_comm.handle``, which imports the portable backend's wire helpers."""
+    ``moe_comm.handle``, which imports the portable backend's wire helpers. The vendor backends import
+    no vendor module until one is built."""
+    from .ascend.backend import AscendBackend
+    from .cambricon.backend import CambriconBackend
     from .portable.backend import PortableBackend
-    built: dict[str, type[Backend]] = {PortableBackend.name: PortableBackend}
+    built: dict[str, type[Backend]] = {PortableBackend.name: PortableBackend, AscendBackend.name: AscendBackend,
+                                       CambriconBackend.name: CambriconBackend}
     if importlib.util.find_spec("moe_comm._cuda_host") is not None:
         from .cuda.backend import CudaHostBackend
         built[CudaHostBackend.name] = CudaHostBackend
@@ -92,13 +94,9 @@ def unavailable_reason(name: str) -> Optional[str]:
         return None if name in _built() else "moe_comm._cuda_host (the host build of csrc/cuda) is not built"
     if name == "cuda":
         return _cuda_reason()
-    spec = _NATIVE[name]
-    if not build_info().get(spec.build_flag, False):
-        return (f"this build of moe_comm._C has no {name} kernels (moe_comm.build_info()[{spec.build_flag!r}] is "
-                f"False; they come from {spec.kernels}, which is not built)")
-    if name not in _built():
-        return f"moe_comm._C has {name} kernels but this moe_comm has no {name} backend class to drive them"
-    return None if importlib.util.find_spec(spec.torch_module) else f"{spec.torch_module} is not installed"
+    from .ascend.backend import ascend_reason
+    from .cambricon.backend import cambricon_reason
+    return ascend_reason() if name == "ascend" else cambricon_reason()
 
 
 def available() -> list[str]:
@@ -118,13 +116,17 @@ class Choice:
 
 
 def _group_device(group: Optional[dist.ProcessGroup], comm: Any) -> tuple[str, str]:
-    """(device type, what it was read from) of the ranks' group."""
+    """(device type, what it was read from) of the ranks' group: the first accelerator its backend
+    config names ("cpu:gloo,npu:hccl" -> npu; "hpu:hccl", Intel Gaudi's HCCL, -> hpu), else cpu."""
     if comm is not None:
         return "cpu", "an mpi4py communicator"
     backend = str(dist.get_backend(group))
-    # a group of several backends reads "cpu:gloo,cuda:nccl": its accelerator's backend decides
-    names = [part.split(":")[-1] for part in backend.split(",")]
-    devices = [_GROUP_DEVICE.get(name, "cpu") for name in names]
+    try:
+        pairs = [part.split(":") for part in str(dist.get_backend_config(group)).split(",")]
+        # gloo lists "cuda:gloo" too: a device counts only under its own collective library
+        devices = [device for device, name in pairs if name not in ("gloo", "mpi")]
+    except (RuntimeError, ValueError):  # no config to read: the backend names decide
+        devices = [_GROUP_DEVICE.get(part.split(":")[-1], "cpu") for part in backend.split(",")]
     return next((d for d in devices if d != "cpu"), "cpu"), f"a {backend} group"
 
 

@@ -1,0 +1,63 @@
+"""The ``ascend`` backend: DeepEP's operations on Ascend NPUs (``torch_npu``, an ``hccl`` group).
+
+Normal mode is the portable backend's over the group's transport (``collective``: HCCL's uneven
+``all_to_all_single``), so its outputs are the reference's bit for bit. ``npu_moe_init_routing_v2`` and
+``npu_grouped_matmul`` sort rows by expert, which serves the expert computation after a dispatch,
+not DeepEP's normal-mode layout (one row per token and destination rank, by source rank): they are
+not on this path. Low-latency mode runs MC2's fused operators (``low_latency.py``).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from .. import vendor
+from ..portable.backend import PortableBackend
+from .low_latency import Mc2LowLatencyMode
+from .mc2 import Mc2
+
+__all__ = ["AscendBackend", "TORCH_NPU", "ascend_reason"]
+
+#: the vendor module and where it comes from
+TORCH_NPU = ("torch_npu", "Huawei's Ascend Extension for PyTorch (pip install torch-npu) with CANN's libraries")
+
+
+def ascend_reason() -> Optional[str]:
+    """Why the ascend backend cannot run in this process (torch_npu missing or not importing, no NPU,
+    no MC2 operators), or None when it can."""
+    torch_npu, why = vendor.load(*TORCH_NPU)
+    if torch_npu is None:
+        return why
+    if not torch_npu.npu.is_available():
+        return "torch_npu imports but sees no NPU (torch_npu.npu.is_available() is False)"
+    if not hasattr(torch_npu, "npu_moe_distribute_dispatch"):
+        return (f"torch_npu {getattr(torch_npu, '__version__', '?')} has no npu_moe_distribute_dispatch (MC2's EP "
+                f"operators)")
+    return None
+
+
+class AscendBackend(PortableBackend):
+    """DeepEP's operations on Ascend. Construction is collective (the transport, MC2's own group).
+    Arguments: as ``PortableBackend``; ``enable_shrink`` is refused (MC2 runs on every rank of its
+    communicator, so a rank that has exited cannot be left out)."""
+
+    name = "ascend"
+
+    def __init__(self, group: Optional[dist.ProcessGroup], comm: Any, transport: str, timeout_s: float,
+                 buffer_bytes: int, shrink: bool) -> None:
+        torch_npu, why = vendor.load(*TORCH_NPU)
+        if torch_npu is None:  # checked by backends.unavailable_reason before; the module may have gone since
+            raise RuntimeError(f"Buffer: the ascend backend needs {why}")
+        if comm is not None or group is None and not dist.is_initialized():
+            raise ValueError("Buffer: the ascend backend runs on a torch.distributed group (hccl), not an mpi4py "
+                             "communicator")
+        if shrink:
+            raise ValueError("Buffer: enable_shrink=True leaves exited ranks out of low-latency calls, but MC2's "
+                             "operators run on every rank of their HCCL communicator; leave enable_shrink off on the "
+                             "ascend backend")
+        super().__init__(group, comm, transport, timeout_s, buffer_bytes, shrink)
+        from .. import _group_device
+        group = group or dist.group.WORLD
+        self.low_latency = Mc2LowLatencyMode(self.transport, self.agreement,
+                                             Mc2(torch_npu, group, _group_device(group, None)[0]))
