@@ -34,7 +34,8 @@ if not _has_cuda():
 # MOE_COMM_REQUIRE_TOOLS=1: there a skip for a missing tool is a failure, so a CI machine without
 # them cannot pass those checks by skipping them.
 _TOOLS = ("spin is not installed", "gcc is not installed", "g++ is not installed", "-fsanitize=thread",
-          "nvcc not found", "nvdisasm not found", "ip is not installed", "unshare is not installed")
+          "nvcc not found", "nvdisasm not found", "ip is not installed", "unshare is not installed",
+          "torch-npu is not installed")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -52,7 +52,7 @@ def test_ascend_on_atlas_a3(vendor_worlds):
                                         num_topk=2, num_experts=4, env=A3)))
 
 
-@pytest.mark.parametrize("backend", ["ascend"])
+@pytest.mark.parametrize("backend", ["ascend", "cambricon"])
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_normal_mode_is_the_portable_backends(vendor_worlds, backend, ranks):
     _clean(vendor_worlds(ranks).run(partial(vendor_cases.normal, backend=backend, num_tokens=10, hidden=64,
@@ -86,3 +86,17 @@ MC2 = "low_latency_dispatch: the ascend backend's MC2 operators refuse this call
 def test_ascend_refuses_what_mc2_refuses_before_any_byte_moves(vendor_worlds, ranks, call, env, kind, message):
     results = vendor_worlds(ranks).run(partial(vendor_cases.refused, backend="ascend", env=env, **call))
     assert results == [(kind, message)] * ranks, results
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_cambricon_low_latency_is_the_portable_backends(vendor_worlds, ranks):
+    _clean(vendor_worlds(ranks).run(partial(vendor_cases.low_latency, backend="cambricon", num_tokens=6, hidden=128,
+                                            num_topk=2, num_experts=2 * ranks, use_fp8=ranks % 2 == 0)))
+
+
+def test_ascend_refuses_shrink_at_construction(vendor_worlds):
+    results = vendor_worlds(2).run(partial(vendor_cases.construct, backend="ascend", low_latency_mode=True,
+                                           enable_shrink=True))
+    assert results == [("ValueError", "Buffer: enable_shrink=True leaves exited ranks out of low-latency calls, but "
+                                      "MC2's operators run on every rank of their HCCL communicator; leave "
+                                      "enable_shrink off on the ascend backend")] * 2, results

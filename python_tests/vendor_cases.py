@@ -50,7 +50,7 @@ def _diff(name: str, got: torch.Tensor, want: torch.Tensor, out: list[str]) -> N
                    + ("" if got.shape != want.shape else f", {int((got != want).sum())} elements differ"))
 
 
-def _low_latency(group: dist.ProcessGroup, backend: str, num_tokens: int, hidden: int, num_topk: int,
+def compare_low_latency(group: dist.ProcessGroup, backend: str, num_tokens: int, hidden: int, num_topk: int,
                  num_experts: int, use_fp8: bool = False, hook: bool = False, zero_copy: bool = False) -> list[str]:
     """Dispatch and combine on ``backend`` and on ``portable``; the differences (none: []). FP8 on a
     backend that quantises to INT8 (ascend) compares with the portable bf16 rows quantised by
@@ -104,7 +104,7 @@ def _low_latency(group: dist.ProcessGroup, backend: str, num_tokens: int, hidden
     return [f"rank {rank}: {d}" for d in diffs]
 
 
-def _normal(group: dist.ProcessGroup, backend: str, num_tokens: int, hidden: int, num_topk: int,
+def compare_normal(group: dist.ProcessGroup, backend: str, num_tokens: int, hidden: int, num_topk: int,
             num_experts: int) -> list[str]:
     """Normal-mode dispatch and combine on ``backend`` and on ``portable``; the differences (none: [])."""
     rank = dist.get_rank(group)
@@ -161,12 +161,12 @@ def _construct(group: dist.ProcessGroup, backend: str, **kw: Any) -> tuple[str, 
 
 def low_latency(group: dist.ProcessGroup, *args: Any, env: Optional[dict[str, str]] = None, **kw: Any) -> list[str]:
     with models(env):
-        return _low_latency(group, *args, **kw)
+        return compare_low_latency(group, *args, **kw)
 
 
 def normal(group: dist.ProcessGroup, *args: Any, env: Optional[dict[str, str]] = None, **kw: Any) -> list[str]:
     with models(env):
-        return _normal(group, *args, **kw)
+        return compare_normal(group, *args, **kw)
 
 
 def refused(group: dist.ProcessGroup, *args: Any, env: Optional[dict[str, str]] = None, **kw: Any) -> tuple[str, str]:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .. import vendor
+from ..vendor import load
 from ..portable.backend import PortableBackend
 from .low_latency import Mc2LowLatencyMode
 from .mc2 import Mc2
@@ -26,7 +26,7 @@ TORCH_NPU = ("torch_npu", "Huawei's Ascend Extension for PyTorch (pip install to
 def ascend_reason() -> Optional[str]:
     """Why the ascend backend cannot run in this process (torch_npu missing or not importing, no NPU,
     no MC2 operators), or None when it can."""
-    torch_npu, why = vendor.load(*TORCH_NPU)
+    torch_npu, why = load(*TORCH_NPU)
     if torch_npu is None:
         return why
     if not torch_npu.npu.is_available():
@@ -46,7 +46,7 @@ class AscendBackend(PortableBackend):
 
     def __init__(self, group: Optional[dist.ProcessGroup], comm: Any, transport: str, timeout_s: float,
                  buffer_bytes: int, shrink: bool) -> None:
-        torch_npu, why = vendor.load(*TORCH_NPU)
+        torch_npu, why = load(*TORCH_NPU)
         if torch_npu is None:  # checked by backends.unavailable_reason before; the module may have gone since
             raise RuntimeError(f"Buffer: the ascend backend needs {why}")
         if comm is not None or group is None and not dist.is_initialized():
@@ -57,7 +57,5 @@ class AscendBackend(PortableBackend):
                              "operators run on every rank of their HCCL communicator; leave enable_shrink off on the "
                              "ascend backend")
         super().__init__(group, comm, transport, timeout_s, buffer_bytes, shrink)
-        from .. import _group_device
-        group = group or dist.group.WORLD
         self.low_latency = Mc2LowLatencyMode(self.transport, self.agreement,
-                                             Mc2(torch_npu, group, _group_device(group, None)[0]))
+                                             Mc2(torch_npu, group or dist.group.WORLD, self.transport.device.type))

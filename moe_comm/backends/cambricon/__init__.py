@@ -1,2 +1,1 @@
-"""The ``cambricon`` backend: Cambricon MLUs through ``torch_mlu`` (CNCL) and ``torch_mlu_ops``'
-expert-parallel all-to-all. ``backend.py`` holds the backend, ``tmo.py`` the all-to-all's use."""
+"""The ``cambricon`` backend: Cambricon MLUs through ``torch_mlu`` (CNCL). ``backend.py`` holds it."""
