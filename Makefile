@@ -54,16 +54,17 @@ BACKEND ?= auto
 demo: setup
 	$(PY) examples/demo.py --ranks 4 --backend $(BACKEND)
 
+# torch-npu as PyPI gives it, without CANN: test_vendor_imports.py checks that it fails to import there and
+# that moe-comm says why. Its own folder and no dependencies: the wheel pins another torch.
+TORCH_NPU_SPEC ?= torch-npu==2.14.0
+TORCH_NPU_OVERLAY := $(VENV)/torch-npu/.installed
+
 test: setup $(TRITON_OVERLAYS) $(TORCH_NPU_OVERLAY)
 	MOE_COMM_REQUIRE_TOOLS=1 $(PY) -m pytest -q python_tests
 	$(PY) -m moe_comm.accuracy
 	$(call triton_tests,$(TRITON_LOWEST))
 	$(call triton_tests,$(TRITON_NEWEST))
 
-# torch-npu as PyPI gives it, without CANN: test_vendor_imports.py checks that it fails to import there and
-# that moe-comm says why. Its own folder and no dependencies: the wheel pins another torch.
-TORCH_NPU_SPEC ?= torch-npu==2.14.0
-TORCH_NPU_OVERLAY := $(VENV)/torch-npu/.installed
 $(TORCH_NPU_OVERLAY): | $(STAMP)
 	rm -rf $(VENV)/torch-npu
 	$(PY) -m pip install -q --no-deps --target $(VENV)/torch-npu "$(TORCH_NPU_SPEC)"
