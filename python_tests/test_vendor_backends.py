@@ -89,14 +89,25 @@ def test_ascend_refuses_what_mc2_refuses_before_any_byte_moves(vendor_worlds, ra
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
-def test_cambricon_low_latency_is_the_portable_backends(vendor_worlds, ranks):
+@pytest.mark.parametrize("use_fp8,hook,zero_copy", [(False, False, False), (True, True, True)])
+def test_cambricon_low_latency_on_tmos_all2all_is_the_portable_backends(vendor_worlds, ranks, use_fp8, hook,
+                                                                         zero_copy):
     _clean(vendor_worlds(ranks).run(partial(vendor_cases.low_latency, backend="cambricon", num_tokens=6, hidden=128,
-                                            num_topk=2, num_experts=2 * ranks, use_fp8=ranks % 2 == 0)))
+                                            num_topk=2, num_experts=2 * ranks, use_fp8=use_fp8, hook=hook,
+                                            zero_copy=zero_copy)))
 
 
-def test_ascend_refuses_shrink_at_construction(vendor_worlds):
-    results = vendor_worlds(2).run(partial(vendor_cases.construct, backend="ascend", low_latency_mode=True,
+def test_cambricon_handle_grows_with_the_rows_and_keeps_two_results_in_flight(vendor_worlds):
+    """A larger call after a smaller one (the all-to-all's handle is made again, on every rank alike), and
+    two hooked dispatches in flight before either is received."""
+    _clean(vendor_worlds(2).run(partial(vendor_cases.grow_and_overlap, backend="cambricon")))
+
+
+@pytest.mark.parametrize("backend,why", [
+    ("ascend", "MC2's operators run on every rank of their HCCL communicator"),
+    ("cambricon", "torch_mlu_ops' all-to-all runs on every rank of its handle")])
+def test_shrink_is_refused_at_construction(vendor_worlds, backend, why):
+    results = vendor_worlds(2).run(partial(vendor_cases.construct, backend=backend, low_latency_mode=True,
                                            enable_shrink=True))
-    assert results == [("ValueError", "Buffer: enable_shrink=True leaves exited ranks out of low-latency calls, but "
-                                      "MC2's operators run on every rank of their HCCL communicator; leave "
-                                      "enable_shrink off on the ascend backend")] * 2, results
+    assert results == [("ValueError", f"Buffer: enable_shrink=True leaves exited ranks out of low-latency calls, but "
+                                      f"{why}; leave enable_shrink off on the {backend} backend")] * 2, results

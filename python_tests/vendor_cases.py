@@ -135,6 +135,37 @@ def compare_normal(group: dist.ProcessGroup, backend: str, num_tokens: int, hidd
     return [f"rank {rank}: {d}" for d in diffs]
 
 
+def _grow_and_overlap(group: dist.ProcessGroup, backend: str) -> list[str]:
+    """Two hooked dispatches (4 then 12 tokens, hidden 128 then 256: the second grows the all-to-all's handle)
+    received in reverse order, then each combined, on ``backend`` and on ``portable``; the differences."""
+    rank = dist.get_rank(group)
+    results = {}
+    for name in ("portable", backend):
+        buffer = ll_buffer(group, 12, 256, 4 * dist.get_world_size(group), backend=name)
+        try:
+            calls = []
+            for t, h in ((4, 128), (12, 256)):
+                torch.manual_seed(10 * rank + t)
+                x = torch.randn(t, h).to(torch.bfloat16)
+                topk_idx, topk_weights = routing(t, 4 * dist.get_world_size(group), 2, seed=rank + t)
+                recv, count, handle, _, hooked = buffer.low_latency_dispatch(
+                    x, topk_idx, 12, 4 * dist.get_world_size(group), use_fp8=False, return_recv_hook=True)
+                calls.append((recv, count, handle, hooked, topk_idx, topk_weights))
+            for call in reversed(calls):
+                call[3]()
+            outs = []
+            for recv, count, handle, _, topk_idx, topk_weights in calls:
+                out, _, _ = buffer.low_latency_combine(recv * 2, topk_idx, topk_weights, handle)
+                outs += [recv.clone(), count.clone(), out.clone()]
+            results[name] = outs
+        finally:
+            buffer.destroy()
+    diffs: list[str] = []
+    for i, (got, want) in enumerate(zip(results[backend], results["portable"])):
+        _diff(f"output {i}", got, want, diffs)
+    return [f"rank {rank}: {d}" for d in diffs]
+
+
 def _refused(group: dist.ProcessGroup, backend: str, **call: Any) -> tuple[str, str]:
     """What a low-latency dispatch of ``call`` (num_tokens, hidden, num_topk, num_experts, use_fp8,
     round_scale) raises on ``backend``; the Buffer then still works (a second, valid call)."""
@@ -167,6 +198,12 @@ def low_latency(group: dist.ProcessGroup, *args: Any, env: Optional[dict[str, st
 def normal(group: dist.ProcessGroup, *args: Any, env: Optional[dict[str, str]] = None, **kw: Any) -> list[str]:
     with models(env):
         return compare_normal(group, *args, **kw)
+
+
+def grow_and_overlap(group: dist.ProcessGroup, *args: Any, env: Optional[dict[str, str]] = None, **kw: Any
+                     ) -> list[str]:
+    with models(env):
+        return _grow_and_overlap(group, *args, **kw)
 
 
 def refused(group: dist.ProcessGroup, *args: Any, env: Optional[dict[str, str]] = None, **kw: Any) -> tuple[str, str]:

@@ -119,8 +119,7 @@ class Mc2LowLatencyMode(LowLatencyMode):
             pack_rows(_ROUTING, [x[:, :0].view(torch.uint8), src_index, None], tokens[part], out=out)
             _ROUTING.view(out, "expert").copy_(local_expert[part])
 
-        exchange = self.transport.exchange(shake.matrix, _ROUTING.record_bytes, pack, op=op, device=device,
-                                           skip=shake.skip)
+        exchange = self.dispatch_exchange(shake, _ROUTING.record_bytes, pack, device)
         padded = zeros((m, hidden), torch.bfloat16, device)
         padded[:x.shape[0]] = x
         ids, active = self._padded(topk_idx, num_experts, shake.skip, m)

@@ -1,1 +1,3 @@
-"""The ``cambricon`` backend: Cambricon MLUs through ``torch_mlu`` (CNCL). ``backend.py`` holds it."""
+"""The ``cambricon`` backend: Cambricon MLUs through ``torch_mlu`` (CNCL) and ``torch_mlu_ops``'
+expert-parallel all-to-all. ``backend.py`` holds the backend, ``tmo.py`` the all-to-all's use,
+``low_latency.py`` the low-latency mode on it."""

@@ -1,9 +1,10 @@
 """The ``cambricon`` backend: DeepEP's operations on Cambricon MLUs (``torch_mlu``, a ``cncl`` group).
 
-Both modes are the portable backend's over the group's transport (``collective``: CNCL's uneven
-``all_to_all_single``), so the outputs are the reference's bit for bit. Not built yet: low-latency
-mode over ``torch_mlu_ops``' byte all-to-all (``moe_all2all_dispatch`` / ``_combine``), whose calling
-conventions are read from its public callers (``../shared/research/tmo.md``).
+Normal mode is the portable backend's over the group's transport (``collective``: CNCL's uneven
+``all_to_all_single``), so its outputs are the reference's bit for bit. Low-latency mode moves the
+portable mode's row records through ``torch_mlu_ops``' byte all-to-all (``moe_all2all_dispatch`` /
+``_combine``; ``tmo.py``, ``low_latency.py``), whose calling conventions are read from its public
+callers (``../shared/research/tmo.md``).
 """
 from __future__ import annotations
 
@@ -13,21 +14,33 @@ import torch.distributed as dist
 
 from ..vendor import load
 from ..portable.backend import PortableBackend
+from .low_latency import TmoLowLatencyMode
+from .tmo import TmoAll2All
 
-__all__ = ["CambriconBackend", "TORCH_MLU", "cambricon_reason"]
+__all__ = ["CambriconBackend", "TORCH_MLU", "TORCH_MLU_OPS", "cambricon_reason"]
 
-#: the vendor module and where it comes from
+#: the vendor modules and where they come from
 TORCH_MLU = ("torch_mlu", "Cambricon's PyTorch extension (Cambricon's SDK images, with Neuware)")
+TORCH_MLU_OPS = ("torch_mlu_ops", "Cambricon's torch_mlu_ops (Cambricon's SDK images)")
+# the operators the low-latency mode calls
+_TMO_OPS = ("moe_all2all_create", "moe_all2all_init", "moe_all2all_dispatch", "moe_all2all_combine",
+            "moe_all2all_destroy")
 
 
 def cambricon_reason() -> Optional[str]:
-    """Why the cambricon backend cannot run in this process (torch_mlu missing or not importing, no MLU),
-    or None when it can."""
+    """Why the cambricon backend cannot run in this process (torch_mlu or torch_mlu_ops missing or not
+    importing, no MLU, no EP all-to-all), or None when it can."""
     torch_mlu, why = load(*TORCH_MLU)
     if torch_mlu is None:
         return why
     if not torch_mlu.mlu.is_available():
         return "torch_mlu imports but sees no MLU (torch_mlu.mlu.is_available() is False)"
+    tmo, why = load(*TORCH_MLU_OPS)
+    if tmo is None:
+        return why
+    missing = [name for name in _TMO_OPS if not hasattr(tmo, name)]
+    if missing:
+        return f"torch_mlu_ops has no {', '.join(missing)} (its expert-parallel all-to-all)"
     return None
 
 
@@ -38,10 +51,21 @@ class CambriconBackend(PortableBackend):
 
     def __init__(self, group: Optional[dist.ProcessGroup], comm: Any, transport: str, timeout_s: float,
                  buffer_bytes: int, shrink: bool) -> None:
-        torch_mlu, why = load(*TORCH_MLU)
-        if torch_mlu is None:  # checked by backends.unavailable_reason before; the module may have gone since
+        tmo, why = load(*TORCH_MLU_OPS)
+        if tmo is None:  # checked by backends.unavailable_reason before; the module may have gone since
             raise RuntimeError(f"Buffer: the cambricon backend needs {why}")
         if comm is not None or group is None and not dist.is_initialized():
             raise ValueError("Buffer: the cambricon backend runs on a torch.distributed group (cncl), not an mpi4py "
                              "communicator")
+        if shrink:
+            raise ValueError("Buffer: enable_shrink=True leaves exited ranks out of low-latency calls, but "
+                             "torch_mlu_ops' all-to-all runs on every rank of its handle; leave enable_shrink off on "
+                             "the cambricon backend")
         super().__init__(group, comm, transport, timeout_s, buffer_bytes, shrink)
+        self.all2all = TmoAll2All(tmo, self.transport)
+        self.low_latency = TmoLowLatencyMode(self.transport, self.agreement, self.all2all)
+
+    def destroy(self) -> None:
+        if not self.agreement.destroyed:
+            self.all2all.destroy()
+        super().destroy()

@@ -35,6 +35,7 @@ from ...ops.fp8 import FP8_DTYPE
 from ...ops.logfmt import logfmt_encode, logfmt_row_bytes
 from ...ops.records import RecordLayout, pack_rows
 from ...transport import Transport
+from ...transport.base import Exchange, Rows
 from ..base import LowLatencyDispatch, Receive
 from .agreement import CallAgreement
 from .digest import low_latency_combine_digests
@@ -138,6 +139,20 @@ class LowLatencyMode:
         self._idx ^= 1
         return receive
 
+    # ------------------------------------------------------------------ payload
+    def dispatch_exchange(self, shake: Handshake, record_bytes: int, pack: Rows, device: torch.device) -> Exchange:
+        """Starts a dispatch's records on their way (``Transport.exchange`` of ``shake.matrix``; ``pack(dest,
+        first, out)`` writes rows ``[first, first + len(out))`` of this rank's send order, destinations
+        ascending). Received rows come grouped by source rank ascending."""
+        return self.transport.exchange(shake.matrix, record_bytes, pack, op="low_latency_dispatch", device=device,
+                                       skip=shake.skip)
+
+    def combine_exchange(self, shake: Handshake, handle: LowLatencyHandle, record_bytes: int, pack: Rows,
+                         device: torch.device) -> Exchange:
+        """Starts a combine's rows back to their sources (as ``dispatch_exchange``; ``handle``: the dispatch's)."""
+        return self.transport.exchange(shake.matrix, record_bytes, pack, op="low_latency_combine", device=device,
+                                       skip=shake.skip)
+
     # ------------------------------------------------------------------ dispatch
     def agree_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int,
                        fp8_format: Fp8Format, skip: frozenset[int]
@@ -169,7 +184,7 @@ class LowLatencyMode:
         local = num_experts // R
         slot = self._acquire(op)
         shake, msg, experts, waited = self.agree_dispatch(x, topk_idx, m, num_experts, fp8_format, self.skip())
-        skip, recv_counts = shake.skip, shake.recv_counts(self.rank)
+        recv_counts = shake.recv_counts(self.rank)
 
         scales = None
         data = x
@@ -188,7 +203,7 @@ class LowLatencyMode:
             pack_rows(records, fields, tokens[part], out=out)
             records.view(out, "expert").copy_(local_expert[part])
 
-        exchange = self.transport.exchange(shake.matrix, records.record_bytes, pack, op=op, device=device, skip=skip)
+        exchange = self.dispatch_exchange(shake, records.record_bytes, pack, device)
 
         recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(
             local, R, m, hidden, None if scales is None else (scales.dtype, scales.shape[1]), device)
@@ -261,7 +276,6 @@ class LowLatencyMode:
         local, rows, hidden = x.shape
         slot = self._acquire(op, zero_copy)
         shake, msg, handle, waited = self.agree_combine(x, topk_idx, handle, self.skip(), use_logfmt)
-        skip = shake.skip
         send_rows = combine_rows(handle.layout_range, rows)  # by source rank, then local expert, then row
 
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
@@ -277,7 +291,7 @@ class LowLatencyMode:
             def pack(dest: int, first: int, out: torch.Tensor) -> None:
                 pack_rows(records, source, send_rows[first:first + out.shape[0]], out=out)
 
-        exchange = self.transport.exchange(shake.matrix, records.record_bytes, pack, op=op, device=device, skip=skip)
+        exchange = self.combine_exchange(shake, handle, records.record_bytes, pack, device)
 
         num_tokens, num_topk = topk_idx.shape
         pos = torch.full((num_tokens * num_topk,), -1, dtype=torch.int32, device=device)
