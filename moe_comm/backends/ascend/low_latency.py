@@ -25,7 +25,6 @@ from typing import Any, Optional
 
 import torch
 
-from ..._native import native
 from ...codes import Fp8Format
 from ...handle import LowLatencyHandle
 from ...memory import empty, zeros
@@ -35,33 +34,13 @@ from ..base import LowLatencyDispatch, Receive
 from ..portable.agreement import CallAgreement
 from ..portable.low_latency import LowLatencyMode, add_stats
 from ..portable.low_latency_layout import low_latency_unpack
+from ..vendor_rows import copy_expert_rows
 from .mc2 import Mc2, Mc2Routing
 
 __all__ = ["Mc2LowLatencyMode"]
 
 # what travels beside MC2's payload: each row's source token and local expert (no x: MC2 moves it)
 _ROUTING = RecordLayout.build([("x", torch.uint8, 0), ("src", torch.int32, 1), ("expert", torch.int32, 1)])
-
-
-def _copy_rows(grouped_to_packed: bool, packed: torch.Tensor, grouped: torch.Tensor, counts: list[int]) -> None:
-    """``moe_comm._C``'s bounds-checked copy between ``grouped`` [A, row] and ``packed`` [E_loc, C, row]
-    (both contiguous, on the CPU); through torch elsewhere, after the same check."""
-    local, capacity = packed.shape[0], packed.shape[1]
-    if packed.device.type == "cpu":
-        fn = native().grouped_to_packed if grouped_to_packed else native().packed_to_grouped
-        fn(packed.data_ptr(), grouped.data_ptr(), counts, capacity, grouped.shape[0],
-           grouped[0].numel() * grouped.element_size() if grouped.shape[0] else 0)
-        return
-    wrong = native().check_expert_counts(counts, capacity, grouped.shape[0])
-    if wrong:
-        raise ValueError(f"MC2's expert_token_nums: {wrong}")
-    offset = 0
-    for e, n in enumerate(counts):
-        if grouped_to_packed:
-            packed[e, :n].copy_(grouped[offset:offset + n])
-        else:
-            grouped[offset:offset + n].copy_(packed[e, :n])
-        offset += n
 
 
 class Mc2LowLatencyMode(LowLatencyMode):
@@ -144,9 +123,9 @@ class Mc2LowLatencyMode(LowLatencyMode):
                 raise RuntimeError(f"{op}: MC2's expert_token_nums {routing.counts} differ from the rows the routing "
                                    f"sends each local expert {recv_count.tolist()} (rank {self.rank}): this NPU's "
                                    f"MC2 does not keep the documented contract the ascend backend relies on")
-            _copy_rows(True, recv_x, expand_x, routing.counts)
+            copy_expert_rows(True, recv_x, expand_x, routing.counts)
             if recv_scales is not None:
-                _copy_rows(True, recv_scales.transpose(1, 2).view(local, rows, 1), expand_scales.unsqueeze(1),
+                copy_expert_rows(True, recv_scales.transpose(1, 2).view(local, rows, 1), expand_scales.unsqueeze(1),
                            routing.counts)
             add_stats(recv_stats, recv_count, wait_stats, waited + time.perf_counter_ns() - begin)
 
@@ -168,7 +147,7 @@ class Mc2LowLatencyMode(LowLatencyMode):
         shake, _, _, waited = self.agree_combine(x, topk_idx, handle, self.skip())
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
         expand_x = zeros((routing.recv_rows, x.shape[2]), torch.bfloat16, x.device)
-        _copy_rows(False, source.contiguous(), expand_x, routing.counts)
+        copy_expert_rows(False, source.contiguous(), expand_x, routing.counts)
         m, num_tokens = routing.expert_ids.shape[0], topk_idx.shape[0]
         weights = zeros((m, topk_idx.shape[1]), torch.float32, x.device)
         weights[:num_tokens] = topk_weights

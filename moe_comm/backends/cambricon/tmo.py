@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from ...transport import Transport
+from ..vendor_rows import copy_expert_rows
 
 __all__ = ["TmoAll2All", "send_layout"]
 
@@ -77,7 +78,8 @@ class TmoAll2All:
         got = recv.view(torch.uint8)[:self.num_ranks * self.rows * record_bytes].view(self.num_ranks, self.rows,
                                                                                     record_bytes)
         counts = recv_layout[:, 1].tolist()
-        records = torch.cat([got[r, :n] for r, n in enumerate(counts)]) if sum(counts) else got[0, :0]
+        records = torch.empty(sum(counts), record_bytes, dtype=torch.uint8, device=got.device)
+        copy_expert_rows(False, got, records, counts)  # bounds-checked: counts past the padding are refused
         return records, recv_layout, recv_token_num
 
     def combine(self, returned: list[int], expected: int, record_bytes: int, recv_layout: torch.Tensor,
