@@ -17,12 +17,14 @@ A3 = {"TORCH_NPU_MODEL_DEVICE": "Ascend910_9391"}
 @pytest.fixture(scope="module")
 def vendor_worlds(_world_pool):
     """``get(n)``: a world of n ranks for these tests only (its processes import the models)."""
-    made: dict[int, LocalWorld] = {}
+    made: dict[tuple, LocalWorld] = {}
 
-    def get(n: int) -> LocalWorld:
-        if n not in made or made[n].closed:
-            made[n] = LocalWorld(n, timeout_s=120, threads_per_rank=1)
-        return made[n]
+    def get(n: int, **env: str) -> LocalWorld:
+        """``env``: set in the ranks from their start (before a model is imported)."""
+        key = (n, tuple(sorted(env.items())))
+        if key not in made or made[key].closed:
+            made[key] = LocalWorld(n, timeout_s=120, threads_per_rank=1, env=env)
+        return made[key]
     yield get
     for world in made.values():
         world.close()
@@ -111,3 +113,9 @@ def test_shrink_is_refused_at_construction(vendor_worlds, backend, why):
                                            enable_shrink=True))
     assert results == [("ValueError", f"Buffer: enable_shrink=True leaves exited ranks out of low-latency calls, but "
                                       f"{why}; leave enable_shrink off on the {backend} backend")] * 2, results
+
+
+def test_ascend_without_the_v2_operators_takes_v1_and_its_limits(vendor_worlds):
+    results = vendor_worlds(2, TORCH_NPU_MODEL_V1_ONLY="1").run(partial(vendor_cases.refused, backend="ascend", **CALL))
+    assert results == [("ValueError", MC2 + "ep_world_size must be one of {16, 32, 64} on Atlas A2 (v1), got 2")] * 2, \
+        results

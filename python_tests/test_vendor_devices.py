@@ -59,3 +59,29 @@ def test_cambricon_on_mlus_is_the_portable_backends(ranks):
             assert not [p for rank in problems for p in rank], problems
     finally:
         world.close()
+
+
+@pytest.mark.ascend
+@pytest.mark.skipif(ASCEND_WHY is not None, reason=f"no Ascend NPU here: {ASCEND_WHY}")
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_ops_on_npus_are_their_references(quant):
+    """permute on npu_moe_init_routing_v2 (bitwise) and grouped_gemm on npu_grouped_matmul (the accuracy
+    standard), against the references on the CPU."""
+    import torch
+
+    from moe_comm.accuracy import check
+    from moe_comm.ops import grouped_gemm, grouped_gemm_reference, permute, permute_reference
+    x = torch.randn(256, 1024).to(torch.bfloat16)
+    idx = torch.rand(256, 64).topk(8, dim=1).indices
+    idx[::7, 3] = -1
+    want = permute_reference(x, idx, 64, quant=quant)
+    got = permute(x.to("npu"), idx.to("npu"), 64, quant=quant)
+    for name in ("x", "scales", "expert_offsets", "num_tokens_per_expert", "row_of", "source", "expert_of_row"):
+        expected, value = getattr(want, name), getattr(got, name)
+        assert (expected is None and value is None) or torch.equal(value.cpu(), expected), name
+    b = torch.randn(64, 512, 1024).to(torch.bfloat16)
+    out = grouped_gemm(want.x.to("npu") if quant is None else x.new_zeros(want.x.shape).to("npu"), b.to("npu"),
+                       expert_offsets=want.expert_offsets.to("npu"))
+    ref = grouped_gemm_reference(want.x if quant is None else x.new_zeros(want.x.shape), b,
+                                 expert_offsets=want.expert_offsets)
+    assert check("grouped_gemm on npu", out.cpu(), ref.to(torch.float64), torch.bfloat16, raise_on_fail=False).passed

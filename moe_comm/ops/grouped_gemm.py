@@ -17,6 +17,7 @@ import torch
 
 from ..memory import zeros
 from .backend import kernels, resolve
+from .npu import grouped_gemm_npu, torch_npu_for
 from .fp8 import GROUP
 from .quant import dequantize
 from .weight_cache import fp32_weights
@@ -175,8 +176,11 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, *, expert_offsets: Optional[t
     args = GemmArgs("grouped_gemm", a, b, expert_offsets, masked_m, a_scales, b_scales, b.shape[1])
     # NOTES: fresh zero pages on CPU: the masked layout's unused rows (most of [E, M, N] at decode) cost nothing
     out = zeros((args.a.shape[0], args.n_out), out_dtype, a.device)
+    torch_npu = torch_npu_for(a)
     if resolve("grouped_gemm", a.device, backend) == "triton":
         launch_gemm(args, out, swiglu=False)
+    elif torch_npu is not None and not args.masked and args.a_scales is None:
+        grouped_gemm_npu(torch_npu, args.a, args.b, args.starts, args.ends, out)  # segments back to back
     else:
         native_gemm(args, out, swiglu=False)
     return out.view(args.out_shape)

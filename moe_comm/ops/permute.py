@@ -9,6 +9,7 @@ import torch
 
 from .._native import NATIVE_DTYPES
 from .backend import kernels, resolve
+from .npu import permute_npu, torch_npu_for
 from .quant import check_quant_args, launch_rows, native_rows, quantize_reference
 from .rows import take_rows
 
@@ -92,6 +93,10 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, alignm
     check_quant_args("permute", x.shape[1], quant, round_scale, use_ue8m0)
     if resolve("permute", x.device, backend) == "triton":
         return _permute_triton(x, topk_idx, num_experts, alignment, quant, round_scale, use_ue8m0, num_rows)
+    torch_npu = torch_npu_for(x)
+    if torch_npu is not None and alignment == 1 and quant in (None, "int8"):
+        return Permutation(*permute_npu(torch_npu, x, topk_idx, num_experts, quant,
+                                        lambda offsets: _num_rows(offsets, num_rows)))
     flat = topk_idx.reshape(-1)
     experts, order = torch.sort(flat, stable=True)  # -1 first, then by expert, flat order within
     skipped = int((flat < 0).sum())

@@ -2,9 +2,10 @@
 
 Normal mode is the portable backend's over the group's transport (``collective``: HCCL's uneven
 ``all_to_all_single``), so its outputs are the reference's bit for bit. ``npu_moe_init_routing_v2`` and
-``npu_grouped_matmul`` sort rows by expert, which serves the expert computation after a dispatch,
-not DeepEP's normal-mode layout (one row per token and destination rank, by source rank): they are
-not on this path. Low-latency mode runs MC2's fused operators (``low_latency.py``).
+``npu_grouped_matmul`` sort rows by expert, which is not DeepEP's normal-mode layout (one row per token
+and destination rank, by source rank); they serve the expert computation after a dispatch, as
+``moe_comm.ops.permute`` / ``grouped_gemm`` on NPU tensors (``ops/npu.py``). Low-latency mode runs
+MC2's fused operators (``low_latency.py``).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..vendor import load
+from ...vendor import load
 from ..portable.backend import PortableBackend
 from .low_latency import Mc2LowLatencyMode
 from .mc2 import Mc2

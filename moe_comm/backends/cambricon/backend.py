@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..vendor import load
+from ...vendor import load
 from ..portable.backend import PortableBackend
 from .low_latency import TmoLowLatencyMode
 from .tmo import TmoAll2All

@@ -211,3 +211,59 @@ def npu_moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine,
 
 if os.environ.get("TORCH_NPU_MODEL_V1_ONLY") == "1":  # a torch_npu from before the _v2 operators
     del npu_moe_distribute_dispatch_v2, npu_moe_distribute_combine_v2
+
+
+def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                            expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
+                            quant_mode=-1, active_expert_range=(), row_idx_type=0):
+    """Sorts the (token, k) pairs by expert ("permute"), dropless: ``(expanded_x, expanded_row_idx,
+    expert_token_cumsum_or_count, expanded_scale)``. Only what the docs describe for drop_pad_mode 0,
+    quant_mode -1 (none) / 1 (dynamic INT8), gather-style row indices (row_idx_type 0: each expanded row's
+    flat ``t * K + k``, -1 after the routed rows); ids outside ``active_expert_range`` are not routed. The
+    model sorts stably (the docs do not say)."""
+    if drop_pad_mode != 0 or quant_mode not in (-1, 1) or row_idx_type != 0 or scale is not None or offset is not None:
+        raise RuntimeError("this model covers drop_pad_mode 0, quant_mode -1/1, row_idx_type 0, no smooth scales")
+    if expert_idx.dtype != torch.int32 or expert_idx.dim() != 2 or expert_idx.shape[0] != x.shape[0]:
+        raise RuntimeError("expert_idx must be [NUM_ROWS, K] int32")
+    start, end = active_expert_range if active_expert_range else (0, expert_num)
+    flat = expert_idx.reshape(-1).to(torch.int64)
+    active = (flat >= start) & (flat < end)
+    keys = torch.where(active, flat, torch.full_like(flat, end))  # inactive pairs sort last
+    order = torch.sort(keys, stable=True).indices
+    routed = int(active.sum())
+    rows = order[:routed]
+    k = expert_idx.shape[1]
+    expanded_x = x[rows // k]
+    expanded_scale = torch.zeros(expanded_x.shape[0], dtype=torch.float32)
+    if quant_mode == 1:
+        x32 = expanded_x.float()
+        s = torch.tensor(127.0) / x32.abs().amax(dim=1).clamp(min=1e-4)
+        expanded_x = torch.round(x32 * s.unsqueeze(1)).clamp(-128, 127).to(torch.int8)
+        expanded_scale = torch.tensor(1.0) / s
+    row_idx = torch.full((flat.numel(),), -1, dtype=torch.int32)
+    row_idx[:routed] = rows.to(torch.int32)
+    counts = torch.bincount(flat[active] - start, minlength=end - start).to(torch.int64)
+    tokens = counts if expert_tokens_num_type == 1 else counts.cumsum(0)
+    return expanded_x, row_idx, tokens, expanded_scale
+
+
+def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
+                       per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
+                       activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0,
+                       output_dtype=None, tuning_config=None):
+    """One x [M, K] split by ``group_list`` (counts, group_list_type 1; cumsum, 0) along M (group_type 0)
+    times one weight [E, K, N]: ``[out [M, N]]`` (split_item 2/3), fp32 accumulation per group."""
+    if len(x) != 1 or len(weight) != 1 or split_item not in (2, 3) or group_type != 0 or group_list is None:
+        raise RuntimeError("this model covers one x, one [E, K, N] weight, split_item 2/3, group_type 0")
+    a, w = x[0], weight[0]
+    counts = group_list.to(torch.int64) if group_list_type == 1 else torch.diff(group_list.to(torch.int64), prepend=
+                                                                                  torch.zeros(1, dtype=torch.int64))
+    if w.dim() != 3 or w.shape[0] != counts.numel() or int(counts.sum()) != a.shape[0]:
+        raise RuntimeError(f"weight must be [E, K, N] with E = len(group_list) and group_list covering x's {a.shape[0]} "
+                           f"rows")
+    out = torch.empty(a.shape[0], w.shape[2], dtype=output_dtype or a.dtype)
+    first = 0
+    for e, n in enumerate(counts.tolist()):
+        out[first:first + n] = (a[first:first + n].float() @ w[e].float()).to(out.dtype)
+        first += n
+    return [out]
