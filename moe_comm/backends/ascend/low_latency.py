@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 

@@ -80,7 +80,7 @@ def _dispatch(x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num
     if global_bs not in (0, bs * ep_world_size):
         raise RuntimeError(f"global_bs must be 0 or BS * ep_world_size = {bs * ep_world_size}, got {global_bs}")
     if quant_mode not in (0, 2) or expert_token_nums_type not in (0, 1):
-        raise RuntimeError(f"quant_mode must be 0 or 2, expert_token_nums_type 0 or 1")
+        raise RuntimeError("quant_mode must be 0 or 2, expert_token_nums_type 0 or 1")
     ids = expert_ids.to(torch.int64)
     for t in range(bs):
         chosen = ids[t][active[t]].tolist()
