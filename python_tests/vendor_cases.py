@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
+from backend_cases import raised
 from low_latency_cases import ll_buffer, routing
 from moe_comm.ops import quantize
 
@@ -34,14 +35,6 @@ def models(env: Optional[dict[str, str]] = None) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def _raised(fn: Any) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as exc:  # the test asserts on the type and the words
-        return type(exc).__name__, str(exc)
-    return "none", ""
 
 
 def _diff(name: str, got: torch.Tensor, want: torch.Tensor, out: list[str]) -> None:
@@ -175,7 +168,7 @@ def _refused(group: dist.ProcessGroup, backend: str, **call: Any) -> tuple[str, 
     topk_idx, _ = routing(t, e, k, seed=rank)
     buffer = ll_buffer(group, t, h, e, backend=backend)
     try:
-        return _raised(lambda: buffer.low_latency_dispatch(x, topk_idx, t, e, use_fp8=call.get("use_fp8", False),
+        return raised(lambda: buffer.low_latency_dispatch(x, topk_idx, t, e, use_fp8=call.get("use_fp8", False),
                                                            round_scale=call.get("round_scale", False)))
     finally:
         buffer.destroy()
@@ -186,7 +179,7 @@ def _construct(group: dist.ProcessGroup, backend: str, **kw: Any) -> tuple[str, 
 
     def build() -> None:
         moe_comm.Buffer(group, backend=backend, explicitly_destroy=True, timeout_s=30, **kw).destroy()
-    return _raised(build)
+    return raised(build)
 
 
 

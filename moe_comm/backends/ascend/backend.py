@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from ...vendor import load
-from ..portable.backend import PortableBackend
+from ..vendor_backend import VendorBackend
 from .low_latency import Mc2LowLatencyMode
 from .mc2 import Mc2
 
@@ -38,25 +38,19 @@ def ascend_reason() -> Optional[str]:
     return None
 
 
-class AscendBackend(PortableBackend):
+class AscendBackend(VendorBackend):
     """DeepEP's operations on Ascend. Construction is collective (the transport, MC2's own group).
     Arguments: as ``PortableBackend``; ``enable_shrink`` is refused (MC2 runs on every rank of its
     communicator, so a rank that has exited cannot be left out)."""
 
     name = "ascend"
 
+    module = TORCH_NPU
+    collectives = "hccl"
+    every_rank = "MC2's operators run on every rank of their HCCL communicator"
+
     def __init__(self, group: Optional[dist.ProcessGroup], comm: Any, transport: str, timeout_s: float,
                  buffer_bytes: int, shrink: bool) -> None:
-        torch_npu, why = load(*TORCH_NPU)
-        if torch_npu is None:  # checked by backends.unavailable_reason before; the module may have gone since
-            raise RuntimeError(f"Buffer: the ascend backend needs {why}")
-        if comm is not None or group is None and not dist.is_initialized():
-            raise ValueError("Buffer: the ascend backend runs on a torch.distributed group (hccl), not an mpi4py "
-                             "communicator")
-        if shrink:
-            raise ValueError("Buffer: enable_shrink=True leaves exited ranks out of low-latency calls, but MC2's "
-                             "operators run on every rank of their HCCL communicator; leave enable_shrink off on the "
-                             "ascend backend")
         super().__init__(group, comm, transport, timeout_s, buffer_bytes, shrink)
         self.low_latency = Mc2LowLatencyMode(self.transport, self.agreement,
-                                             Mc2(torch_npu, group or dist.group.WORLD, self.transport.device.type))
+                                             Mc2(self.vendor, group or dist.group.WORLD, self.transport.device.type))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 from typing import Optional
 
 import torch
@@ -34,6 +33,7 @@ from ..base import LowLatencyDispatch, Receive
 from ..portable.agreement import CallAgreement
 from ..portable.low_latency import LowLatencyMode, add_stats
 from ..portable.low_latency_layout import low_latency_unpack
+from ..per_handle import PerHandle
 from ..vendor_rows import copy_expert_rows
 from .mc2 import Mc2, Mc2Routing
 
@@ -49,20 +49,7 @@ class Mc2LowLatencyMode(LowLatencyMode):
     def __init__(self, transport: Transport, agreement: CallAgreement, mc2: Mc2) -> None:
         super().__init__(transport, agreement)
         self.mc2 = mc2
-        # each dispatch's MC2 routing, by its handle's src_info (weakly: the caller owns the handle)
-        self._routings: dict[int, tuple[weakref.ref, Mc2Routing]] = {}
-
-    def _remember(self, handle: LowLatencyHandle, routing: Mc2Routing) -> None:
-        key = id(handle.src_info)
-        self._routings[key] = (weakref.ref(handle.src_info, lambda _: self._routings.pop(key, None)), routing)
-
-    def _routing(self, op: str, handle: LowLatencyHandle) -> Mc2Routing:
-        held = self._routings.get(id(handle.src_info))
-        if held is None or held[0]() is not handle.src_info:
-            raise ValueError(f"{op}: handle must be one that this Buffer's low_latency_dispatch returned: the "
-                             f"ascend backend's combine needs that dispatch's MC2 bookkeeping, which the handle's "
-                             f"tensors do not hold")
-        return held[1]
+        self._routings: PerHandle[Mc2Routing] = PerHandle()  # each dispatch's MC2 routing
 
     def _padded(self, topk_idx: torch.Tensor, num_experts: int, skip: frozenset[int], m: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +118,7 @@ class Mc2LowLatencyMode(LowLatencyMode):
 
         receive = self._launch(slot, op, finish, hook)
         handle = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts)
-        self._remember(handle, routing)
+        self._routings.remember(handle, routing)
         return LowLatencyDispatch(recv_x, recv_scales, recv_count, handle, receive)
 
     # ------------------------------------------------------------------ combine
@@ -142,7 +129,7 @@ class Mc2LowLatencyMode(LowLatencyMode):
         if use_logfmt:
             raise ValueError(f"{op}: use_logfmt must be False on the ascend backend: MC2's combine moves bf16 rows "
                              f"(its own wire quantisation is comm_quant_mode, not LogFMT)")
-        routing = self._routing(op, handle)
+        routing = self._routings.get(op, handle, "the ascend backend's combine needs that dispatch's MC2 bookkeeping")
         slot = self._acquire(op, zero_copy)
         shake, _, _, waited = self.agree_combine(x, topk_idx, handle, self.skip())
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from ...vendor import load
-from ..portable.backend import PortableBackend
+from ..vendor_backend import VendorBackend
 from .low_latency import TmoLowLatencyMode
 from .tmo import TmoAll2All
 
@@ -44,25 +44,19 @@ def cambricon_reason() -> Optional[str]:
     return None
 
 
-class CambriconBackend(PortableBackend):
+class CambriconBackend(VendorBackend):
     """DeepEP's operations on Cambricon MLUs. Construction is collective. Arguments: as ``PortableBackend``."""
 
     name = "cambricon"
 
+    module = TORCH_MLU_OPS
+    collectives = "cncl"
+    every_rank = "torch_mlu_ops' all-to-all runs on every rank of its handle"
+
     def __init__(self, group: Optional[dist.ProcessGroup], comm: Any, transport: str, timeout_s: float,
                  buffer_bytes: int, shrink: bool) -> None:
-        tmo, why = load(*TORCH_MLU_OPS)
-        if tmo is None:  # checked by backends.unavailable_reason before; the module may have gone since
-            raise RuntimeError(f"Buffer: the cambricon backend needs {why}")
-        if comm is not None or group is None and not dist.is_initialized():
-            raise ValueError("Buffer: the cambricon backend runs on a torch.distributed group (cncl), not an mpi4py "
-                             "communicator")
-        if shrink:
-            raise ValueError("Buffer: enable_shrink=True leaves exited ranks out of low-latency calls, but "
-                             "torch_mlu_ops' all-to-all runs on every rank of its handle; leave enable_shrink off on "
-                             "the cambricon backend")
         super().__init__(group, comm, transport, timeout_s, buffer_bytes, shrink)
-        self.all2all = TmoAll2All(tmo, self.transport)
+        self.all2all = TmoAll2All(self.vendor, self.transport)
         self.low_latency = TmoLowLatencyMode(self.transport, self.agreement, self.all2all)
 
     def destroy(self) -> None:

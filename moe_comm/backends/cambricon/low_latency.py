@@ -5,7 +5,6 @@ outputs are its outputs bit for bit; the handshake's counts size the all-to-all'
 checked against what it reports having received."""
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -17,10 +16,10 @@ from ...ops.records import RecordLayout
 from ...transport import Transport
 from ...transport.base import Exchange, Rows
 from ..base import LowLatencyDispatch
+from ..per_handle import PerHandle
 from ..portable.agreement import CallAgreement
 from ..portable.handshake import Handshake
 from ..portable.low_latency import LowLatencyMode
-from ..portable.low_latency_layout import send_order
 from .tmo import TmoAll2All
 
 __all__ = ["TmoLowLatencyMode"]
@@ -45,10 +44,10 @@ class TmoLowLatencyMode(LowLatencyMode):
     def __init__(self, transport: Transport, agreement: CallAgreement, all2all: TmoAll2All) -> None:
         super().__init__(transport, agreement)
         self.all2all = all2all
-        # each dispatch's recv_layout, by its handle's src_info (weakly: the caller owns the handle)
-        self._layouts: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-        # the dispatch in progress: its (topk_idx, num_experts, hidden), then the recv_layout it got
-        self._call: Optional[tuple[torch.Tensor, int, int]] = None
+        self._layouts: PerHandle[torch.Tensor] = PerHandle()  # each dispatch's recv_layout
+        # the dispatch in progress: its (num_experts, hidden, records per global expert) from its handshake,
+        # then the recv_layout it got
+        self._call: Optional[tuple[int, int, torch.Tensor]] = None
         self._layout: Optional[torch.Tensor] = None
 
     def _rows(self, shake: Handshake) -> int:
@@ -60,25 +59,30 @@ class TmoLowLatencyMode(LowLatencyMode):
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int, fp8_format: Fp8Format,
                  recv_stats: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
                  hook: bool) -> LowLatencyDispatch:
-        self._call, self._layout = (topk_idx, num_experts, x.shape[1]), None
         try:
             result = super().dispatch(x, topk_idx, m, num_experts, fp8_format, recv_stats, wait_stats, hook)
-            layout = self._layout
+            self._layouts.remember(result.handle, self._layout)
         finally:
             self._call = self._layout = None
-        key = id(result.handle.src_info)
-        self._layouts[key] = (weakref.ref(result.handle.src_info, lambda _: self._layouts.pop(key, None)), layout)
         return result
 
+    def agree_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int,
+                       fp8_format: Fp8Format, skip: frozenset[int]
+                       ) -> tuple[Handshake, torch.Tensor, torch.Tensor, int]:
+        """The portable handshake; keeps what the all-to-all needs of it (its send order's experts counted)."""
+        shake, msg, experts, waited = super().agree_dispatch(x, topk_idx, m, num_experts, fp8_format, skip)
+        per_expert = torch.bincount(experts, minlength=num_experts).to(torch.int32)
+        self._call = (num_experts, x.shape[1], per_expert)
+        return shake, msg, experts, waited
+
     def dispatch_exchange(self, shake: Handshake, record_bytes: int, pack: Rows, device: torch.device) -> Exchange:
-        topk_idx, num_experts, hidden = self._call
+        num_experts, hidden, per_expert = self._call
         # the combine's rows: bf16, or LogFMT-10 (sized here so a combine need not grow the handle)
         combine_bytes = max(RecordLayout.build([("x", torch.bfloat16, hidden)]).record_bytes,
                             RecordLayout.build([("x", torch.uint8, logfmt_row_bytes(hidden))]).record_bytes)
         self.all2all.ensure(record_bytes, combine_bytes, num_experts, self._rows(shake), "low_latency_dispatch")
-        _, experts, _ = send_order(self._routable(topk_idx, num_experts, shake.skip), num_experts, self.num_ranks)
-        per_expert = torch.bincount(experts, minlength=num_experts).to(torch.int32).to(device)
-        records, layout, _ = self.all2all.dispatch(list(shake.matrix[self.rank]), record_bytes, per_expert, pack)
+        records, layout, _ = self.all2all.dispatch(list(shake.matrix[self.rank]), record_bytes, per_expert.to(device),
+                                                   pack)
         got = layout[:, 1].tolist()
         want = shake.recv_counts(self.rank)
         if got != list(want):
@@ -91,12 +95,9 @@ class TmoLowLatencyMode(LowLatencyMode):
     def combine_exchange(self, shake: Handshake, handle: LowLatencyHandle, record_bytes: int, pack: Rows,
                          device: torch.device) -> Exchange:
         op = "low_latency_combine"
-        held = self._layouts.get(id(handle.src_info))
-        if held is None or held[0]() is not handle.src_info:
-            raise ValueError(f"{op}: handle must be one that this Buffer's low_latency_dispatch returned: the "
-                             f"cambricon backend's combine sends rows back to the places that dispatch's "
-                             f"moe_all2all_dispatch reported, which the handle's tensors do not hold")
+        layout = self._layouts.get(op, handle, "the cambricon backend's combine sends rows back to the places that "
+                                               "dispatch's moe_all2all_dispatch reported")
         self.all2all.ensure(self.all2all.dispatch_bytes, record_bytes, handle.num_experts, self._rows(shake), op)
         returned = list(shake.matrix[self.rank])
         expected = sum(row[self.rank] for row in shake.matrix)
-        return _Received(self.all2all.combine(returned, expected, record_bytes, held[1], pack))
+        return _Received(self.all2all.combine(returned, expected, record_bytes, layout, pack))

@@ -60,17 +60,24 @@ class TmoAll2All:
         self.dispatch_bytes, self.combine_bytes, self.num_experts, self.rows = dispatch_bytes, combine_bytes, \
             num_experts, rows
 
+    def _pack(self, send: torch.Tensor, counts: list[int], record_bytes: int,
+              pack: Callable[[int, int, torch.Tensor], None]) -> int:
+        """``pack(r, first, out)`` writes the ``counts[r]`` records for each rank r, ranks ascending, straight
+        into the send buffer ``send``; returns the records written."""
+        rows = send.view(torch.uint8)[:self.rows * record_bytes].view(self.rows, record_bytes)
+        first = 0
+        for rank, n in enumerate(counts):
+            pack(rank, first, rows[first:first + n])
+            first += n
+        return first
+
     def dispatch(self, sent: list[int], record_bytes: int, per_expert: torch.Tensor,
                  pack: Callable[[int, int, torch.Tensor], None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sends ``sent[d]`` records of ``record_bytes`` to each rank d, which ``pack(d, first, out)`` writes
         straight into ``dispatch_send``; ``per_expert`` [E] int32: the records for each global expert.
         Returns (received records grouped by source rank ascending, recv_layout [R, 2], recv_token_num [E])."""
         send, recv = self.buffers[0], self.buffers[1]
-        rows = send.view(torch.uint8)[:self.rows * record_bytes].view(self.rows, record_bytes)
-        first = 0
-        for dest, n in enumerate(sent):
-            pack(dest, first, rows[first:first + n])
-            first += n
+        first = self._pack(send, sent, record_bytes, pack)
         recv_layout = torch.empty(self.num_ranks, 2, dtype=torch.int32, device=send.device)
         recv_token_num = torch.empty(per_expert.shape[0], dtype=torch.int32, device=send.device)
         self.tmo.moe_all2all_dispatch(self.handle, record_bytes, first, send_layout(sent, send.device), per_expert,
@@ -88,11 +95,7 @@ class TmoAll2All:
         the dispatch's ``recv_layout`` names; returns the ``expected`` records that come back, in the
         order this rank dispatched them."""
         send, recv = self.buffers[2], self.buffers[3]
-        rows = send.view(torch.uint8)[:self.rows * record_bytes].view(self.rows, record_bytes)
-        first = 0
-        for source, n in enumerate(returned):
-            pack(source, first, rows[first:first + n])
-            first += n
+        self._pack(send, returned, record_bytes, pack)
         self.tmo.moe_all2all_combine(self.handle, record_bytes, expected, send_layout(returned, send.device),
                                      recv_layout)
         # a copy: the next combine reuses combine_recv while this one's receive may still wait for its hook
