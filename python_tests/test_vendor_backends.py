@@ -119,3 +119,14 @@ def test_ascend_without_the_v2_operators_takes_v1_and_its_limits(vendor_worlds):
     results = vendor_worlds(2, TORCH_NPU_MODEL_V1_ONLY="1").run(partial(vendor_cases.refused, backend="ascend", **CALL))
     assert results == [("ValueError", MC2 + "ep_world_size must be one of {16, 32, 64} on Atlas A2 (v1), got 2")] * 2, \
         results
+
+
+@pytest.mark.parametrize("backend,why", [
+    ("ascend", "the ascend backend's combine needs that dispatch's MC2 bookkeeping"),
+    ("cambricon", "the cambricon backend's combine sends rows back to the places that dispatch's "
+                  "moe_all2all_dispatch reported")])
+def test_a_handle_not_from_this_buffer_is_refused_on_every_rank(vendor_worlds, backend, why):
+    results = vendor_worlds(2).run(partial(vendor_cases.foreign_handle, backend=backend))
+    assert results == [("ValueError", f"low_latency_combine: handle must be one that this Buffer's "
+                                      f"low_latency_dispatch returned: {why}, which the handle's tensors do not "
+                                      f"hold")] * 2, results

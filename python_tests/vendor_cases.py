@@ -159,6 +159,21 @@ def _grow_and_overlap(group: dist.ProcessGroup, backend: str) -> list[str]:
     return [f"rank {rank}: {d}" for d in diffs]
 
 
+def _foreign_handle(group: dist.ProcessGroup, backend: str) -> tuple[str, str]:
+    """What a low-latency combine raises on ``backend`` given a handle whose tensors are copies of a
+    dispatch's (the vendor bookkeeping belongs to the tensors this Buffer returned)."""
+    rank = dist.get_rank(group)
+    x = torch.randn(4, 128).to(torch.bfloat16)
+    topk_idx, topk_weights = routing(4, 4, 2, seed=rank)
+    buffer = ll_buffer(group, 4, 128, 4, backend=backend)
+    try:
+        recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, 4, 4, use_fp8=False)
+        copied = (handle[0].clone(), handle[1].clone()) + tuple(handle[2:])
+        return raised(lambda: buffer.low_latency_combine(recv, topk_idx, topk_weights, copied))
+    finally:
+        buffer.destroy()
+
+
 def _refused(group: dist.ProcessGroup, backend: str, **call: Any) -> tuple[str, str]:
     """What a low-latency dispatch of ``call`` (num_tokens, hidden, num_topk, num_experts, use_fp8,
     round_scale) raises on ``backend``; the Buffer then still works (a second, valid call)."""
@@ -197,6 +212,12 @@ def grow_and_overlap(group: dist.ProcessGroup, *args: Any, env: Optional[dict[st
                      ) -> list[str]:
     with models(env):
         return _grow_and_overlap(group, *args, **kw)
+
+
+def foreign_handle(group: dist.ProcessGroup, *args: Any, env: Optional[dict[str, str]] = None, **kw: Any
+                   ) -> tuple[str, str]:
+    with models(env):
+        return _foreign_handle(group, *args, **kw)
 
 
 def refused(group: dist.ProcessGroup, *args: Any, env: Optional[dict[str, str]] = None, **kw: Any) -> tuple[str, str]:
