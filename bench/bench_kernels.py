@@ -7,7 +7,7 @@ so it stays in the repository; the user benchmarks ship as ``python -m moe_comm.
 helpers this one shares.
 
 Shapes are one rank's share of a dispatch/combine: ``tokens`` tokens routed by random top-k to
-``ranks`` ranks. ``moe_comm._native.cpu_threads`` reads ``MOE_COMM_NUM_THREADS`` once per process,
+``ranks`` ranks. ``moe_comm.core.native.cpu_threads`` reads ``MOE_COMM_NUM_THREADS`` once per process,
 so each thread count runs in a child process of this script; torch's intra-op threads (used by the
 references) are set to the same count there.
 """
@@ -61,7 +61,7 @@ def _cases(d: dict[str, Any], cfg: dict[str, Any]) -> list[tuple[str, str, Calla
     """(op, impl, call, bytes by BYTE_RULE) for every timed row."""
     from moe_comm import ops
     from moe_comm.ops import combine_reduce as reduction, records as record_ops
-    from moe_comm._native import cpu_threads, native
+    from moe_comm.core.native import cpu_threads, native
     from moe_comm.ops.records import _segments  # internal: lets pack_rows write into a reused buffer
 
     R, E, disp, plan = cfg["ranks"], cfg["experts"], d["disp"], d["plan"]
@@ -121,7 +121,7 @@ def _check(d: dict[str, Any], cfg: dict[str, Any]) -> None:
 
 def child(cfg: dict[str, Any], threads: int) -> list[dict[str, Any]]:
     """Times every op at ``threads`` threads (env already set by the parent); one row per (op, impl)."""
-    from moe_comm._native import cpu_threads
+    from moe_comm.core.native import cpu_threads
 
     torch.set_num_threads(threads)
     _expect(cpu_threads() == threads, f"thread count (cpu_threads()={cpu_threads()}, wanted {threads})")

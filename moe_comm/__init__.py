@@ -6,12 +6,11 @@
         x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts)
     y, _, _ = buf.combine(expert_out, handle)
 """
-from ._native import build_info
-from .buffer import Buffer, topk_idx_t
-from .config import Config
-from .errors import (BackendUnavailableError, BufferUnusableError, CommTimeoutError, CrossRankMismatchError,
-                     PeerExitedError)
-from .event import EventHandle, EventOverlap
+from .buffer import Buffer, EventHandle, EventOverlap, topk_idx_t
+from .core.config import Config
+from .core.errors import (BackendUnavailableError, BufferUnusableError, CommTimeoutError, CrossRankMismatchError,
+                          PeerExitedError)
+from .core.native import build_info
 from .launch import init_from_env, spawn
 from .moe import EPMoE, Experts, ep_moe
 

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from moe_comm.ops.backend import interpreter_problem
+from moe_comm.ops.impl import interpreter_problem
 
 triton = pytest.importorskip("triton")
 if interpreter_problem() is not None:

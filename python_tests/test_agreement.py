@@ -1,5 +1,5 @@
 """Ranks agree on every call or all fail it: one-sided rejections, tampered handles, refusal after a
-failure, ranks found on different calls (moe_comm/backends/portable/agreement.py)."""
+failure, ranks found on different calls (moe_comm/protocol/agreement.py)."""
 import re
 
 import pytest

@@ -1,10 +1,10 @@
-"""The wire codes (moe_comm.codes): what each names, how the handshake words them, and that every
+"""The wire codes (moe_comm.protocol.codes): what each names, how the handshake words them, and that every
 torch dtype that can travel has one."""
 import pytest
 import torch
 
-from moe_comm.backends.portable.handshake import Handshake, per_rank, show, vector
-from moe_comm.codes import UNKNOWN, Field, Fp8Format, Op, WireDType
+from moe_comm.protocol.handshake import Handshake, per_rank, show, vector
+from moe_comm.protocol.codes import UNKNOWN, Field, Fp8Format, Op, WireDType
 
 
 def test_fp8_format_of_the_flags():

@@ -1,4 +1,4 @@
-"""``moe_comm.Config``, ``Buffer``'s static helpers, ``EventHandle``/``EventOverlap`` and ``moe_comm.env``,
+"""``moe_comm.Config``, ``Buffer``'s static helpers, ``EventHandle``/``EventOverlap`` and ``moe_comm.core.env``,
 checked against DeepEP v1 at commit 567632d (its C++ ``Config`` and size hints, its Python ``Buffer``)."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from moe_comm import Buffer, Config, EventHandle, EventOverlap, env
+from moe_comm import Buffer, Config, EventHandle, EventOverlap
+from moe_comm.core import env
 
 FIELDS = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
           "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
@@ -394,7 +395,7 @@ def test_output_pool_recycles_blocks_once_tensors_die():
 
     import torch
 
-    from moe_comm.memory import empty, pool_stats
+    from moe_comm.core.memory import empty, pool_stats
     first = empty((1024, 1024), torch.float32, torch.device("cpu"))  # 4 MiB: pooled
     address = first.data_ptr()
     view = first[10:20]
@@ -414,7 +415,7 @@ def test_output_pool_recycles_blocks_once_tensors_die():
 def test_zero_outputs_of_every_size():
     import torch
 
-    from moe_comm.memory import zeros
+    from moe_comm.core.memory import zeros
     for shape in ((0, 128), (3, 0), (0,), (5, 7), (1024, 1024)):
         t = zeros(shape, torch.bfloat16, torch.device("cpu"))
         assert t.shape == shape and t.dtype == torch.bfloat16 and t.is_contiguous()

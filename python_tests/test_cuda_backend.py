@@ -28,9 +28,10 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm import _native, backends
+from moe_comm.core import native as _native
+from moe_comm import backends
 from cuda_host_cases import calls
-from moe_comm.errors import BackendUnavailableError
+from moe_comm.core.errors import BackendUnavailableError
 
 CUDA_BUILT = importlib.util.find_spec("moe_comm._cuda") is not None
 REASON = backends.unavailable_reason("cuda")
@@ -787,7 +788,7 @@ def test_a_kernel_wait_ends_at_its_deadline_naming_the_peer():
     import time
     from moe_comm import _cuda
     from moe_comm.backends.cuda.kernel_errors import raise_for
-    from moe_comm.errors import CommTimeoutError
+    from moe_comm.core.errors import CommTimeoutError
     torch.cuda.set_device(0)
     nbytes = _cuda.normal_bytes(2, 1, 1, 4, 64)
     bufs = [_cuda.SharedBuffer(nbytes), _cuda.SharedBuffer(nbytes)]

@@ -14,7 +14,7 @@ from cuda_host_cases import both_backends, tampered_internode_handle
 from deadlines import before, found_within
 from moe_comm import _cuda_host as kernels
 from moe_comm.backends.cuda.kernel_errors import raise_for
-from moe_comm.errors import CommTimeoutError, PeerExitedError
+from moe_comm.core.errors import CommTimeoutError, PeerExitedError
 from transports import local_world
 
 # DeepEP's defaults, and rings of 4 slots fed 1-3 tokens at a time: senders wait for room, slots wrap.

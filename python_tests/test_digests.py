@@ -3,11 +3,11 @@ equal to their references, and sensitive to every change a tampered handle can m
 import pytest
 import torch
 
-from moe_comm.handle import plan_sends
-from moe_comm.backends.portable.digest import (digests, digests_reference, low_latency_combine_digests,
+from moe_comm.protocol.handle import plan_sends
+from moe_comm.protocol.digest import (digests, digests_reference, low_latency_combine_digests,
                                                low_latency_combine_digests_reference, sent_tokens,
                                                sent_tokens_reference)
-from moe_comm.backends.portable.low_latency_layout import layout_range_check, layout_range_check_reference, send_order
+from moe_comm.protocol.low_latency_layout import layout_range_check, layout_range_check_reference, send_order
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_comm._native import native
+from moe_comm.core.native import native
 from moe_comm.ops import (logfmt_decode, logfmt_decode_reference, logfmt_encode, logfmt_encode_reference,
                           logfmt_row_bytes)
 from moe_comm.ops.combine_reduce import combine_reduce, combine_reduce_reference

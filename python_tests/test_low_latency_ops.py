@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_comm.backends.portable.low_latency_layout import (combine_rows, combine_rows_reference, low_latency_unpack,
+from moe_comm.protocol.low_latency_layout import (combine_rows, combine_rows_reference, low_latency_unpack,
                                                            low_latency_unpack_reference, send_order,
                                                            send_order_reference)
 from moe_comm.ops.records import RecordLayout, pack_rows

@@ -13,8 +13,8 @@ import re
 import pytest
 import torch
 
-from moe_comm._native import native
-from moe_comm.backends.portable.low_latency_layout import (combine_rows, combine_rows_reference, low_latency_unpack,
+from moe_comm.core.native import native
+from moe_comm.protocol.low_latency_layout import (combine_rows, combine_rows_reference, low_latency_unpack,
                                                            low_latency_unpack_reference, send_order,
                                                            send_order_reference)
 from moe_comm.ops import (dispatch_layout, dispatch_layout_reference, permute, permute_reference, take_rows,

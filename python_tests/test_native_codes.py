@@ -1,12 +1,12 @@
 """The codes of the native kernels are C++ enums bound in ``moe_comm._C``, and Python holds no integer copy
 of them: the bound enums have the members of ``csrc/cpu``, bound functions take and return members (an int
-is a TypeError), and the torch-dtype mappings of ``moe_comm._native`` return members. Single process."""
+is a TypeError), and the torch-dtype mappings of ``moe_comm.core.native`` return members. Single process."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_comm._native import NATIVE_DTYPES, native, native_dtype, native_format
+from moe_comm.core.native import NATIVE_DTYPES, native, native_dtype, native_format
 from moe_comm.ops.quant import FORMATS
 
 # The members of each enum in csrc/cpu/api.h and flags.h, in declaration order.

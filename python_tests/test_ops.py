@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm._native import NATIVE_DTYPES, native, native_dtype
+from moe_comm.core.native import NATIVE_DTYPES, native, native_dtype
 from moe_comm.ops import DispatchLayout, dispatch_layout, dispatch_layout_reference, take_rows, take_rows_reference
 from moe_comm.ops.combine_reduce import combine_reduce, combine_reduce_reference
 from moe_comm.ops.records import RecordLayout, pack_rows, pack_rows_reference, unpack_rows, unpack_rows_reference

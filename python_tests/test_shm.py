@@ -104,7 +104,7 @@ def test_flags_wait_outcomes():
 
     import torch
 
-    from moe_comm._native import native
+    from moe_comm.core.native import native
     outcomes = native().WaitOutcome
     flags = torch.zeros(2, dtype=torch.int64)
     a, b = flags.data_ptr(), flags.data_ptr() + 8

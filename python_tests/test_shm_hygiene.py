@@ -47,7 +47,7 @@ def _files_of(ranks: list[dict]) -> list[str]:
 
 
 def _all_gone(pids: list[int]) -> bool:
-    from moe_comm._native import native
+    from moe_comm.core.native import native
     deadline = time.monotonic() + EXIT_S  # the world's close ended them
     while any(native().process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -1,6 +1,6 @@
 """Shrink by timeout (``enable_shrink=True``): ranks that stay alive but stop calling are masked on
 every survivor, the same mask everywhere, and the calls complete for the live experts
-(moe_comm/backends/portable/shrink.py; DeepEP's ``--shrink-test`` semantics)."""
+(moe_comm/protocol/shrink.py; DeepEP's ``--shrink-test`` semantics)."""
 from __future__ import annotations
 
 import re

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_comm._native import native
+from moe_comm.core.native import native
 
 C = native()
 

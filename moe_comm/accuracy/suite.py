@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import ops
-from ..ops import backend
+from ..ops import impl as backend
 from .standard import EXACT, check
 
 __all__ = ["run", "main", "targets", "InterpreterChildError"]

@@ -21,9 +21,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import env
-from .._native import cuda_module
-from ..errors import BackendUnavailableError
+from ..core import env
+from ..core.errors import BackendUnavailableError
+from ..core.native import cuda_module
 from .base import Backend
 
 __all__ = ["Backend", "Choice", "CUDA_HOST", "KNOWN", "PORTABLE", "available", "unavailable_reason", "choose", "create",
@@ -54,7 +54,7 @@ _GROUP_DEVICE = {"gloo": "cpu", "mpi": "cpu", "nccl": "cuda", "hccl": "npu", "cn
 
 def _built() -> dict[str, type[Backend]]:
     """The backend classes this moe_comm has. Imported when a Buffer is built: the modes import
-    ``moe_comm.handle``, which imports the portable backend's wire helpers. The vendor backends import
+    ``moe_comm.protocol.handle``, which imports the portable backend's wire helpers. The vendor backends import
     no vendor module until one is built."""
     from .ascend.backend import AscendBackend
     from .cambricon.backend import CambriconBackend

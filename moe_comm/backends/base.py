@@ -1,6 +1,6 @@
 """What ``Buffer`` asks of a backend: the one interface every implementation of DeepEP's operations has.
 
-``Buffer`` (``buffer.py``, ``buffer_low_latency.py``) checks every argument and shapes results into
+``Buffer`` (``buffer/buffer.py``, ``buffer/low_latency.py``) checks every argument and shapes results into
 DeepEP's tuples; a backend receives checked arguments and does the work: the normal-mode layout,
 dispatch, cached dispatch and combine, the low-latency dispatch, combine, zero-copy combine buffer,
 clean and rank masks, and the device facts DeepEP exposes. Each collective ``Buffer`` method runs
@@ -19,11 +19,11 @@ from typing import Any, Callable, ClassVar, Optional, TypeVar
 
 import torch
 
-from ..codes import Fp8Format
-from ..config import Config
-from ..handle import LowLatencyHandle, NormalHandle
+from ..core.config import Config
+from ..core.topology import Topology
 from ..ops import DispatchLayout
-from ..topology import Topology
+from ..protocol.codes import Fp8Format
+from ..protocol.handle import LowLatencyHandle, NormalHandle
 
 __all__ = ["Backend", "DispatchResult", "LowLatencyDispatch", "Receive", "collective"]
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from moe_comm._native import cpu_threads
+from moe_comm.core.native import cpu_threads
 from moe_comm.moe import MODES, Experts, NormalStages, ep_moe, ep_moe_reference, schedules
 
 from .checks import require_all_ranks

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from moe_comm._native import cpu_threads
+from moe_comm.core.native import cpu_threads
 from moe_comm.ops import per_token_cast_back, per_token_cast_to_fp8
 
 from .checks import calc_diff, require_all_ranks

@@ -14,7 +14,7 @@ import sys
 from types import ModuleType
 from typing import Optional
 
-from .. import env
+from ..core import env
 
 __all__ = ["DeepEPConflictError", "install_deep_ep_alias", "install_from_env", "alias_installed", "PATCH_MARK"]
 

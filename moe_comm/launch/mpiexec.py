@@ -28,7 +28,7 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 from typing import Any, Optional
 
-from .._native import native
+from ..core.native import native
 from ..transport.mpi import MPICH_SHM_PREFIX, mapped_mpich_segments
 from ..transport.shm_segment import process_gone, sweep_stale
 from .worker import worker_loop

@@ -6,8 +6,8 @@ from typing import Optional
 
 import torch
 
-from ..checks import describe
-from ..errors import bad_argument
+from ..core.checks import describe
+from ..core.errors import bad_argument
 from ..ops import expert_ffn, per_block_cast_to_fp8
 from ..ops.fp8 import FP8_DTYPE, GROUP
 

@@ -5,9 +5,9 @@ from typing import Optional
 
 import torch
 
-from ..buffer import Buffer
-from ..checks import check_int, check_tensor, describe
-from ..errors import bad_argument
+from ..buffer.buffer import Buffer
+from ..core.checks import check_int, check_tensor, describe
+from ..core.errors import bad_argument
 from . import schedules
 from .experts import Experts
 from .routing import select_experts

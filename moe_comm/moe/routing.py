@@ -6,8 +6,8 @@ from typing import Optional
 
 import torch
 
-from ..checks import check_int, check_tensor, describe
-from ..errors import bad_argument
+from ..core.checks import check_int, check_tensor, describe
+from ..core.errors import bad_argument
 
 __all__ = ["SCORINGS", "select_experts"]
 

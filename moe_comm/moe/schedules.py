@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..buffer import Buffer
+from ..buffer.buffer import Buffer
 from .experts import Experts
 from .stages import LowLatencyStages, NormalStages
 

@@ -13,9 +13,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..buffer import Buffer
-from ..event import EventOverlap
-from ..ops import permute, take_rows, quantize, unpermute_reduce
+from ..buffer.buffer import Buffer
+from ..buffer.event import EventOverlap
+from ..ops import permute, quantize, take_rows, unpermute_reduce
 from .experts import Experts
 
 __all__ = ["local_expert_rows", "NormalStages", "NormalReceived", "LowLatencyStages", "LowLatencyReceived"]

@@ -6,13 +6,12 @@ import a transport or a backend.
 Exported here: the ops a MoE layer calls, and the LogFMT-10 codec of the low-latency combine (``logfmt``). The row-record kernels that the portable backend's
 exchange is built on (``records``: pack and unpack; ``combine_reduce``: the fixed-order reduction,
 which ``unpermute_reduce`` reuses) are modules of this package, not exported."""
-from .backend import BACKENDS, resolve, triton_usable
 from .expert_ffn import expert_ffn, expert_ffn_reference
 from .fp8 import per_block_cast_to_fp8, per_token_cast_back, per_token_cast_to_fp8, ue8m0_to_float
 from .grouped_gemm import grouped_gemm, grouped_gemm_reference
+from .impl import BACKENDS, resolve, triton_usable
 from .layout import DispatchLayout, dispatch_layout, dispatch_layout_reference
-from .logfmt import (logfmt_decode, logfmt_decode_reference, logfmt_encode, logfmt_encode_reference,
-                     logfmt_row_bytes)
+from .logfmt import logfmt_decode, logfmt_decode_reference, logfmt_encode, logfmt_encode_reference, logfmt_row_bytes
 from .permute import Permutation, max_permuted_rows, permute, permute_reference
 from .quant import FORMATS, dequantize, dequantize_reference, quantize, quantize_reference
 from .rows import take_rows, take_rows_reference

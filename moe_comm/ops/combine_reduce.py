@@ -7,10 +7,10 @@ from typing import Literal, Optional, Sequence, Union
 
 import torch
 
-from .._native import NATIVE_DTYPES, cpu_threads, native, native_dtype
+from ..core.native import NATIVE_DTYPES, cpu_threads, native, native_dtype
 from .logfmt import logfmt_decode_reference, logfmt_row_bytes
-from .rows import check_index
 from .records import RecordLayout, check_records
+from .rows import check_index
 
 __all__ = ["combine_reduce", "combine_reduce_reference", "Records", "XFormat"]
 
@@ -37,7 +37,7 @@ def combine_reduce(layout: RecordLayout, records: Records, send_pos: torch.Tenso
 
     Args:
         layout: record layout with field ``x`` and, when ``out_weights`` is given, field ``weights``
-            (`[num_topk]` float32). ``x`` is `[hidden]` of a ``moe_comm._native.NATIVE_DTYPES`` dtype, or with
+            (`[num_topk]` float32). ``x`` is `[hidden]` of a ``moe_comm.core.native.NATIVE_DTYPES`` dtype, or with
             ``x_format="logfmt"`` `[logfmt_row_bytes(hidden)]` uint8 holding a LogFMT-10 row of hidden = out's
             columns, each decoded exactly as ``logfmt_decode`` decodes it (no out_weights then).
         records: `[rows, record_bytes]` uint8 shared by all sources, or one such tensor per source

@@ -6,10 +6,10 @@ from typing import Optional
 
 import torch
 
-from ..memory import zeros
-from .backend import resolve
+from ..core.memory import zeros
 from .fp8 import GROUP
 from .grouped_gemm import GemmArgs, grouped_gemm, launch_gemm, native_gemm, segments_reference
+from .impl import resolve
 from .quant import quantize
 
 __all__ = ["expert_ffn", "expert_ffn_reference"]

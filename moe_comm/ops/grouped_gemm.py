@@ -15,10 +15,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..memory import zeros
-from .backend import kernels, resolve
-from .npu import grouped_gemm_npu, torch_npu_for
+from ..core.memory import zeros
 from .fp8 import GROUP
+from .impl import kernels, resolve
+from .npu import grouped_gemm_npu, torch_npu_for
 from .quant import dequantize
 from .weight_cache import fp32_weights
 

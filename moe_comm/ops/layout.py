@@ -6,8 +6,8 @@ from typing import Optional
 
 import torch
 
-from .._native import cpu_threads, native
-from .backend import kernels, next_pow2, resolve
+from ..core.native import cpu_threads, native
+from .impl import kernels, next_pow2, resolve
 from .rows import check_index
 
 __all__ = ["DispatchLayout", "dispatch_layout", "dispatch_layout_reference", "SendPlan", "plan_sends", "token_channels"]

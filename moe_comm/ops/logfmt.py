@@ -23,9 +23,9 @@ from typing import Any, Optional
 
 import torch
 
-from .._native import cpu_threads, native
-from ..checks import describe
-from ..errors import bad_argument
+from ..core.checks import describe
+from ..core.errors import bad_argument
+from ..core.native import cpu_threads, native
 
 __all__ = ["logfmt_row_bytes", "logfmt_encode", "logfmt_decode", "logfmt_encode_reference",
            "logfmt_decode_reference", "log2_reference", "exp2_reference"]

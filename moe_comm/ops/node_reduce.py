@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..topology import Topology
+from ..core.topology import Topology
 from .combine_reduce import Records, combine_reduce
 from .records import RecordLayout
 

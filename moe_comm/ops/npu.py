@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..vendor import load
+from ..core.vendor_imports import load
 from .quant import quantize_reference
 
 __all__ = ["torch_npu_for", "permute_npu", "grouped_gemm_npu"]

@@ -7,8 +7,8 @@ from typing import Optional
 
 import torch
 
-from .._native import NATIVE_DTYPES
-from .backend import kernels, resolve
+from ..core.native import NATIVE_DTYPES
+from .impl import kernels, resolve
 from .npu import permute_npu, torch_npu_for
 from .quant import check_quant_args, launch_rows, native_rows, quantize_reference
 from .rows import take_rows

@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch
 
-from .._native import NATIVE_DTYPES, cpu_threads, native, native_dtype, native_format
-from .backend import kernels, next_pow2, resolve
+from ..core.native import NATIVE_DTYPES, cpu_threads, native, native_dtype, native_format
 from .fp8 import GROUP, per_token_cast_back, per_token_cast_to_fp8
+from .impl import kernels, next_pow2, resolve
 
 __all__ = ["FORMATS", "quantize", "quantize_reference", "dequantize", "dequantize_reference", "launch_rows",
            "native_rows", "check_quant_args"]

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._native import cpu_threads, native
+from ..core.native import cpu_threads, native
 from .rows import check_index, check_on_cpu, check_rows_index
 
 __all__ = ["Field", "RecordLayout", "pack_rows", "pack_rows_reference", "unpack_rows", "unpack_rows_reference",

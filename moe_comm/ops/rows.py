@@ -9,7 +9,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .._native import cpu_threads, native
+from ..core.native import cpu_threads, native
 
 __all__ = ["take_rows", "take_rows_reference", "check_index", "check_on_cpu", "check_rows_index"]
 

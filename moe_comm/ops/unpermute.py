@@ -5,9 +5,9 @@ from typing import Optional
 
 import torch
 
-from .._native import NATIVE_DTYPES
-from .backend import kernels, next_pow2, resolve
+from ..core.native import NATIVE_DTYPES
 from .combine_reduce import combine_reduce
+from .impl import kernels, next_pow2, resolve
 from .records import Field, RecordLayout
 
 __all__ = ["unpermute_reduce", "unpermute_reduce_reference"]

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import env
+from ..core import env
 
 __all__ = ["fp32_weights", "cache_stats", "clear"]
 

@@ -9,7 +9,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..buffer import Buffer
+from ..buffer.buffer import Buffer
 
 __all__ = ["Call", "Recorder", "recording_buffer"]
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .. import env
+from ..core import env
 from .base import Exchange, Pending, Transport
 from .collective import CollectiveTransport
 from .mpi import MpiTransport

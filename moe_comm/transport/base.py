@@ -12,7 +12,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from ..memory import Workspace
+from ..core.memory import Workspace
 from .store_gather import StoreGather
 
 __all__ = ["Exchange", "Pending", "Rows", "Transport", "host_id", "own_counts", "peer_blocks", "prefix_sums"]

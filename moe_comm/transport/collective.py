@@ -31,8 +31,8 @@ from typing import Callable, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..errors import CommTimeoutError, CrossRankMismatchError
-from ..topology import split_nodes
+from ..core.errors import CommTimeoutError, CrossRankMismatchError
+from ..core.topology import split_nodes
 from .base import Pending, Transport, host_id, peer_blocks
 from .host_counters import HostCounters
 from .store_gather import StoreGather

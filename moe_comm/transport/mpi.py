@@ -32,15 +32,15 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from .._native import native
-from ..checks import describe
-from ..errors import CommTimeoutError, PeerExitedError, bad_argument
-from ..topology import split_nodes
+from ..core.checks import describe
+from ..core.errors import CommTimeoutError, PeerExitedError, bad_argument
+from ..core.native import native
+from ..core.topology import split_nodes
 from .base import Pending, Transport, host_id, peer_blocks, prefix_sums
 from .collective import default_store
 from .host_counters import HostCounters
-from .store_gather import StoreGather
 from .shm_segment import sweep_stale
+from .store_gather import StoreGather
 
 __all__ = ["MpiTransport", "load_mpi", "as_comm", "MPICH_SHM_PREFIX", "mapped_mpich_segments"]
 

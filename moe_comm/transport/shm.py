@@ -23,8 +23,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .._native import native
-from ..errors import CommTimeoutError, PeerExitedError
+from ..core.errors import CommTimeoutError, PeerExitedError
+from ..core.native import native
 from .base import Exchange, Pending, Rows, Transport, own_counts, prefix_sums
 from .collective import CollectiveTransport
 from .shm_segment import DATA, META, META_CELL, NUM_SLOTS, Segment, SegmentLayout, segment_name, sweep_stale

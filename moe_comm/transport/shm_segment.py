@@ -29,7 +29,7 @@ from typing import Iterable
 
 import torch
 
-from .._native import native
+from ..core.native import native
 
 __all__ = ["META", "DATA", "NUM_SLOTS", "META_CELL", "PREFIX", "COUNTERS_PREFIX", "SegmentLayout", "Segment",
            "segment_name", "create_held", "open_held", "process_gone", "sweep_stale"]

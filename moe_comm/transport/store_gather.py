@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-from ..errors import CommTimeoutError
+from ..core.errors import CommTimeoutError
 
 __all__ = ["StoreGather"]
 

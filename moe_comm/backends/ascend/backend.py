@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ...vendor import load
-from ..vendor_backend import VendorBackend
+from ...core.vendor_imports import load
+from ..vendor_common.backend import VendorBackend
 from .low_latency import Mc2LowLatencyMode
 from .mc2 import Mc2
 

@@ -24,17 +24,17 @@ from typing import Optional
 
 import torch
 
-from ...codes import Fp8Format
-from ...handle import LowLatencyHandle
-from ...memory import empty, zeros
+from ...core.memory import empty, zeros
 from ...ops.records import RecordLayout, pack_rows
+from ...protocol.agreement import CallAgreement
+from ...protocol.codes import Fp8Format
+from ...protocol.handle import LowLatencyHandle
+from ...protocol.low_latency_layout import add_stats, low_latency_unpack
 from ...transport import Transport
 from ..base import LowLatencyDispatch, Receive
-from ..portable.agreement import CallAgreement
-from ..portable.low_latency import LowLatencyMode, add_stats
-from ..portable.low_latency_layout import low_latency_unpack
-from ..per_handle import PerHandle
-from ..vendor_rows import copy_expert_rows
+from ..portable.low_latency import LowLatencyMode
+from ..vendor_common.expert_rows import copy_expert_rows
+from ..vendor_common.per_handle import PerHandle
 from .mc2 import Mc2, Mc2Routing
 
 __all__ = ["Mc2LowLatencyMode"]

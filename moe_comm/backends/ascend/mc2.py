@@ -16,8 +16,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ... import env
-from ..._native import native
+from ...core import env
+from ...core.native import native
 
 __all__ = ["Mc2", "Mc2Routing", "product_of"]
 

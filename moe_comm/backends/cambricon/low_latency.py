@@ -9,17 +9,17 @@ from typing import Optional
 
 import torch
 
-from ...codes import Fp8Format
-from ...handle import LowLatencyHandle
 from ...ops.logfmt import logfmt_row_bytes
 from ...ops.records import RecordLayout
+from ...protocol.agreement import CallAgreement
+from ...protocol.codes import Fp8Format
+from ...protocol.handle import LowLatencyHandle
+from ...protocol.handshake import Handshake
 from ...transport import Transport
 from ...transport.base import Exchange, Rows
 from ..base import LowLatencyDispatch
-from ..per_handle import PerHandle
-from ..portable.agreement import CallAgreement
-from ..portable.handshake import Handshake
 from ..portable.low_latency import LowLatencyMode
+from ..vendor_common.per_handle import PerHandle
 from .tmo import TmoAll2All
 
 __all__ = ["TmoLowLatencyMode"]

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from ...transport import Transport
-from ..vendor_rows import copy_expert_rows
+from ..vendor_common.expert_rows import copy_expert_rows
 
 __all__ = ["TmoAll2All", "send_layout"]
 

@@ -41,13 +41,13 @@ import torch
 import torch.distributed as dist
 
 from ... import _cuda  # the device build (CMakeLists.txt); importing it makes no CUDA call
-from ...checks import describe
-from ...codes import Fp8Format
-from ...config import Config
-from ...errors import bad_argument
-from ...handle import LowLatencyHandle, NormalHandle
+from ...core.checks import describe
+from ...core.config import Config
+from ...core.errors import bad_argument
 from ...ops import DispatchLayout
 from ...ops.rows import check_index
+from ...protocol.codes import Fp8Format
+from ...protocol.handle import LowLatencyHandle, NormalHandle
 from ...transport.base import host_id
 from ..base import DispatchResult, LowLatencyDispatch, Receive
 from ..portable.backend import PortableBackend
@@ -56,11 +56,11 @@ from .device_stream import DeviceStream
 from .internode import kernels_span
 from .ipc_buffers import IpcBuffers
 from .kernel_errors import raise_for
+from .low_latency import KernelLowLatencyMode
+from .normal import KernelNormalMode
 from .nvshmem_lib import NvshmemUnavailableError
 from .nvshmem_lib import load as load_nvshmem
 from .symmetric_buffers import SymmetricBuffers, heap_bytes, join_world
-from .low_latency import KernelLowLatencyMode
-from .normal import KernelNormalMode
 
 __all__ = ["CudaBackend"]
 

@@ -22,15 +22,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...checks import check_tensor
-from ...config import Config
-from ...errors import bad_argument
-from ...handle import NormalHandle
+from ...core.checks import check_tensor
+from ...core.config import Config
+from ...core.errors import bad_argument
+from ...core.topology import Topology
 from ...ops import DispatchLayout
-from ...topology import Topology
+from ...protocol.handle import NormalHandle
+from ...protocol.internode_layout import forward_bits, rdma_channel_prefix
+from ...protocol.normal_layout import channel_prefix, dispatch_outputs
 from ..base import DispatchResult
-from ..portable.internode import forward_bits, rdma_channel_prefix
-from ..portable.normal import NormalMode, channel_prefix, dispatch_outputs
+from ..portable.normal import NormalMode
 from .host_stream import HostStream
 from .kernel_outputs import cached_result, check_notify, finish_dispatch, kernel_topk_ids, pinned_inputs
 from .pins import Pins

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...errors import CommTimeoutError, PeerExitedError
+from ...core.errors import CommTimeoutError, PeerExitedError
 
 __all__ = ["raise_for"]
 

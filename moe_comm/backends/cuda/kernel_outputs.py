@@ -7,8 +7,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ...protocol.normal_layout import fill_padding
 from ..base import DispatchResult
-from ..portable.normal import fill_padding
 
 __all__ = ["cached_result", "check_notify", "finish_dispatch", "kernel_topk_ids", "pinned_inputs"]
 

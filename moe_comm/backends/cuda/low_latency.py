@@ -19,13 +19,14 @@ from typing import Any, Optional
 
 import torch
 
-from ...codes import Fp8Format
-from ...handle import LowLatencyHandle
-from ...memory import empty
+from ...core.memory import empty
+from ...protocol.agreement import CallAgreement
+from ...protocol.codes import Fp8Format
+from ...protocol.handle import LowLatencyHandle
+from ...protocol.low_latency_layout import add_stats, dispatch_outputs
 from ...transport import Transport
 from ..base import LowLatencyDispatch, Receive
-from ..portable.agreement import CallAgreement
-from ..portable.low_latency import LowLatencyMode, add_stats, dispatch_outputs
+from ..portable.low_latency import LowLatencyMode
 from .host_stream import HostStream
 from .pins import Pins
 from .shared_buffers import SharedBuffers

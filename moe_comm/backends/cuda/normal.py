@@ -20,11 +20,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ...config import Config
-from ...handle import NormalHandle
+from ...core.config import Config
 from ...ops import DispatchLayout
+from ...protocol.handle import NormalHandle
+from ...protocol.normal_layout import channel_prefix, dispatch_outputs, rows_within_destination
 from ..base import DispatchResult
-from ..portable.normal import NormalMode, channel_prefix, dispatch_outputs, rows_within_destination
+from ..portable.normal import NormalMode
 from .host_stream import HostStream
 from .internode import KernelInternodeMode, kernels_span
 from .kernel_outputs import cached_result, check_notify, finish_dispatch, kernel_topk_ids, pinned_inputs

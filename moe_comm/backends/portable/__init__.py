@@ -1,6 +1,5 @@
-"""The portable backend (``backend.PortableBackend``): the call agreement and its handshake, the
-normal and low-latency modes, and the wire helpers they use (routing digests, the low-latency send
-order and receive layout), over any ``moe_comm.transport``.
+"""The portable backend (``backend.PortableBackend``): the normal and low-latency modes built from the
+call agreement (``moe_comm.protocol``) and a byte mover (``moe_comm.transport``), over any transport.
+It is the semantic reference: every other backend's outputs equal its bits.
 
-Nothing is imported here: ``moe_comm.handle`` checks handles with this package's wire helpers, and
-the modes build handles, so importing the package must not pull in the modes."""
+Nothing is imported here, so that importing one mode does not pull in the others."""

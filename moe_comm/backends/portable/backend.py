@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 
 from ... import transport as transports
-from ...codes import Fp8Format
-from ...config import Config
-from ...handle import LowLatencyHandle, NormalHandle
+from ...core.config import Config
+from ...core.topology import Topology
 from ...ops import DispatchLayout, dispatch_layout
-from ...topology import Topology
+from ...protocol.agreement import CallAgreement
+from ...protocol.codes import Fp8Format
+from ...protocol.handle import LowLatencyHandle, NormalHandle
 from ..base import Backend, DispatchResult, LowLatencyDispatch, Receive
-from .agreement import CallAgreement
 from .low_latency import LowLatencyMode
 from .normal import NormalMode
 

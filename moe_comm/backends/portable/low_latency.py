@@ -26,53 +26,24 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...codes import Field, Fp8Format, Op
-from ...handle import LowLatencyHandle
-from ...memory import empty, zeros
+from ...core.memory import empty
 from ...ops import quantize
 from ...ops.combine_reduce import combine_reduce
-from ...ops.fp8 import FP8_DTYPE
 from ...ops.logfmt import logfmt_encode, logfmt_row_bytes
 from ...ops.records import RecordLayout, pack_rows
+from ...protocol.agreement import CallAgreement
+from ...protocol.codes import Field, Fp8Format, Op
+from ...protocol.digest import low_latency_combine_digests
+from ...protocol.handle import LowLatencyHandle
+from ...protocol.handshake import Handshake
+from ...protocol.low_latency_layout import add_stats, combine_rows, dispatch_outputs, low_latency_unpack, send_order
 from ...transport import Transport
 from ...transport.base import Exchange, Rows
 from ..base import LowLatencyDispatch, Receive
-from .agreement import CallAgreement
-from .digest import low_latency_combine_digests
-from .handshake import Handshake
-from .low_latency_layout import combine_rows, low_latency_unpack, send_order
 
-__all__ = ["LowLatencyMode", "add_stats", "dispatch_outputs"]
+__all__ = ["LowLatencyMode"]
 
 _COMPARED = (Field.HIDDEN, Field.NUM_EXPERTS, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK)
-
-
-def dispatch_outputs(local: int, num_ranks: int, m: int, hidden: int, scales: Optional[tuple[torch.dtype, int]],
-                     device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor,
-                                                    torch.Tensor]:
-    """A dispatch's outputs before any row arrives, ``rows = num_ranks * m``: recv_x `[E_loc, rows,
-    H]` zeros (float8_e4m3fn when ``scales`` (dtype, S) is given, else bf16), recv_scales zeros
-    allocated `[E_loc, S, rows]` and returned transposed (DeepEP's layout), src_info `[E_loc, rows]`
-    int32 -1, layout_range `[E_loc, R]` int64 and recv_count `[E_loc]` int32 uninitialised. Rows
-    past a count stay zero (the zeros cost only the pages written), so outputs are bitwise reproducible."""
-    rows = num_ranks * m
-    recv_x = zeros((local, rows, hidden), torch.bfloat16 if scales is None else FP8_DTYPE, device)
-    recv_scales = None
-    if scales is not None:
-        recv_scales = zeros((local, scales[1], rows), scales[0], device).transpose(1, 2)
-    src_info = torch.full((local, rows), -1, dtype=torch.int32, device=device)
-    layout_range = torch.empty(local, num_ranks, dtype=torch.int64, device=device)
-    return recv_x, recv_scales, src_info, layout_range, torch.empty(local, dtype=torch.int32, device=device)
-
-
-def add_stats(recv_stats: Optional[torch.Tensor], recv_count: Optional[torch.Tensor],
-              wait_stats: Optional[torch.Tensor], waited_ns: int) -> None:
-    """DeepEP's optional stats tensors after a receive: ``recv_stats += recv_count`` (a dispatch's),
-    ``wait_stats += waited_ns`` (the handshake's and the receive's waits)."""
-    if recv_stats is not None:
-        recv_stats.add_(recv_count)
-    if wait_stats is not None:
-        wait_stats.add_(waited_ns)
 
 
 @dataclass

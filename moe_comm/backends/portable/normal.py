@@ -14,41 +14,27 @@ from typing import Callable, Optional
 
 import torch
 
-from ...codes import Field, Op, WireDType
-from ...config import Config
-from ...errors import CrossRankMismatchError
-from ...handle import NormalHandle
-from ...memory import empty
+from ...core.config import Config
+from ...core.errors import CrossRankMismatchError
+from ...core.memory import empty
+from ...core.topology import Topology
 from ...ops.combine_reduce import combine_reduce
+from ...ops.layout import DispatchLayout, SendPlan, plan_sends
 from ...ops.node_reduce import combine_reduce_by_node
-from ...ops.layout import DispatchLayout, SendPlan, plan_sends, token_channels
 from ...ops.records import RecordLayout, pack_rows, unpack_rows
 from ...ops.rows import take_rows
+from ...protocol.agreement import CallAgreement
+from ...protocol.codes import Field, Op, WireDType
+from ...protocol.digest import digests
+from ...protocol.handle import NormalHandle
+from ...protocol.handshake import Handshake
+from ...protocol.normal_layout import (channel_prefix, dispatch_outputs, fill_padding, recv_channel_starts,
+                                       rows_within_destination)
 from ...transport import Transport
-from ...topology import Topology
-from ...transport.base import prefix_sums
 from ..base import DispatchResult
-from .agreement import CallAgreement
-from .digest import digests
-from .handshake import Handshake
 from .internode import attach_internode
 
-__all__ = ["NormalMode", "channel_prefix", "fill_padding", "recv_channel_starts", "rows_within_destination"]
-
-
-def channel_prefix(is_token_in_rank: torch.Tensor, num_channels: int) -> torch.Tensor:
-    """``[R, C]`` int32: tokens sent to rank r from channels 0..c (DeepEP's channel split of tokens)."""
-    num_tokens, num_ranks = is_token_in_rank.shape
-    pairs = is_token_in_rank.nonzero()
-    flat = pairs[:, 1] * num_channels + token_channels(num_tokens, num_channels, pairs.device)[pairs[:, 0]]
-    counts = torch.bincount(flat, minlength=num_ranks * num_channels).view(num_ranks, num_channels)
-    return counts.cumsum(1).to(torch.int32)
-
-
-def recv_channel_starts(chan: torch.Tensor) -> torch.Tensor:
-    """``[R, C]`` int32: from each source's cumulative ``channel_prefix`` rows to this rank, the
-    first row of each channel within that source's block (DeepEP's recv_channel_prefix_matrix)."""
-    return (chan - chan.diff(dim=1, prepend=torch.zeros(chan.shape[0], 1, dtype=chan.dtype))).to(torch.int32)
+__all__ = ["NormalMode"]
 
 
 _X_FIELDS = (Field.HIDDEN, Field.X_DTYPE, Field.NUM_SCALES, Field.SCALES_DTYPE)
@@ -70,20 +56,6 @@ def _x_fields(x: torch.Tensor, scales: Optional[torch.Tensor]) -> dict[Field, in
     return {Field.HIDDEN: x.shape[1], Field.X_DTYPE: WireDType.code(x.dtype),
             Field.NUM_SCALES: -1 if scales is None else scales.shape[1],
             Field.SCALES_DTYPE: WireDType.code(None if scales is None else scales.dtype)}
-
-
-def rows_within_destination(send_head: torch.Tensor, sent: list[int]) -> torch.Tensor:
-    """``[T, R]`` int32: token t's row among the rows sent to rank r (-1: not sent), from a handle's
-    ``send_head`` (rows counted across destinations) and the rows sent to each rank."""
-    starts = torch.tensor(prefix_sums(sent)[:-1], dtype=torch.int32, device=send_head.device)
-    return torch.where(send_head >= 0, send_head - starts, -1).to(torch.int32)
-
-
-def fill_padding(tensors: list[Optional[torch.Tensor]], values: list[float], start: int) -> None:
-    """Rows ``start:`` of each tensor (None skipped) set to its value: a dispatch's rows past those received."""
-    for t, v in zip(tensors, values):
-        if t is not None and t.shape[0] > start:
-            t[start:].fill_(v)
 
 
 def _own_rows(fields: list[torch.Tensor], src_rows: torch.Tensor, outputs: list[torch.Tensor], start: int) -> None:
@@ -341,22 +313,6 @@ class NormalMode:
                                              send_pos, bias0, bias1, out, out_weights))
 
         return out, out_weights, finish
-
-
-def dispatch_outputs(rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor]
-                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor],
-                                torch.Tensor]:
-    """A dispatch's receive tensors of ``rows`` rows, uninitialised: recv_x and recv_scales (x's and
-    scales' dtypes and widths), recv_topk_idx (topk_idx's dtype) and recv_topk_weights (float32)
-    when routing comes with top-k, and recv_src_idx (int32)."""
-    device = x.device
-    recv_x = empty((rows, x.shape[1]), x.dtype, device)
-    recv_scales = None if scales is None else empty((rows, scales.shape[1]), scales.dtype, device)
-    recv_topk_idx = recv_topk_weights = None
-    if topk_idx is not None:
-        recv_topk_idx = empty((rows, topk_idx.shape[1]), topk_idx.dtype, device)
-        recv_topk_weights = empty((rows, topk_idx.shape[1]), torch.float32, device)
-    return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, torch.empty(rows, dtype=torch.int32, device=device)
 
 
 def _check_worst(shake: Handshake) -> None:

@@ -6,8 +6,8 @@ DeepEP before its V2 rewrite, there is no ``ElasticBuffer``, so engines that pro
 ``moe_comm.integrations.install_deep_ep_alias()`` registers this module as ``deep_ep``.
 """
 from moe_comm.buffer import Buffer, topk_idx_t
-from moe_comm.config import Config
-from moe_comm.event import EventHandle, EventOverlap
+from moe_comm.buffer.event import EventHandle, EventOverlap
+from moe_comm.core.config import Config
 
 from . import utils
 

@@ -16,8 +16,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ...codes import UNKNOWN, Field, Fp8Format, Op, WireDType
-from ...errors import CrossRankMismatchError
+from ..core.errors import CrossRankMismatchError
+from .codes import UNKNOWN, Field, Fp8Format, Op, WireDType
 
 __all__ = ["Handshake", "vector", "show", "per_rank", "check"]
 

@@ -25,9 +25,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ...codes import UNKNOWN, Field, Op
-from ...errors import BufferUnusableError, CrossRankMismatchError
-from ...transport import Transport
+from ..core.errors import BufferUnusableError, CrossRankMismatchError
+from ..transport import Transport
+from .codes import UNKNOWN, Field, Op
 from .handshake import Handshake, check, show, vector
 from .shrink import note, read_note
 

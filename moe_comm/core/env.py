@@ -10,14 +10,14 @@ MOE_COMM_TRANSPORT   transport for ``Buffer(transport="auto")``: a name listed b
 MOE_COMM_TIMEOUT_S   deadline in seconds for every wait (default 300); ``Buffer(timeout_s=...)``
                      overrides it.
 MOE_COMM_NUM_THREADS threads the CPU kernels of ``moe_comm._C`` may use (default: all cores).
-MOE_COMM_POOL_BYTES  idle bytes the CPU output pool (``moe_comm.memory.empty``) may keep (default 2 GiB;
+MOE_COMM_POOL_BYTES  idle bytes the CPU output pool (``moe_comm.core.memory.empty``) may keep (default 2 GiB;
                      0 disables recycling).
 MOE_COMM_WEIGHT_CACHE_BYTES  bytes of fp32 expert-weight copies the native CPU GEMM may keep across calls
                      (``moe_comm.ops.weight_cache``; default 1 GiB; 0 disables).
 MOE_COMM_OPS_BACKEND backend of the ops in ``moe_comm.ops`` when a call passes none: ``native`` or
                      ``triton`` (unset: ``native`` on CPU tensors, ``triton`` elsewhere when it imports).
 TRITON_INTERPRET     (Triton's own) ``1`` runs Triton kernels in its CPU interpreter; read by Triton when
-                     a kernel module is imported, and by ``moe_comm.ops.backend`` to allow CPU tensors.
+                     a kernel module is imported, and by ``moe_comm.ops.impl`` to allow CPU tensors.
 MOE_COMM_DEEP_EP     ``1``: the vLLM and SGLang plugin entry points make ``import deep_ep`` give moe-comm
                      (``moe_comm.integrations.install_deep_ep_alias``); ``force``: even over another
                      ``deep_ep`` already imported; unset, empty or ``0``: the plugins do nothing.

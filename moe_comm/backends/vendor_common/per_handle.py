@@ -6,7 +6,7 @@ from __future__ import annotations
 import weakref
 from typing import Generic, TypeVar
 
-from ..handle import LowLatencyHandle
+from ...protocol.handle import LowLatencyHandle
 
 __all__ = ["PerHandle"]
 

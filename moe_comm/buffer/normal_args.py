@@ -7,12 +7,12 @@ from typing import Any, Optional
 
 import torch
 
-from ._native import NATIVE_DTYPES
-from .checks import check_int, check_tensor, describe
-from .errors import bad_argument
-from .handle import NormalHandle
-from .limits import check_count, check_fits
-from .ops import DispatchLayout, dispatch_layout
+from ..core.checks import check_int, check_tensor, describe
+from ..core.errors import bad_argument
+from ..core.limits import check_count, check_fits
+from ..core.native import NATIVE_DTYPES
+from ..ops import DispatchLayout, dispatch_layout
+from ..protocol.handle import NormalHandle
 
 __all__ = ["split_x", "check_topk_idx", "check_num_experts", "check_dispatch_routing", "check_combine_args",
            "DispatchRouting", "TOPK_IDX_T"]

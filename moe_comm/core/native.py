@@ -32,7 +32,7 @@ NATIVE_DTYPES = tuple(_DTYPES)
 @functools.lru_cache(maxsize=None)
 def _load() -> tuple[ModuleType | None, str]:
     try:
-        from . import _C  # type: ignore[attr-defined]
+        from .. import _C  # type: ignore[attr-defined]
     except ImportError as exc:  # reported by require() with the import error
         return None, str(exc)
     return _C, ""
@@ -66,7 +66,7 @@ def cuda_module() -> tuple[ModuleType | None, str]:
     """(``moe_comm._cuda``, "") when the device build of csrc/cuda imports, else (None, why). Importing
     it makes no CUDA call (static cudart), so this works on a machine without a GPU or a driver."""
     try:
-        from . import _cuda  # type: ignore[attr-defined]
+        from .. import _cuda  # type: ignore[attr-defined]
     except ImportError as exc:
         return None, str(exc)
     return _cuda, ""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
-from .checks import describe
+from ..core.checks import describe
 
 __all__ = ["LOW_LATENCY_DISPATCH", "LOW_LATENCY_COMBINE", "reject_unsupported"]
 

@@ -16,11 +16,11 @@ from typing import Any, Optional
 
 import torch
 
-from .checks import check_int, check_tensor
-from .errors import bad_argument
-from .backends.portable.digest import sent_tokens
-from .ops.layout import SendPlan, plan_sends
-from .backends.portable.low_latency_layout import layout_range_check
+from ..core.checks import check_int, check_tensor
+from ..core.errors import bad_argument
+from ..ops.layout import SendPlan, plan_sends
+from .digest import sent_tokens
+from .low_latency_layout import layout_range_check
 
 __all__ = ["InternodeFields", "InternodeHandle", "NormalHandle", "LowLatencyHandle", "SendPlan", "plan_sends"]
 
@@ -121,7 +121,7 @@ class NormalHandle:
     @functools.cached_property
     def sent(self) -> tuple[list[int], list[int], Optional[tuple[int, int]]]:
         """(tokens this rank sent to each rank in the handle's dispatch, digests of those tokens, the
-        first ``[t, r]`` where ``send_head`` is not their send position, or None): ``backends.portable.digest.sent_tokens``."""
+        first ``[t, r]`` where ``send_head`` is not their send position, or None): ``protocol.digest.sent_tokens``."""
         return sent_tokens(self.is_token_in_rank, self.send_head)
 
     @functools.cached_property

@@ -6,12 +6,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..._native import cpu_threads, native
-from ...ops.rows import check_index, check_on_cpu
-from ...ops.records import RecordLayout, check_records, unpack_rows
+from ..core.memory import zeros
+from ..core.native import cpu_threads, native
+from ..ops.fp8 import FP8_DTYPE
+from ..ops.records import RecordLayout, check_records, unpack_rows
+from ..ops.rows import check_index, check_on_cpu
 
 __all__ = ["send_order", "send_order_reference", "combine_rows", "combine_rows_reference", "low_latency_unpack",
-           "low_latency_unpack_reference", "layout_range_check", "layout_range_check_reference"]
+           "low_latency_unpack_reference", "layout_range_check", "layout_range_check_reference", "dispatch_outputs",
+           "add_stats"]
 
 
 def send_order(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
@@ -221,3 +224,31 @@ def low_latency_unpack_reference(layout: RecordLayout, records: torch.Tensor, re
     src_info[expert, row] = layout.view(records, "src")[:, 0]
     recv_count.copy_(counts.sum(1))
     layout_range.copy_((begins << 32) | counts)
+
+
+def dispatch_outputs(local: int, num_ranks: int, m: int, hidden: int, scales: Optional[tuple[torch.dtype, int]],
+                     device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor,
+                                                    torch.Tensor]:
+    """A dispatch's outputs before any row arrives, ``rows = num_ranks * m``: recv_x `[E_loc, rows,
+    H]` zeros (float8_e4m3fn when ``scales`` (dtype, S) is given, else bf16), recv_scales zeros
+    allocated `[E_loc, S, rows]` and returned transposed (DeepEP's layout), src_info `[E_loc, rows]`
+    int32 -1, layout_range `[E_loc, R]` int64 and recv_count `[E_loc]` int32 uninitialised. Rows
+    past a count stay zero (the zeros cost only the pages written), so outputs are bitwise reproducible."""
+    rows = num_ranks * m
+    recv_x = zeros((local, rows, hidden), torch.bfloat16 if scales is None else FP8_DTYPE, device)
+    recv_scales = None
+    if scales is not None:
+        recv_scales = zeros((local, scales[1], rows), scales[0], device).transpose(1, 2)
+    src_info = torch.full((local, rows), -1, dtype=torch.int32, device=device)
+    layout_range = torch.empty(local, num_ranks, dtype=torch.int64, device=device)
+    return recv_x, recv_scales, src_info, layout_range, torch.empty(local, dtype=torch.int32, device=device)
+
+
+def add_stats(recv_stats: Optional[torch.Tensor], recv_count: Optional[torch.Tensor],
+              wait_stats: Optional[torch.Tensor], waited_ns: int) -> None:
+    """DeepEP's optional stats tensors after a receive: ``recv_stats += recv_count`` (a dispatch's),
+    ``wait_stats += waited_ns`` (the handshake's and the receive's waits)."""
+    if recv_stats is not None:
+        recv_stats.add_(recv_count)
+    if wait_stats is not None:
+        wait_stats.add_(waited_ns)

@@ -1,6 +1,6 @@
 """Every integer code that travels between ranks, in one place.
 
-The portable backend's handshake (``backends/portable/handshake.py``) sends one int64 vector per
+The portable backend's handshake (``protocol/handshake.py``) sends one int64 vector per
 call; these enums name its slots and the values they hold. Python code uses the members, never the
 bare integers. The codes of the native kernels (element types, quantization formats, ISA levels,
 wait outcomes) are C++ enums in ``csrc/cpu``, bound as ``moe_comm._C.DType`` and so on.

@@ -1,7 +1,7 @@
 """``Buffer``: DeepEP v1's ``deep_ep.Buffer`` API on any ``torch.distributed`` group and device.
 
 The facade checks arguments and shapes results into DeepEP's tuples (its low-latency methods are in
-``buffer_low_latency.py``); a backend (``moe_comm.backends``) does the work: ``portable`` over a
+``low_latency.py``); a backend (``moe_comm.backends``) does the work: ``portable`` over a
 transport (``moe_comm.transport``) on every device, native ones with device kernels.
 """
 from __future__ import annotations
@@ -11,19 +11,20 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import backends, env
-from .backends.base import Backend, collective
-from .backends.portable.internode import check_tokens_per_node, tokens_per_node
-from .checks import check_bools, check_int, describe
-from .config import Config, check_internode_combine_config, combine_config, dispatch_config
-from .errors import bad_argument
+from .. import backends
+from ..backends.base import Backend, collective
+from ..core import env
+from ..core.checks import check_bools, check_int, describe
+from ..core.config import Config, check_internode_combine_config, combine_config, dispatch_config
+from ..core.errors import bad_argument
+from ..protocol.handle import NormalHandle
+from ..protocol.internode_layout import check_tokens_per_node, tokens_per_node
+from ..transport.mpi import as_comm
 from .event import EventHandle, EventOverlap
-from .handle import NormalHandle
-from .buffer_low_latency import LowLatencyAPI, XType
-from .ll_args import low_latency_buffer_bytes
+from .low_latency import LowLatencyAPI, XType
+from .low_latency_args import low_latency_buffer_bytes
 from .normal_args import (TOPK_IDX_T, check_combine_args, check_dispatch_routing, check_num_experts, check_topk_idx,
                           split_x)
-from .transport.mpi import as_comm
 
 __all__ = ["Buffer"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .._native import native
+from ...core.native import native
 
 __all__ = ["copy_expert_rows"]
 

@@ -7,12 +7,12 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .backends.base import Backend, collective
-from .checks import check_bools, check_int, check_tensor
-from .errors import bad_argument
+from ..backends.base import Backend, collective
+from ..core.checks import check_bools, check_int, check_tensor
+from ..core.errors import bad_argument
+from ..protocol.handle import LowLatencyHandle
 from .event import EventHandle, EventOverlap
-from .handle import LowLatencyHandle
-from .ll_args import check_ll_combine, check_ll_counts, check_ll_dispatch, check_ll_sizes, check_rdma_bytes
+from .low_latency_args import check_ll_combine, check_ll_counts, check_ll_dispatch, check_ll_sizes, check_rdma_bytes
 from .variant_knobs import LOW_LATENCY_COMBINE, LOW_LATENCY_DISPATCH, reject_unsupported
 
 __all__ = ["LowLatencyAPI", "XType"]
@@ -70,7 +70,7 @@ class LowLatencyAPI:
             async_finish: the receive runs in ``event.current_stream_wait()``.
             return_recv_hook: the call only sends; ``hook()`` receives and fills the outputs (once).
             variant_knobs: keywords of DeepEP forks (``use_nvfp4``, ``x_global_scale``, ...), accepted
-                at their off value only (``moe_comm.variant_knobs``).
+                at their off value only (``moe_comm.buffer.variant_knobs``).
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` `[E_loc, R * M, H]` bf16, or
             ``(float8_e4m3fn [E_loc, R * M, H], scales)`` with scales float32 `[E_loc, R * M, H / 128]` or
@@ -122,7 +122,7 @@ class LowLatencyAPI:
             out: optional `[T, H]` bf16 contiguous output.
             combine_wait_recv_cost_stats: like ``dispatch_wait_recv_cost_stats``.
             variant_knobs: keywords of DeepEP forks (``overlap``, ``comp_signal``, ...), accepted at
-                their off value only (``moe_comm.variant_knobs``).
+                their off value only (``moe_comm.buffer.variant_knobs``).
         Returns:
             ``(combined_x, event, hook)``: ``combined_x[t] = bf16(sum over k ascending with topk_idx[t, k]
             >= 0 of topk_weights[t, k] * y(t, k))``, fp32 multiply and add: bitwise reproducible.
@@ -169,7 +169,7 @@ class LowLatencyAPI:
         nothing to a combine). Takes effect at this rank's next low-latency call, whose handshake
         shares it: a rank masked by any rank is masked by all, and the masked rank itself, if it
         still calls, is refused. Ranks that exit, or miss a low-latency call's deadline, are masked
-        the same way (shrink by timeout, ``backends/portable/shrink.py``)."""
+        the same way (shrink by timeout, ``protocol/shrink.py``)."""
         op = "low_latency_update_mask_buffer"
         self._shrink_ready(op)
         check_int(op, "rank_to_mask", rank_to_mask, minimum=0)

@@ -7,13 +7,13 @@ from typing import Any, Optional
 
 import torch
 
-from .checks import check_int, check_tensor, describe
-from .codes import Fp8Format
-from .errors import bad_argument
-from .handle import LowLatencyHandle
-from .limits import MAX_INT32, check_count, check_fits
+from ..core.checks import check_int, check_tensor, describe
+from ..core.errors import bad_argument
+from ..core.limits import MAX_INT32, check_count, check_fits
+from ..ops.fp8 import GROUP
+from ..protocol.codes import Fp8Format
+from ..protocol.handle import LowLatencyHandle
 from .normal_args import check_topk_idx
-from .ops.fp8 import GROUP
 
 __all__ = ["low_latency_buffer_bytes", "check_ll_dispatch", "check_ll_combine", "check_ll_sizes",
            "check_ll_counts", "check_rdma_bytes",

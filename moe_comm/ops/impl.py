@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .. import env
+from ..core import env
 
 __all__ = ["BACKENDS", "resolve", "triton_usable", "interpreter_problem", "kernels", "next_pow2"]
 

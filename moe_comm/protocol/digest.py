@@ -12,8 +12,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..._native import native
-from ...ops.layout import plan_sends
+from ..core.native import native
+from ..ops.layout import plan_sends
 from .low_latency_layout import combine_rows_reference
 
 __all__ = ["digests", "digests_reference", "sent_tokens", "sent_tokens_reference", "low_latency_combine_digests",

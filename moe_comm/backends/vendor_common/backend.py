@@ -8,8 +8,8 @@ from typing import Any, ClassVar, Optional
 
 import torch.distributed as dist
 
-from ..vendor import load
-from .portable.backend import PortableBackend
+from ...core.vendor_imports import load
+from ..portable.backend import PortableBackend
 
 __all__ = ["VendorBackend"]
 
@@ -18,7 +18,7 @@ class VendorBackend(PortableBackend):
     """A ``PortableBackend`` whose low-latency mode a vendor module drives (``self.vendor``). Construction
     is collective. Arguments: as ``PortableBackend``."""
 
-    #: the module the low-latency mode calls, and where it comes from (``moe_comm.vendor.load``)
+    #: the module the low-latency mode calls, and where it comes from (``moe_comm.core.vendor_imports.load``)
     module: ClassVar[tuple[str, str]]
     #: the group's collective library, for messages
     collectives: ClassVar[str]
