@@ -342,7 +342,7 @@ class _FakeKernel:
 
 
 class _FakeModule:
-    RowType = ErrorCode = WaitKind = object()
+    DType = WaitOutcome = WaitKind = object()
     normal_bytes = dispatch_slot_bytes = low_latency_bytes = internode_bytes = staticmethod(lambda *a: 0)
     MAX_NODES = 64
 
@@ -536,7 +536,7 @@ class _HostAsDevice:
     def __init__(self) -> None:
         from moe_comm import _cuda_host
         self.host = _cuda_host
-        self.RowType, self.ErrorCode, self.WaitKind = _cuda_host.RowType, _cuda_host.ErrorCode, _cuda_host.WaitKind
+        self.DType, self.WaitOutcome, self.WaitKind = _cuda_host.DType, _cuda_host.WaitOutcome, _cuda_host.WaitKind
         self.normal_bytes, self.low_latency_bytes = _cuda_host.normal_bytes, _cuda_host.low_latency_bytes
         self.dispatch_slot_bytes, self.internode_bytes = _cuda_host.dispatch_slot_bytes, _cuda_host.internode_bytes
         self.MAX_NODES = _cuda_host.MAX_NODES
@@ -797,8 +797,8 @@ def test_a_kernel_wait_ends_at_its_deadline_naming_the_peer():
     record = kernel.prologue(1)
     assert 0.4 <= time.monotonic() - begin < 30, time.monotonic() - begin
     code, kind, rank, peer, _, observed, expected = record
-    assert (_cuda.ErrorCode(code), _cuda.WaitKind(kind), rank, peer) == \
-        (_cuda.ErrorCode.TIMEOUT, _cuda.WaitKind.BARRIER, 0, 1), record
+    assert (_cuda.WaitOutcome(code), _cuda.WaitKind(kind), rank, peer) == \
+        (_cuda.WaitOutcome.TIMEOUT, _cuda.WaitKind.BARRIER, 0, 1), record
     with pytest.raises(CommTimeoutError, match=r"ranks not heard from: \[1\]; the kernel waited for rank 1"):
         raise_for(_cuda, "combine", 0.5, [os.getpid()] * 2, record)
     for b in bufs:

@@ -163,7 +163,7 @@ def test_module_imports_without_a_gpu():
 def test_enums_match_the_host_build():
     from moe_comm import _cuda_host as host
     cuda = _cuda_module()
-    for enum in ("WaitKind", "ErrorCode", "RowType"):
+    for enum in ("WaitKind", "WaitOutcome", "DType"):
         ours, theirs = getattr(cuda, enum), getattr(host, enum)
         assert [(e.name, int(e.value)) for e in ours.__members__.values()] == \
             [(e.name, int(e.value)) for e in theirs.__members__.values()], enum
@@ -361,7 +361,7 @@ def _normal(side_name: str, R=3, C=2, L=2, H=256, T=40, K=3, chunk=4, slots=16):
                                   _ptr(o["recv_w"]), _ptr(o["recv_src"]))
                                  for i, n, o in zip(ins, notes, outs)], parallel=True)
     side.launch(nc, "prologue", [(2,)] * R, parallel=True)
-    side.launch(nc, "combine", [(T, H, 2 * H, K, mod.RowType.BFLOAT16, _ptr(o["recv_x"]), _ptr(o["recv_w"]),
+    side.launch(nc, "combine", [(T, H, 2 * H, K, mod.DType.BFLOAT16, _ptr(o["recv_x"]), _ptr(o["recv_w"]),
                                  _ptr(n["recv_offset"]), _ptr(n["chan_starts"]), _ptr(n["chan_counts"]),
                                  _ptr(i["in_rank"]), _ptr(i["chan"]), _ptr(i["send_pos"]), 0, 0, _ptr(o["out"]),
                                  _ptr(o["out_w"]))

@@ -86,8 +86,8 @@ def test_barrier_wait_times_out_naming_the_peer():
     elapsed = time.monotonic() - begin
     assert 0.5 <= elapsed < found_within(0.5), elapsed
     code, kind, rank, peer, channel, observed, expected = record
-    assert (kernels.ErrorCode(code), kernels.WaitKind(kind), rank, peer, observed, expected) == \
-        (kernels.ErrorCode.TIMEOUT, kernels.WaitKind.BARRIER, 0, 1, 0, 2)  # launch 1 opens with barrier 2
+    assert (kernels.WaitOutcome(code), kernels.WaitKind(kind), rank, peer, observed, expected) == \
+        (kernels.WaitOutcome.TIMEOUT, kernels.WaitKind.BARRIER, 0, 1, 0, 2)  # launch 1 opens with barrier 2
     with pytest.raises(CommTimeoutError, match=r"combine: rank 0 timed out after 0.5 s; ranks not heard from: \[1\]; "
                                                r"the kernel waited for rank 1: its arrival at the barrier"):
         raise_for(kernels, "combine", 0.5, [os.getpid()] * 2, record)
@@ -107,7 +107,7 @@ def test_wait_for_an_exited_peer_fails_at_once():
     begin = time.monotonic()
     record = _normal(bufs, pids, 30.0).prologue(1)
     assert time.monotonic() - begin < before(30.0)
-    assert kernels.ErrorCode(record[0]) == kernels.ErrorCode.PEER_EXITED and record[3] == 1, record
+    assert kernels.WaitOutcome(record[0]) == kernels.WaitOutcome.PEER_EXITED and record[3] == 1, record
     with pytest.raises(PeerExitedError, match=rf"rank 1 \(pid {pids[1]}\) has exited"):
         raise_for(kernels, "dispatch", 30.0, pids, record)
 

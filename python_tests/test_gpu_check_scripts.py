@@ -278,7 +278,7 @@ def _fake_emulated_side(R):
     from moe_comm import _cuda_host
 
     class FakeCuda:
-        RowType = _cuda_host.RowType
+        DType = _cuda_host.DType
         normal_bytes = staticmethod(_cuda_host.normal_bytes)
         dispatch_slot_bytes = staticmethod(_cuda_host.dispatch_slot_bytes)
         low_latency_bytes = staticmethod(_cuda_host.low_latency_bytes)

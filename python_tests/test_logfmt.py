@@ -317,10 +317,10 @@ def test_combine_reduce_logfmt_checks():
     with pytest.raises(ValueError, match=r"combine_reduce_logfmt: LogFMT field x \(520 x 1 bytes at byte 8\) "
                                          r"does not fit in a record of record_bytes=100"):
         native().combine_reduce_logfmt(out.data_ptr(), [records.data_ptr()] * 2, [4, 4], pos.data_ptr(), 0, 0, 0,
-                                       3, 2, 256, native().DType.kBFloat16, 100, 8, 1)
+                                       3, 2, 256, native().DType.BFLOAT16, 100, 8, 1)
     with pytest.raises(ValueError, match="combine_reduce_logfmt: hidden must be a positive multiple of 128, got 200"):
         native().combine_reduce_logfmt(out.data_ptr(), [records.data_ptr()] * 2, [4, 4], pos.data_ptr(), 0, 0, 0,
-                                       3, 2, 200, native().DType.kBFloat16, 528, 8, 1)
+                                       3, 2, 200, native().DType.BFLOAT16, 528, 8, 1)
 
 
 # ------------------------------------------------------------------------------ DeepEP's accuracy

@@ -176,7 +176,7 @@ def test_combine_reduce_native_checks_before_its_threads_start():
     with pytest.raises(ValueError, match=_outside("combine_reduce", "send_pos", f"{num_tokens - 1}, 1", 2 ** 30, -1,
                                                   num_tokens)):
         native().combine_reduce(out.data_ptr(), 0, [records.data_ptr()] * 2, [num_tokens] * 2, pos.data_ptr(), 0, 0,
-                                0, num_tokens, 2, hidden, native().DType.kFloat32, records.shape[1], 0, 0, 0, 2)
+                                0, num_tokens, 2, hidden, native().DType.FLOAT32, records.shape[1], 0, 0, 0, 2)
 
 
 def test_combine_reduce_wrapper_checks_the_tensors_behind_the_pointers():

@@ -508,7 +508,7 @@ def test_take_rows_matches_reference(dtype, cols, strided):
 
 
 # Each build of quantize_rows: the IsaLevel that caps the kernel at it, and the name quantize_rows_isa() gives it.
-QUANT_BUILDS = [("kAvx512", "avx512"), ("kAvx2", "avx2"), ("kGeneric", "generic")]
+QUANT_BUILDS = [("AVX512", "avx512"), ("AVX2", "avx2"), ("GENERIC", "generic")]
 
 
 @contextlib.contextmanager
@@ -522,7 +522,7 @@ def _quantize_rows_build(cap: str, isa: str):
                         f"{native().quantize_rows_isa()}, which another case tests)")
         yield
     finally:
-        native().set_quantize_rows_isa_cap(native().IsaLevel.kAvx512)
+        native().set_quantize_rows_isa_cap(native().IsaLevel.AVX512)
 
 
 @pytest.mark.parametrize("cap,isa", QUANT_BUILDS)

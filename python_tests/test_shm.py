@@ -110,15 +110,15 @@ def test_flags_wait_outcomes():
     a, b = flags.data_ptr(), flags.data_ptr() + 8
     native().flag_store(a, 5)
     assert native().flag_load(a) == 5
-    assert native().flags_wait([a], [5], [0], 1.0, True) == (-1, outcomes.kReached)
-    assert native().flags_wait([a], [3], [0], 1.0, False) == (-1, outcomes.kReached)
-    assert native().flags_wait([a, b], [5, 3], [0, 0], 1.0, True)[1] == outcomes.kTimeout  # b never set: deadline
-    assert native().flags_wait([a], [3], [0], 1.0, True) == (0, outcomes.kPastTarget)  # already past: out of step
+    assert native().flags_wait([a], [5], [0], 1.0, True) == (-1, outcomes.REACHED)
+    assert native().flags_wait([a], [3], [0], 1.0, False) == (-1, outcomes.REACHED)
+    assert native().flags_wait([a, b], [5, 3], [0, 0], 1.0, True)[1] == outcomes.TIMEOUT  # b never set: deadline
+    assert native().flags_wait([a], [3], [0], 1.0, True) == (0, outcomes.PAST_TARGET)  # already past: out of step
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     deadline_s = 30.0
     start = time.monotonic()
-    assert native().flags_wait([a, b], [5, 1], [0, dead.pid], deadline_s, True) == (1, outcomes.kProcessExited)
+    assert native().flags_wait([a, b], [5, 1], [0, dead.pid], deadline_s, True) == (1, outcomes.PEER_EXITED)
     assert time.monotonic() - start < before(deadline_s)  # noticed at a 20 ms check, not at the deadline
 
 

@@ -1,4 +1,4 @@
-"""The host-side C++ of the vendor backends (csrc/ascend/mc2_limits.cpp, csrc/vendor/expert_rows.cpp)
+"""The host-side C++ of the vendor backends (csrc/ascend/mc2_limits.cpp, csrc/cpu/expert_rows.cpp)
 through moe_comm._C: MC2's documented limits and sizes, and the bounds-checked row copy between the
 vendors' expert-grouped rows and DeepEP's packed layout."""
 from __future__ import annotations

@@ -4,6 +4,7 @@
 // one build works with any torch version. Argument order: outputs, const inputs, sizes, knobs.
 // Errors are thrown as std::invalid_argument with the offending values in the message. The enums are
 // bound under their own names (moe_comm._C.DType, ...): Python passes their members, never integers.
+// DType and WaitOutcome are the codes every build shares (csrc/common/codes.h).
 // The shm transport's flags are in flags.h.
 //
 // NOTES: no input makes a kernel read or write out of bounds. Every entry point that takes an index
@@ -16,11 +17,13 @@
 
 #include <cstdint>
 
+#include "../common/codes.h"
+
 namespace moe_comm::cpu {
 
 // Element types of the float rows the kernels read and write: combine_reduce's (accumulated in fp32),
-// quantize_rows' input and dequantize_rows' output.
-enum class DType { kFloat32, kBFloat16, kFloat16 };
+// quantize_rows' input and dequantize_rows' output; only FLOAT32, BFLOAT16 and FLOAT16 are taken.
+using DType = ::moe_comm::DType;
 
 // One field of a row record: `num_cols` elements of `elem_bytes` bytes at `data + row * row_stride
 // + col * col_stride` for row in [0, num_rows), stored contiguously at byte `offset` inside each record.

@@ -97,7 +97,7 @@ int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t*
             next_check = now + kCheckEvery;
             for (int64_t i = 0; i < n; ++i) {
                 if (pids[i] > 0 && flag_load(flags[i]) < targets[i] && !process_alive(pids[i])) {
-                    *outcome = WaitOutcome::kProcessExited;
+                    *outcome = WaitOutcome::kPeerExited;
                     return i;
                 }
             }

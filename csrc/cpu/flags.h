@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "../common/codes.h"
+
 namespace moe_comm::cpu {
 
 // A sender publishes data with a release store after writing it; a receiver that sees the value
@@ -14,13 +16,10 @@ int64_t flag_load(const int64_t* flag);
 // Whether process `pid` runs on this host (an exited, unreaped process counts as dead).
 bool process_alive(int64_t pid);
 
-// How flags_wait ended.
-enum class WaitOutcome {
-    kReached,        // every flag reached its target
-    kTimeout,        // timeout_s passed first
-    kProcessExited,  // the process that sets the flag not reached has exited
-    kPastTarget,     // (exact) the flag is already past its target: its setter is out of step
-};
+// How flags_wait ended (csrc/common/codes.h): kReached, every flag reached its target; kTimeout,
+// timeout_s passed first; kPeerExited, the process that sets the flag not reached has exited;
+// kPastTarget, (exact) the flag is already past its target: its setter is out of step.
+using WaitOutcome = ::moe_comm::WaitOutcome;
 
 // Waits until *flags[i] >= targets[i] (== with `exact`) for every i, polling, then yielding, then
 // sleeping in short naps. Every 20 ms it checks the deadline and whether pids[i] (the process that

@@ -17,8 +17,7 @@
 namespace moe_comm::cpu {
 namespace {
 
-constexpr int64_t kGroup = 128;
-constexpr float kAmaxFloor = 1e-4f;
+constexpr int64_t kGroup = kFp8Group;
 constexpr uint32_t kMantissa = (1u << 23) - 1;
 
 using numeric::to_e4m3;
@@ -207,8 +206,8 @@ void run(const Job& job, int64_t num_rows, int num_threads) {
     MC_CHECK(fp8 || job.format == QuantFormat::kInt8, op << ": unknown format code " << static_cast<int>(job.format));
     MC_CHECK(!fp8 || job.hidden % kGroup == 0, op << ": FP8 needs hidden % " << kGroup << " == 0, got " << job.hidden);
     MC_CHECK(job.source_div > 0, op << ": source_div must be positive, got " << job.source_div);
-    MC_CHECK(job.dtype == DType::kFloat32 || job.dtype == DType::kBFloat16 || job.dtype == DType::kFloat16,
-             op << ": unknown dtype code " << static_cast<int>(job.dtype));
+    MC_CHECK(is_float_row(job.dtype),
+             op << ": dtype must be FLOAT32, BFLOAT16 or FLOAT16, got DType code " << static_cast<int>(job.dtype));
     void (*range)(const Job&, int64_t, int64_t) = range_generic;
 #ifdef MC_BUILDS
     const IsaLevel isa = best_isa();

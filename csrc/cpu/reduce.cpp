@@ -169,6 +169,7 @@ void combine_reduce(void* out, float* out_weights,
         case DType::kFloat32: MC_REDUCE(DType::kFloat32); break;
         case DType::kBFloat16: MC_REDUCE(DType::kBFloat16); break;
         case DType::kFloat16: MC_REDUCE(DType::kFloat16); break;
+        default: break;  // refused by the checked entry point (reduce_dispatch.cpp)
     }
 #undef MC_REDUCE
 }

@@ -65,8 +65,8 @@ void combine_reduce(void* out, float* out_weights,
                     int64_t num_tokens, int64_t num_sources, int64_t hidden, DType dtype,
                     int64_t record_bytes, int64_t x_offset, int64_t weights_offset, int64_t num_topk,
                     int num_threads) {
-    MC_CHECK(dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16,
-             "combine_reduce: unknown dtype code " << static_cast<int>(dtype));
+    MC_CHECK(is_float_row(dtype),
+             "combine_reduce: dtype must be FLOAT32, BFLOAT16 or FLOAT16, got DType code " << static_cast<int>(dtype));
     MC_CHECK(num_tokens >= 0 && num_sources >= 0 && hidden >= 0 && record_bytes >= 0 && num_topk >= 0,
              "combine_reduce: num_tokens, num_sources, hidden, record_bytes and num_topk must be >= 0, got "
                  << num_tokens << ", " << num_sources << ", " << hidden << ", " << record_bytes << ", " << num_topk);
@@ -88,8 +88,9 @@ void combine_reduce_logfmt(void* out,
                            const float* scale, const void* bias0, const void* bias1,
                            int64_t num_tokens, int64_t num_sources, int64_t hidden, DType dtype,
                            int64_t record_bytes, int64_t x_offset, int num_threads) {
-    MC_CHECK(dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16,
-             "combine_reduce_logfmt: unknown dtype code " << static_cast<int>(dtype));
+    MC_CHECK(is_float_row(dtype),
+             "combine_reduce_logfmt: dtype must be FLOAT32, BFLOAT16 or FLOAT16, got DType code "
+                 << static_cast<int>(dtype));
     MC_CHECK(logfmt::valid_hidden(hidden),
              "combine_reduce_logfmt: hidden must be a positive multiple of " << logfmt::kGroup << ", got " << hidden);
     MC_CHECK(num_tokens >= 0 && num_sources >= 0 && record_bytes >= 0,

@@ -10,15 +10,15 @@
 #include <vector>
 
 #include "../ascend/mc2_limits.h"
+#include "../common/codes_bindings.h"
 #include "../common/logfmt.h"
 #include "../cpu/api.h"
+#include "../cpu/expert_rows.h"
 #include "../cpu/flags.h"
-#include "../vendor/expert_rows.h"
 
 namespace py = pybind11;
 namespace cpu = moe_comm::cpu;
 namespace ascend = moe_comm::ascend;
-namespace vendor = moe_comm::vendor;
 
 namespace {
 
@@ -108,7 +108,7 @@ void def_vendor(py::module_& m) {
     m.def(
         "check_expert_counts",
         [](const std::vector<int64_t>& counts, int64_t capacity, int64_t grouped_rows) {
-            return vendor::check_expert_counts(counts.data(), static_cast<int64_t>(counts.size()), capacity,
+            return cpu::check_expert_counts(counts.data(), static_cast<int64_t>(counts.size()), capacity,
                                                grouped_rows);
         },
         py::arg("counts"), py::arg("capacity"), py::arg("grouped_rows"));
@@ -120,10 +120,10 @@ void def_vendor(py::module_& m) {
                 py::gil_scoped_release release;
                 const auto local = static_cast<int64_t>(counts.size());
                 if (to_packed)
-                    vendor::grouped_to_packed(ptr<uint8_t>(packed), ptr<const uint8_t>(grouped), counts.data(), local,
+                    cpu::grouped_to_packed(ptr<uint8_t>(packed), ptr<const uint8_t>(grouped), counts.data(), local,
                                               capacity, grouped_rows, row_bytes);
                 else
-                    vendor::packed_to_grouped(ptr<uint8_t>(grouped), ptr<const uint8_t>(packed), counts.data(), local,
+                    cpu::packed_to_grouped(ptr<uint8_t>(grouped), ptr<const uint8_t>(packed), counts.data(), local,
                                               capacity, grouped_rows, row_bytes);
             },
             py::arg("packed"), py::arg("grouped"), py::arg("counts"), py::arg("capacity"), py::arg("grouped_rows"),
@@ -134,25 +134,18 @@ void def_vendor(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "moe-comm native kernels (raw-pointer API; no libtorch linkage)";
 
-    // The codes the kernels take and return, under their C++ names. Not arithmetic: a member never
-    // equals an int, and a bound function given an int raises TypeError.
-    py::enum_<cpu::DType>(m, "DType", "Element type of float rows (csrc/cpu/api.h).")
-        .value("kFloat32", cpu::DType::kFloat32)
-        .value("kBFloat16", cpu::DType::kBFloat16)
-        .value("kFloat16", cpu::DType::kFloat16);
+    // The codes the kernels take and return, named as Python names enum members: the shared ones
+    // (DType, WaitOutcome) from csrc/common/codes.h, the CPU kernels' own from csrc/cpu/api.h. Not
+    // arithmetic: a member never equals an int, and a bound function given an int raises TypeError.
     py::enum_<cpu::QuantFormat>(m, "QuantFormat", "Format of quantize_rows' codes (csrc/cpu/api.h).")
-        .value("kE4M3", cpu::QuantFormat::kE4M3)
-        .value("kE5M2", cpu::QuantFormat::kE5M2)
-        .value("kInt8", cpu::QuantFormat::kInt8);
+        .value("E4M3", cpu::QuantFormat::kE4M3)
+        .value("E5M2", cpu::QuantFormat::kE5M2)
+        .value("INT8", cpu::QuantFormat::kInt8);
     py::enum_<cpu::IsaLevel>(m, "IsaLevel", "Build of quantize_rows, ordered; the cap of set_quantize_rows_isa_cap.")
-        .value("kGeneric", cpu::IsaLevel::kGeneric)
-        .value("kAvx2", cpu::IsaLevel::kAvx2)
-        .value("kAvx512", cpu::IsaLevel::kAvx512);
-    py::enum_<cpu::WaitOutcome>(m, "WaitOutcome", "How flags_wait ended (csrc/cpu/flags.h).")
-        .value("kReached", cpu::WaitOutcome::kReached)
-        .value("kTimeout", cpu::WaitOutcome::kTimeout)
-        .value("kProcessExited", cpu::WaitOutcome::kProcessExited)
-        .value("kPastTarget", cpu::WaitOutcome::kPastTarget);
+        .value("GENERIC", cpu::IsaLevel::kGeneric)
+        .value("AVX2", cpu::IsaLevel::kAvx2)
+        .value("AVX512", cpu::IsaLevel::kAvx512);
+    moe_comm::python::def_codes(m, false);  // DType, WaitOutcome and the shared constants
     m.def("build_info", &build_info, "What this build of moe_comm._C contains.");
 
     m.def(
@@ -359,8 +352,8 @@ PYBIND11_MODULE(_C, m) {
             return std::make_tuple(index, outcome);
         },
         py::arg("flags"), py::arg("targets"), py::arg("pids"), py::arg("timeout_s"), py::arg("exact"),
-        "Waits for flags[i] >= targets[i] (== when exact); returns (-1, WaitOutcome.kReached) or (index of a flag "
-        "not reached, WaitOutcome.kTimeout | kProcessExited | kPastTarget).");
+        "Waits for flags[i] >= targets[i] (== when exact); returns (-1, WaitOutcome.REACHED) or (index of a flag "
+        "not reached, WaitOutcome.TIMEOUT | PEER_EXITED | PAST_TARGET).");
 
     m.def(
         "block_digests",

@@ -11,7 +11,7 @@ import functools
 import importlib.util
 import struct
 from types import ModuleType
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -20,10 +20,10 @@ from . import env
 __all__ = ["native", "build_info", "require", "cpu_threads", "NATIVE_DTYPES", "native_dtype", "native_format",
            "cuda_module", "cuda_archs", "fatbin_archs"]
 
-# torch dtype -> name of its member of moe_comm._C.DType (csrc/cpu/api.h)
-_DTYPES = {torch.float32: "kFloat32", torch.bfloat16: "kBFloat16", torch.float16: "kFloat16"}
+# torch dtype -> name of its member of moe_comm._C.DType (csrc/common/codes.h): the float rows the kernels take
+_DTYPES = {torch.float32: "FLOAT32", torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16"}
 # dtype of the codes -> name of its member of moe_comm._C.QuantFormat
-_FORMATS = {torch.float8_e4m3fn: "kE4M3", torch.float8_e5m2: "kE5M2", torch.int8: "kInt8"}
+_FORMATS = {torch.float8_e4m3fn: "E4M3", torch.float8_e5m2: "E5M2", torch.int8: "INT8"}
 
 #: The float dtypes the CPU kernels read and write, for checks that need not load ``_C``.
 NATIVE_DTYPES = tuple(_DTYPES)
@@ -161,11 +161,12 @@ def cpu_threads() -> int:
     return env.num_threads() or native().hardware_threads()
 
 
-def native_dtype(dtype: torch.dtype) -> Any:
-    """The ``moe_comm._C.DType`` member of ``dtype``, one of NATIVE_DTYPES; ValueError for any other."""
+def native_dtype(dtype: torch.dtype, module: Optional[ModuleType] = None) -> Any:
+    """The ``DType`` member of ``dtype``, one of NATIVE_DTYPES, bound by ``module`` (default ``moe_comm._C``;
+    the CUDA modules bind the same table); ValueError for any other."""
     if dtype not in _DTYPES:
-        raise ValueError(f"native_dtype: the CPU kernels take {list(NATIVE_DTYPES)}, got {dtype}")
-    return getattr(native().DType, _DTYPES[dtype])
+        raise ValueError(f"native_dtype: the kernels take {list(NATIVE_DTYPES)}, got {dtype}")
+    return getattr((module or native()).DType, _DTYPES[dtype])
 
 
 def native_format(dtype: torch.dtype) -> Any:

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GROUP", "FP8_DTYPE", "per_token_cast_to_fp8", "per_token_cast_back", "per_block_cast_to_fp8",
+__all__ = ["GROUP", "AMAX_FLOOR", "FP8_DTYPE", "per_token_cast_to_fp8", "per_token_cast_back", "per_block_cast_to_fp8",
            "ue8m0_to_float"]
 
+#: Channels per FP8 scale, and the smallest amax a scale is computed from (an all-zero group gets a finite
+#: scale); the kernels' values are csrc/common/codes.h's kFp8Group and kAmaxFloor (a test checks them).
 GROUP = 128
+AMAX_FLOOR = 1e-4
 FP8_DTYPE = torch.float8_e4m3fn
-_AMAX_FLOOR = torch.tensor(1e-4, dtype=torch.float32)
+_AMAX_FLOOR = torch.tensor(AMAX_FLOOR, dtype=torch.float32)
 _MANTISSA = (1 << 23) - 1
 
 

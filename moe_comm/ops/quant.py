@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..core.native import NATIVE_DTYPES, cpu_threads, native, native_dtype, native_format
-from .fp8 import GROUP, per_token_cast_back, per_token_cast_to_fp8
+from .fp8 import AMAX_FLOOR, GROUP, per_token_cast_back, per_token_cast_to_fp8
 from .impl import kernels, next_pow2, resolve
 
 __all__ = ["FORMATS", "quantize", "quantize_reference", "dequantize", "dequantize_reference", "launch_rows",
@@ -22,7 +22,6 @@ __all__ = ["FORMATS", "quantize", "quantize_reference", "dequantize", "dequantiz
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "int8": torch.int8}
 _INT8_MAX = torch.tensor(127.0, dtype=torch.float32)
-_AMAX_FLOOR = 1e-4
 _ROW_BLOCK = 1024   # channels per step of the rows kernels (unquantized and INT8)
 _FP8_GROUPS = 8     # 128-channel groups per step of the FP8 rows kernels
 
@@ -110,7 +109,7 @@ def launch_rows(x: torch.Tensor, num_rows: int, fmt: Optional[str], round_scale:
         return out, scales
     q_max_inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(q_max, dtype=torch.float32))
     scales_arg = scales.view(torch.uint8) if use_ue8m0 else scales
-    k.rows_kernel[(num_rows,)](x, out, scales_arg, source, hidden, source_div, _AMAX_FLOOR, q_max, q_max_inv,
+    k.rows_kernel[(num_rows,)](x, out, scales_arg, source, hidden, source_div, AMAX_FLOOR, q_max, q_max_inv,
                                HAS_SOURCE=source is not None, QUANT=mode, ROUND_SCALE=round_scale,
                                UE8M0=use_ue8m0, enable_fp_fusion=False, **_blocks(hidden))
     return out, scales
@@ -142,7 +141,7 @@ def quantize_reference(x: torch.Tensor, fmt: str = "e4m3", *, round_scale: bool 
         return per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0, dtype=FORMATS[fmt])
     x32 = x.to(torch.float32)
     amax = torch.clamp_min(x32.abs().amax(dim=1) if x.shape[1] else torch.zeros(x.shape[0], device=x.device),
-                           _AMAX_FLOOR)
+                           AMAX_FLOOR)
     scale = _INT8_MAX.to(x.device) / amax
     q = torch.round(x32 * scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
     return q, torch.ones_like(scale) / scale

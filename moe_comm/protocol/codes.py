@@ -2,8 +2,9 @@
 
 The portable backend's handshake (``protocol/handshake.py``) sends one int64 vector per
 call; these enums name its slots and the values they hold. Python code uses the members, never the
-bare integers. The codes of the native kernels (element types, quantization formats, ISA levels,
-wait outcomes) are C++ enums in ``csrc/cpu``, bound as ``moe_comm._C.DType`` and so on.
+bare integers. ``WireDType`` is the element-type table of ``csrc/common/codes.h``, the one source that
+the CPU and CUDA kernels compile and bind (``moe_comm._C.DType``); a test checks that the two agree.
+Wait outcomes are bound from the same header (``moe_comm._C.WaitOutcome``).
 """
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ class Fp8Format(IntEnum):
 
 
 class WireDType(IntEnum):
-    """Tensor dtypes on the wire (the ones this torch lacks are never sent)."""
+    """Tensor dtypes on the wire (the ones this torch lacks are never sent): ``csrc/common/codes.h``'s
+    ``DType``, member for member."""
 
     FLOAT32 = 0
     FLOAT16 = 1

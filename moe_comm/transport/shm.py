@@ -54,12 +54,12 @@ class _Waiter:
         pids = [t.pids[r] for r in ranks]
         index, outcome = native().flags_wait(flags, targets, pids, t.timeout_s, exact)
         outcomes = native().WaitOutcome
-        if outcome == outcomes.kReached:
+        if outcome == outcomes.REACHED:
             return
-        if outcome == outcomes.kProcessExited:
+        if outcome == outcomes.PEER_EXITED:
             sweep_stale(exited=[pids[index]], wait_s=_DYING_PEER_S)  # what it held until it died
             raise PeerExitedError(op, t.rank, ranks[index], pids[index])
-        if outcome == outcomes.kPastTarget:
+        if outcome == outcomes.PAST_TARGET:
             raise RuntimeError(f"{op}: rank {t.rank}: rank {ranks[index]} is out of step (it published exchange "
                                f"{native().flag_load(flags[index])} where this rank waits for {targets[index]}); "
                                f"ranks must make the same calls in the same order, and a rank that was masked "
@@ -82,13 +82,13 @@ class _Waiter:
         while flags:
             left = max(timeout_s - (time.monotonic() - start), 0.0)
             index, outcome = native_.flags_wait(flags, targets, [t.pids[r] for r in ranks], left, exact)
-            if outcome == native_.WaitOutcome.kReached:
+            if outcome == native_.WaitOutcome.REACHED:
                 break
-            if outcome == native_.WaitOutcome.kPastTarget:
+            if outcome == native_.WaitOutcome.PAST_TARGET:
                 raise RuntimeError(f"{op}: rank {t.rank} is out of step: rank {ranks[index]} is past its exchange "
                                    f"{targets[index]}; a rank that was masked while alive cannot rejoin this "
                                    f"Buffer: build a new one")
-            if outcome == native_.WaitOutcome.kProcessExited:
+            if outcome == native_.WaitOutcome.PEER_EXITED:
                 gone = [index]
             else:  # the deadline: everything below its target is late
                 gone = [i for i, (f, goal) in enumerate(zip(flags, targets)) if native_.flag_load(f) < goal]

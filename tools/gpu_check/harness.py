@@ -490,7 +490,7 @@ class NormalCase:
                 ptr(self.notes[r]["chan_counts"]), ptr(o["recv_x"]), ptr(o.get("recv_scales")), ptr(o["recv_idx"]),
                 ptr(o["recv_w"]), ptr(o["recv_src"]))
             for r, i, o in self._each(self.outs)})
-        row_type = self.side.mod.RowType.BFLOAT16
+        row_type = self.side.mod.DType.BFLOAT16
         self.combine_args = self.side.prepare({
             r: (s.T, s.H, 2 * s.H, s.K if s.weights else 0, row_type, ptr(i["y"] if s.fp8 else o["recv_x"]),
                 ptr(o["recv_w"]) if s.weights else 0, ptr(self.notes[r]["recv_offset"]),
@@ -564,7 +564,7 @@ class InternodeCase(NormalCase):
                 ptr(o.get("recv_scales")), ptr(o["recv_idx"]), ptr(o["recv_w"]), ptr(o["recv_src"]))
             for r, i, o in self._each(self.outs)})
         self.combine_args = self.side.prepare({
-            r: (s.T, s.H, 2 * s.H, s.K if s.weights else 0, self.side.mod.RowType.BFLOAT16,
+            r: (s.T, s.H, 2 * s.H, s.K if s.weights else 0, self.side.mod.DType.BFLOAT16,
                 ptr(i["y"] if s.fp8 else o["recv_x"]), ptr(o["recv_w"]) if s.weights else 0,
                 ptr(self.notes[r]["recv_offset"]), ptr(self.notes[r]["chan_starts"]), ptr(self.notes[r]["chan_counts"]),
                 ptr(i["fwd_chan"]), ptr(i["fwd_bits"]), ptr(i["rdma_head"]), 0, 0, ptr(o["out"]), ptr(o.get("out_w")))

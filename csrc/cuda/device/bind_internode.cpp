@@ -15,6 +15,7 @@
 
 namespace py = pybind11;
 using namespace moe_comm::cuda;
+using moe_comm::kMaxNodeRanks;
 using namespace moe_comm::cuda::device;
 using namespace moe_comm::cuda::device::bind;
 

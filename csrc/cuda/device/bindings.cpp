@@ -22,6 +22,8 @@
 
 namespace py = pybind11;
 using namespace moe_comm::cuda;
+using moe_comm::DType;
+using moe_comm::kMaxNodeRanks;
 using namespace moe_comm::cuda::device;
 using namespace moe_comm::cuda::device::bind;
 
@@ -252,13 +254,13 @@ PYBIND11_MODULE(_cuda, m) {
            py::arg("recv_channel_count"), py::arg("recv_x"), py::arg("recv_scales"), py::arg("recv_topk_idx"),
            py::arg("recv_topk_weights"), py::arg("recv_src_idx"), py::arg("stream") = 0)
         .def("combine", [](Normal& n, const PerRank& num_tokens, int64_t hidden, int64_t x_bytes, int num_topk,
-                           RowType type, const PerRank& x, const PerRank& topk_weights, const PerRank& recv_offset,
+                           DType type, const PerRank& x, const PerRank& topk_weights, const PerRank& recv_offset,
                            const PerRank& recv_channel_offset, const PerRank& recv_channel_count,
                            const PerRank& is_token_in_rank, const PerRank& channel_prefix, const PerRank& send_pos,
                            const PerRank& bias0, const PerRank& bias1, const PerRank& out,
                            const PerRank& out_weights, int64_t stream) {
             return n.launch<CombineArgs>(NormalKernel::kCombine, 0, stream, [&](size_t i) {
-                return CombineArgs{num_tokens.at(i), hidden, x_bytes, num_topk, type, x.ptr<const uint8_t>(i),
+                return CombineArgs{num_tokens.at(i), hidden, x_bytes, num_topk, moe_comm::cuda::python::combine_row_type(type, hidden, x_bytes), x.ptr<const uint8_t>(i),
                                    topk_weights.ptr<const float>(i), recv_offset.ptr<const int64_t>(i),
                                    recv_channel_offset.ptr<const int64_t>(i),
                                    recv_channel_count.ptr<const int64_t>(i), is_token_in_rank.ptr<const uint8_t>(i),

@@ -8,6 +8,7 @@
 // and IN::notify, prologue, dispatch, combine.
 #pragma once
 
+#include "../python/layout_bindings.h"
 #include "binding_support.h"
 
 namespace moe_comm::cuda::device::bind {
@@ -117,14 +118,14 @@ void def_internode_launches(py::class_<IN>& cls) {
            py::arg("recv_channel_offset"), py::arg("recv_channel_count"), py::arg("recv_x"), py::arg("recv_scales"),
            py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"), py::arg("stream") = 0)
         .def("combine", [](IN& n, const PerRank& num_tokens, int64_t hidden, int64_t x_bytes, int num_topk,
-                           RowType type, const PerRank& x, const PerRank& topk_weights, const PerRank& recv_offset,
+                           DType type, const PerRank& x, const PerRank& topk_weights, const PerRank& recv_offset,
                            const PerRank& recv_channel_offset, const PerRank& recv_channel_count,
                            const PerRank& recv_rdma_channel_prefix, const PerRank& forward_bits,
                            const PerRank& send_rdma_head, const PerRank& bias0, const PerRank& bias1,
                            const PerRank& out, const PerRank& out_weights, int64_t stream) {
             return n.template launch<InternodeCombineArgs>(NormalKernel::kInternodeCombine, 0, stream, [&](size_t i) {
                 return InternodeCombineArgs{
-                    CombineArgs{num_tokens.at(i), hidden, x_bytes, num_topk, type, x.ptr<const uint8_t>(i),
+                    CombineArgs{num_tokens.at(i), hidden, x_bytes, num_topk, moe_comm::cuda::python::combine_row_type(type, hidden, x_bytes), x.ptr<const uint8_t>(i),
                                 topk_weights.ptr<const float>(i), recv_offset.ptr<const int64_t>(i),
                                 recv_channel_offset.ptr<const int64_t>(i), recv_channel_count.ptr<const int64_t>(i),
                                 nullptr, nullptr, nullptr, bias0.ptr<const uint8_t>(i), bias1.ptr<const uint8_t>(i),

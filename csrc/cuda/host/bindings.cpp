@@ -14,6 +14,8 @@
 
 namespace py = pybind11;
 using namespace moe_comm::cuda;
+using moe_comm::DType;
+using moe_comm::kMaxNodeRanks;
 using moe_comm::cuda::host::Peers;
 
 namespace {
@@ -148,7 +150,7 @@ PYBIND11_MODULE(_cuda_host, m) {
                            ptr<int64_t>(recv_topk_idx), ptr<float>(recv_topk_weights), ptr<int32_t>(recv_src_idx)};
             return n.launch(0, [&](const NormalContext& k) { host::dispatch(k, a); });
         })
-        .def("combine", [](Normal& n, int64_t num_tokens, int64_t hidden, int64_t x_bytes, int num_topk, RowType type,
+        .def("combine", [](Normal& n, int64_t num_tokens, int64_t hidden, int64_t x_bytes, int num_topk, DType type,
                            int64_t x, int64_t topk_weights, int64_t recv_offset, int64_t recv_channel_offset,
                            int64_t recv_channel_count, int64_t is_token_in_rank, int64_t channel_prefix,
                            int64_t send_pos, int64_t bias0, int64_t bias1, int64_t out, int64_t out_weights) {
@@ -218,12 +220,12 @@ PYBIND11_MODULE(_cuda_host, m) {
             });
         })
         .def("combine", [](Internode& n, int64_t num_tokens, int64_t hidden, int64_t x_bytes, int num_topk,
-                           RowType type, int64_t x, int64_t topk_weights, int64_t recv_offset,
+                           DType type, int64_t x, int64_t topk_weights, int64_t recv_offset,
                            int64_t recv_channel_offset, int64_t recv_channel_count, int64_t recv_rdma_channel_prefix,
                            int64_t forward_bits, int64_t send_rdma_head, int64_t bias0, int64_t bias1, int64_t out,
                            int64_t out_weights) {
             InternodeCombineArgs a{
-                CombineArgs{num_tokens, hidden, x_bytes, num_topk, type, ptr<const uint8_t>(x),
+                CombineArgs{num_tokens, hidden, x_bytes, num_topk, moe_comm::cuda::python::combine_row_type(type, hidden, x_bytes), ptr<const uint8_t>(x),
                             ptr<const float>(topk_weights), ptr<const int64_t>(recv_offset),
                             ptr<const int64_t>(recv_channel_offset), ptr<const int64_t>(recv_channel_count), nullptr,
                             nullptr, nullptr, ptr<const uint8_t>(bias0), ptr<const uint8_t>(bias1), ptr<uint8_t>(out),

@@ -54,6 +54,7 @@
 namespace {
 
 using namespace moe_comm::cuda;
+using moe_comm::DType;
 namespace numeric = moe_comm::numeric;
 
 // ------------------------------------------------------------------------------------ utilities
@@ -171,7 +172,7 @@ float g_normal(int r, int s, int64_t t, int64_t j) { return 0.5f * static_cast<f
 float bias_value(int me, int64_t t, int64_t h, int which) { return static_cast<float>((t + h + which + me) % 4); }
 float f_ll(int64_t e, int s, int64_t t, int64_t h) { return static_cast<float>((e + 3 * s + 5 * t + h) % 7); }
 
-int64_t row_bytes(RowType t, int64_t hidden) { return (t == RowType::kFloat32 ? 4 : 2) * hidden; }
+int64_t row_bytes(DType t, int64_t hidden) { return (t == DType::kFloat32 ? 4 : 2) * hidden; }
 
 // ------------------------------------------------------------------------------------ routing
 // One rank's routing of one dispatch, and DeepEP's layout of it (ops.get_dispatch_layout), with
@@ -318,7 +319,7 @@ struct NormalOp {
     int route;                     // the dispatch's routing (kDispatch: the one it makes)
     int64_t x_bytes = 0, scale_bytes = 0;
     bool with_topk = false;        // kDispatch
-    RowType type = RowType::kFloat32;  // kCombine
+    DType type = DType::kFloat32;  // kCombine
     bool with_weights = false, with_b0 = false, with_b1 = false;
     std::vector<NormalRankIn> in;  // [R]
     std::vector<NormalRankOut> out;
@@ -430,7 +431,7 @@ Round make_round(Rng& rng, bool shake_ll, bool shake_normal, bool async_launch, 
             op.with_topk = op.kind == Kind::kDispatch && rng.chance(85);
         } else {
             const int64_t roll2 = rng.range(0, 2);
-            op.type = roll2 == 0 ? RowType::kFloat32 : roll2 == 1 ? RowType::kBFloat16 : RowType::kFloat16;
+            op.type = roll2 == 0 ? DType::kFloat32 : roll2 == 1 ? DType::kBFloat16 : DType::kFloat16;
             op.x_bytes = row_bytes(op.type, rd.hidden);
             op.with_weights = rng.chance(60);
             op.with_b0 = rng.chance(30);

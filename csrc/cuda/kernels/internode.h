@@ -40,7 +40,6 @@
 
 namespace moe_comm::cuda {
 
-constexpr int kMaxNodeRanks = 8;   // ranks of a node (DeepEP's NUM_MAX_NVL_PEERS)
 constexpr int kMaxNodes = 64;      // nodes of a group (EP 512 of 8-GPU nodes)
 
 // What one rank's internode launch knows.

@@ -24,20 +24,20 @@
 
 namespace moe_comm::cuda {
 
-// Element type of combine's rows (bound to Python as moe_comm._cuda_host.RowType).
-enum class RowType : int32_t { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2 };
+// Element types of combine's rows: FLOAT32, BFLOAT16 or FLOAT16 of the shared DType (codes.h), checked by
+// the bindings (combine_row_type) before a launch.
 
-MC_HD float load_elem(const uint8_t* row, int64_t i, RowType t) {
-    if (t == RowType::kFloat32) return reinterpret_cast<const float*>(row)[i];
+MC_HD float load_elem(const uint8_t* row, int64_t i, DType t) {
+    if (t == DType::kFloat32) return reinterpret_cast<const float*>(row)[i];
     const uint16_t v = reinterpret_cast<const uint16_t*>(row)[i];
-    return t == RowType::kBFloat16 ? numeric::bf16_to_float(v) : numeric::half_to_float(v);
+    return t == DType::kBFloat16 ? numeric::bf16_to_float(v) : numeric::half_to_float(v);
 }
 
-MC_HD void store_elem(uint8_t* row, int64_t i, RowType t, float f) {
-    if (t == RowType::kFloat32)
+MC_HD void store_elem(uint8_t* row, int64_t i, DType t, float f) {
+    if (t == DType::kFloat32)
         reinterpret_cast<float*>(row)[i] = f;
     else
-        reinterpret_cast<uint16_t*>(row)[i] = t == RowType::kBFloat16 ? numeric::float_to_bf16(f) : numeric::float_to_half(f);
+        reinterpret_cast<uint16_t*>(row)[i] = t == DType::kBFloat16 ? numeric::float_to_bf16(f) : numeric::float_to_half(f);
 }
 
 MC_HD int64_t channel_begin(int64_t num_tokens, int num_channels, int c) {
@@ -229,7 +229,7 @@ MC_HD bool dispatch_recv(const NormalContext& k, const DispatchArgs& a, int c, i
 struct CombineArgs {
     int64_t num_tokens, hidden, x_bytes;
     int32_t num_topk;                  // 0: no weights
-    RowType type;
+    DType type;
     const uint8_t* x;                  // [N_recv][x_bytes]: the rows this rank received in the dispatch
     const float* topk_weights;         // [N_recv][K] or null
     const int64_t* recv_offset;        // [R] (the dispatch's, from the handle)

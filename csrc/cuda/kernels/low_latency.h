@@ -32,7 +32,6 @@
 
 namespace moe_comm::cuda {
 
-constexpr int64_t kFp8Group = 128;
 
 // How dispatch sends x (the wire's Fp8Format, moe_comm.codes).
 struct CastFormat {
@@ -47,7 +46,7 @@ MC_HD void cast_token(uint8_t* codes, uint8_t* scales, const uint16_t* x, int64_
     const float q_max = 448.0f, q_max_inv = 1.0f / 448.0f;
     for (int64_t g = G::lane(); g < hidden / kFp8Group; g += G::lanes()) {
         const uint16_t* xg = x + g * kFp8Group;
-        uint32_t top = numeric::bits_of(1e-4f);
+        uint32_t top = numeric::bits_of(kAmaxFloor);
         for (int64_t i = 0; i < kFp8Group; ++i) {
             const uint32_t b = numeric::bits_of(numeric::bf16_to_float(xg[i])) & 0x7fffffffu;
             top = b > top ? b : top;

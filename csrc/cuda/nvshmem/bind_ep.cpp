@@ -25,6 +25,8 @@
 
 namespace py = pybind11;
 using namespace moe_comm::cuda;
+using moe_comm::DType;
+using moe_comm::kMaxNodeRanks;
 using namespace moe_comm::cuda::device::bind;
 namespace nv = moe_comm::cuda::nvshmem;
 

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "../../common/codes.h"
 #include "../platform/platform.h"
 
 namespace moe_comm::cuda {
@@ -22,12 +23,9 @@ enum class WaitKind : int32_t {
     kRdmaData = 7,       // an RDMA ring's sender putting slots (the receiver waits)
 };
 
-// Why (ErrorRecord::code).
-enum class ErrorCode : int32_t { kOk = 0, kTimeout = 1, kPeerExited = 2 };
-
 // Host-visible (pinned, mapped on the device); one per rank and launch.
 struct ErrorRecord {
-    int32_t code;     // ErrorCode; written once, by compare-and-swap
+    int32_t code;     // WaitOutcome (codes.h): kReached until a wait fails, -1 while the record is filled
     int32_t kind;     // WaitKind
     int32_t rank;     // the rank that waited
     int32_t peer;     // the rank it waited for
@@ -52,7 +50,7 @@ MC_HD bool failed(const Watch& w) {
 }
 
 template <class P>
-MC_HD void report(const Watch& w, ErrorCode code, WaitKind kind, int peer, int channel, int64_t observed,
+MC_HD void report(const Watch& w, WaitOutcome code, WaitKind kind, int peer, int channel, int64_t observed,
                   int64_t expected) {
     if (P::cas32(&w.err->code, 0, -1)) {  // claim the record, fill it, then publish the code
         w.err->kind = static_cast<int32_t>(kind);
@@ -76,11 +74,11 @@ MC_HD int64_t wait_at_least(const Watch& w, const int64_t* flag, int64_t target,
         if ((spins & 255) == 255) {
             if (failed<P>(w)) return INT64_MIN;
             if (P::now() > w.deadline) {
-                report<P>(w, ErrorCode::kTimeout, kind, peer, channel, v, target);
+                report<P>(w, WaitOutcome::kTimeout, kind, peer, channel, v, target);
                 return INT64_MIN;
             }
             if (P::peer_exited(w.pids, peer)) {
-                report<P>(w, ErrorCode::kPeerExited, kind, peer, channel, v, target);
+                report<P>(w, WaitOutcome::kPeerExited, kind, peer, channel, v, target);
                 return INT64_MIN;
             }
         }

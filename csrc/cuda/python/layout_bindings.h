@@ -1,5 +1,5 @@
 // What every Python module of the CUDA kernels binds alike (moe_comm._cuda_host, moe_comm._cuda,
-// moe_comm._cuda_nvshmem): the codes a launch's error record and rows carry, and the buffer layouts of
+// moe_comm._cuda_nvshmem): the codes a launch's error record and rows carry (csrc/common/codes.h), and the buffer layouts of
 // kernels/buffer_layout.h, so one Python adapter serves every build and they cannot disagree.
 #pragma once
 
@@ -7,16 +7,29 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <utility>
 
 #include "../kernels/buffer_layout.h"
 #include "../kernels/internode.h"
 #include "../kernels/intranode.h"
+#include "../../common/codes_bindings.h"
 #include "../protocol/wait.h"
 
 namespace moe_comm::cuda::python {
 
 namespace py = pybind11;
+
+// `type` as a combine's row type: FLOAT32, BFLOAT16 or FLOAT16 with x_bytes = hidden * its size, else
+// std::invalid_argument (ValueError) naming it, before any launch reads a row.
+inline DType combine_row_type(DType type, int64_t hidden, int64_t x_bytes) {
+    if (!is_float_row(type) || x_bytes != hidden * float_row_bytes(type))
+        throw std::invalid_argument("combine: type must be FLOAT32, BFLOAT16 or FLOAT16 with x_bytes = hidden * "
+                                    "its size, got DType " + std::to_string(static_cast<int>(type)) + ", hidden " +
+                                    std::to_string(hidden) + ", x_bytes " + std::to_string(x_bytes));
+    return type;
+}
 
 inline void def_layouts(py::module_& m) {
     // module_local: moe_comm._cuda_host binds the same C++ enums; each module keeps its own Python type.
@@ -25,14 +38,7 @@ inline void def_layouts(py::module_& m) {
         .value("RING_SPACE", WaitKind::kRingSpace).value("RING_DATA", WaitKind::kRingData)
         .value("COUNT", WaitKind::kCount).value("COMBINE_FLAG", WaitKind::kCombineFlag)
         .value("RDMA_SPACE", WaitKind::kRdmaSpace).value("RDMA_DATA", WaitKind::kRdmaData);
-    py::enum_<ErrorCode>(m, "ErrorCode", py::module_local())
-        .value("OK", ErrorCode::kOk).value("TIMEOUT", ErrorCode::kTimeout)
-        .value("PEER_EXITED", ErrorCode::kPeerExited);
-    py::enum_<RowType>(m, "RowType", py::module_local())
-        .value("BFLOAT16", RowType::kBFloat16).value("FLOAT16", RowType::kFloat16)
-        .value("FLOAT32", RowType::kFloat32);
-
-    m.attr("MAX_NODE_RANKS") = kMaxNodeRanks;
+    moe_comm::python::def_codes(m, true);  // DType, WaitOutcome (error records), MAX_NODE_RANKS, ...
     m.attr("MAX_NODES") = kMaxNodes;
 
     // The layout of every build: csrc/cuda/kernels/buffer_layout.h.

@@ -109,7 +109,7 @@ class DeviceKernels:
 
     def __init__(self, module: Any, comm: Any, guard: Guard = contextlib.nullcontext, keep: int = 16) -> None:
         self.module, self.comm, self._guard, self._keep = module, comm, guard, keep
-        self.RowType, self.ErrorCode, self.WaitKind = module.RowType, module.ErrorCode, module.WaitKind
+        self.DType, self.WaitOutcome, self.WaitKind = module.DType, module.WaitOutcome, module.WaitKind
         self.normal_bytes = module.normal_bytes
         self.dispatch_slot_bytes = module.dispatch_slot_bytes
         self.low_latency_bytes = module.low_latency_bytes

@@ -185,7 +185,7 @@ class KernelInternodeMode:
                 bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor], config: Config,
                 row_type: Callable[[torch.dtype], Any], received: Received
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Callable[[], None]]:
-        """Combine of checked arguments (see ``Buffer.combine``); ``row_type(dtype)``: the kernels' ``RowType``
+        """Combine of checked arguments (see ``Buffer.combine``); ``row_type(dtype)``: the kernels' ``DType``
         of x's rows (raising for one they cannot sum). Returns (out, out_weights, finish)."""
         self._check_fields("combine", handle)
         self.portable.agree_combine(x, handle, topk_weights, config)

@@ -23,7 +23,7 @@ def raise_for(kernels, op: str, timeout_s: float, pids: list[int],
         return
     code, kind, rank, peer, where, observed, expected = record
     kind_name = kernels.WaitKind(kind).name
-    if kernels.ErrorCode(code) == kernels.ErrorCode.PEER_EXITED:
+    if kernels.WaitOutcome(code) == kernels.WaitOutcome.PEER_EXITED:
         raise PeerExitedError(op, rank, peer, pids[peer])
     detail = (f"the kernel waited for rank {peer}: {_WAITED_FOR.get(kind_name, kind_name)} (wait {kind_name}, "
               f"channel/expert {where}; flag {observed}, wanted >= {expected})")

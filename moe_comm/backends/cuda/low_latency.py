@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from ...core.memory import empty
+from ...ops.fp8 import GROUP
 from ...protocol.agreement import CallAgreement
 from ...protocol.codes import Fp8Format
 from ...protocol.handle import LowLatencyHandle
@@ -33,7 +34,6 @@ from .shared_buffers import SharedBuffers
 
 __all__ = ["KernelLowLatencyMode"]
 
-_GROUP = 128  # channels per FP8 scale
 
 
 class KernelLowLatencyMode(LowLatencyMode):
@@ -79,7 +79,7 @@ class KernelLowLatencyMode(LowLatencyMode):
         shake, _, _, waited = self.agree_dispatch(x, topk_idx, m, num_experts, fp8_format, self.skip())
         skip = shake.skip
         fp8 = fp8_format is not Fp8Format.BF16
-        num_scales = (hidden // _GROUP // (4 if fp8_format.ue8m0 else 1)) if fp8 else 0
+        num_scales = (hidden // GROUP // (4 if fp8_format.ue8m0 else 1)) if fp8 else 0
         scales = (torch.int32 if fp8_format.ue8m0 else torch.float32, num_scales) if fp8 else None
         recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(local, R, m, hidden, scales,
                                                                                    x.device)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ...core.config import Config
+from ...core.native import NATIVE_DTYPES, native_dtype
 from ...ops import DispatchLayout
 from ...protocol.handle import NormalHandle
 from ...protocol.normal_layout import channel_prefix, dispatch_outputs, rows_within_destination
@@ -33,8 +34,6 @@ from .pins import Pins
 from .shared_buffers import SharedBuffers
 
 __all__ = ["KernelNormalMode"]
-
-_ROW_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16", torch.float32: "FLOAT32"}
 
 #: ``notify_outputs(specs)``: one tensor per ``(shape, dtype)`` of ``specs``, in memory the notify kernel
 #: writes and the host reads once the launch has returned (CPU tensors; their data_ptr is the kernel's address)
@@ -158,11 +157,11 @@ class KernelNormalMode:
         return cached_result(self.portable.agreement, job, recv_x, recv_scales, received)
 
     def _row_type(self, dtype: torch.dtype) -> Any:
-        """The kernels' ``RowType`` of combine rows of ``dtype`` (raised after the handshake, which has
+        """The kernels' ``DType`` of combine rows of ``dtype`` (raised after the handshake, which has
         checked that every rank's dtype is the same, so every rank raises alike)."""
-        if dtype not in _ROW_TYPES:
-            raise TypeError(f"combine: the {self.name} kernels sum {list(_ROW_TYPES)} rows, got x of dtype {dtype}")
-        return getattr(self.kernels.RowType, _ROW_TYPES[dtype])
+        if dtype not in NATIVE_DTYPES:
+            raise TypeError(f"combine: the {self.name} kernels sum {list(NATIVE_DTYPES)} rows, got x of dtype {dtype}")
+        return native_dtype(dtype, self.kernels)
 
     def _received(self, handle: NormalHandle, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

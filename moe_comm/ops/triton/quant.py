@@ -10,7 +10,7 @@ from .rounding import cast
 NONE = 0
 FP8 = 1
 INT8 = 2
-GROUP = 128
+GROUP = 128  # ops.fp8.GROUP (this module imports no torch, so it keeps its own copy; a test checks it)
 _GROUP = tl.constexpr(GROUP)
 _FP8 = tl.constexpr(FP8)
 _INT8 = tl.constexpr(INT8)

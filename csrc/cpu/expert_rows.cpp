@@ -4,7 +4,7 @@
 #include <cstring>
 #include <stdexcept>
 
-namespace moe_comm::vendor {
+namespace moe_comm::cpu {
 
 std::string check_expert_counts(const int64_t* counts, int64_t local, int64_t capacity, int64_t grouped_rows) {
     int64_t total = 0;
@@ -51,4 +51,4 @@ void packed_to_grouped(uint8_t* grouped, const uint8_t* packed, const int64_t* c
     copy_rows<false>(grouped, packed, counts, local, capacity, grouped_rows, row_bytes, "packed_to_grouped");
 }
 
-}  // namespace moe_comm::vendor
+}  // namespace moe_comm::cpu

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <string>
 
-namespace moe_comm::vendor {
+namespace moe_comm::cpu {
 
 // "" when `counts` [local] fit: every count in [0, capacity] and their sum at most grouped_rows; else
 // what is wrong, naming the expert and the value.
@@ -27,4 +27,4 @@ void grouped_to_packed(uint8_t* packed, const uint8_t* grouped, const int64_t* c
 void packed_to_grouped(uint8_t* grouped, const uint8_t* packed, const int64_t* counts, int64_t local,
                        int64_t capacity, int64_t grouped_rows, int64_t row_bytes);
 
-}  // namespace moe_comm::vendor
+}  // namespace moe_comm::cpu
