@@ -55,7 +55,7 @@ def moe_forward(group: dist.ProcessGroup, cfg: dict[str, Any]) -> dict[str, Any]
     """One forward in ``cfg["mode"]``, twice; returns how it compares with the references."""
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     tokens, hidden, inter, topk, experts = cfg["tokens"], cfg["hidden"], cfg["inter"], cfg["topk"], cfg["experts"]
-    mode, chunks, fp8, backend = cfg["mode"], cfg.get("num_chunks", 2), cfg.get("fp8", False), cfg.get("backend")
+    mode, chunks, fp8, impl = cfg["mode"], cfg.get("num_chunks", 2), cfg.get("fp8", False), cfg.get("impl")
     m = max_tokens(mode, tokens)
     device = torch.device(cfg.get("device", "cpu"))
     everything = global_experts(experts, hidden, inter, fp8, cfg["seed"]).to(device)
@@ -66,11 +66,11 @@ def moe_forward(group: dist.ProcessGroup, cfg: dict[str, Any]) -> dict[str, Any]
     buffer = make_buffer(group, mode, m, hidden, experts)
     try:
         outs = [ep_moe(buffer, xs[rank], idxs[rank], weights[rank], mine, experts, mode=mode, num_chunks=chunks,
-                       num_max_dispatch_tokens_per_rank=m, backend=backend) for _ in range(2)]
+                       num_max_dispatch_tokens_per_rank=m, ops_impl=impl) for _ in range(2)]
     finally:
         buffer.destroy()
-    expected = ep_moe_reference(xs, idxs, weights, everything, mode, chunks, backend=backend)[rank]
-    spec = ep_moe_reference(xs, idxs, weights, everything, mode, chunks, fp64=True, backend=backend)[rank]
+    expected = ep_moe_reference(xs, idxs, weights, everything, mode, chunks, impl=impl)[rank]
+    spec = ep_moe_reference(xs, idxs, weights, everything, mode, chunks, fp64=True, impl=impl)[rank]
     report = accuracy.check(f"ep_moe[{mode}]", outs[0], spec, torch.bfloat16, raise_on_fail=False)
     return {"rank": rank, "shape": list(outs[0].shape), "dtype": str(outs[0].dtype),
             "bitwise_reference": torch.equal(outs[0].view(torch.int16), expected.view(torch.int16)),

@@ -72,7 +72,7 @@ def test_ep_moe_on_triton_kernels(worlds, mode):
     if not usable:
         pytest.skip(why)
     cfg = dict(tokens=[6, 3], hidden=128, inter=128, topk=2, experts=4, mode=mode, num_chunks=2, fp8=mode == "two_batch",
-               seed=2, backend="triton")
+               seed=2, impl="triton")
     for r in worlds(2).run(moe_forward, cfg):
         assert r["bitwise_reference"] and r["accuracy"] and r["repeatable"], r
 

@@ -1,6 +1,7 @@
 """Routing (``select_experts``) against a per-token Python reference, and the layer's argument checks:
 every bad input raises before any byte moves, naming the argument."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -107,6 +108,7 @@ def _bad_calls(group: dist.ProcessGroup) -> list[str]:
         lambda: moe_comm.EPMoE(normal, experts, 4)(x),
         lambda: moe_comm.EPMoE(normal, experts, 4)(x, router_logits=torch.randn(6, 4)),
         lambda: moe_comm.EPMoE(normal, experts, 4, mode="fast"),
+        lambda: ep_moe(normal, x, idx, w, experts, 4, ops_impl="native", backend="triton"),
     ]
     hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(4, 128, 1, 4)
     ll = moe_comm.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
@@ -122,6 +124,10 @@ def _bad_calls(group: dist.ProcessGroup) -> list[str]:
             errors.append(f"{type(exc).__name__}: {exc}")
     ok = ep_moe(ll, x, idx, w, experts, 4, mode="two_batch", num_max_dispatch_tokens_per_rank=4)
     errors.append(str(list(ok.shape)))
+    with warnings.catch_warnings(record=True) as seen:  # backend= is ops_impl='s old name
+        warnings.simplefilter("always")
+        layer = moe_comm.EPMoE(normal, experts, 4, backend="native")
+    errors.append(f"{layer.ops_impl}: " + "; ".join(str(w.message) for w in seen))
     normal.destroy()
     ll.destroy()
     return errors
@@ -141,11 +147,13 @@ def test_layer_rejects_bad_arguments(worlds):
         "ValueError: EPMoE.forward: routing must be either topk_idx and topk_weights, or router_logits",
         "ValueError: EPMoE.forward: router_logits must be used only by an EPMoE built with top_k",
         "ValueError: EPMoE: mode must be one of",
+        "ValueError: ep_moe: ops_impl='native' and its deprecated name backend='triton' disagree",
         "ValueError: ep_moe: num_max_dispatch_tokens_per_rank must be an int for mode 'low_latency', got None",
         "ValueError: ep_moe: x must be [T, H] with T <= 4 in mode 'low_latency' (1 micro-batch(es) of at most "
         "num_max_dispatch_tokens_per_rank=4 tokens), got [6, 128]",
         "ValueError: ep_moe: x must be [T, H] with T <= 4 in mode 'two_batch' (2 micro-batch(es)",
         "[6, 128]",
+        "native: EPMoE: the keyword backend= is deprecated, use ops_impl= (backend= names a Buffer backend)",
     ]
     assert len(errors) == len(expected)
     for got, want in zip(errors, expected):

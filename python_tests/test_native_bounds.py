@@ -247,7 +247,7 @@ def _topk(value: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("path", PATHS)
 def test_dispatch_layout_accepts_the_last_expert(path):
-    layout = (dispatch_layout(_topk(7), 2, 8, backend="native") if path == "native"
+    layout = (dispatch_layout(_topk(7), 2, 8, impl="native") if path == "native"
               else dispatch_layout_reference(_topk(7), 2, 8))
     assert layout.num_tokens_per_expert.tolist() == [1, 0, 0, 1, 0, 1, 0, 2]
 
@@ -257,7 +257,7 @@ def test_dispatch_layout_accepts_the_last_expert(path):
 def test_dispatch_layout_rejects_expert_ids_outside_the_experts(path, value):
     with pytest.raises(ValueError, match=_outside("dispatch_layout", "topk_idx", "1, 0", value, -1, 8)):
         if path == "native":
-            dispatch_layout(_topk(value), 2, 8, backend="native")
+            dispatch_layout(_topk(value), 2, 8, impl="native")
         else:
             dispatch_layout_reference(_topk(value), 2, 8)
 
@@ -416,7 +416,7 @@ def test_index_dtypes_the_native_paths_read_are_checked():
     with pytest.raises(ValueError, match=r"pack_rows: src_rows must be \[2\] int64, got \[2\] torch.int32"):
         pack_rows(layout, fields, torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"dispatch_layout: topk_idx must be int64, got torch.int32"):
-        dispatch_layout(_topk(1).int(), 2, 8, backend="native")
+        dispatch_layout(_topk(1).int(), 2, 8, impl="native")
     with pytest.raises(ValueError, match=r"quantize_rows: source must be \[6\] int64, got \[5\] torch.int64"):
         _quantize(torch.zeros(5, dtype=torch.int64))
 

@@ -562,6 +562,6 @@ def test_dequantize_rows_every_code_on_every_build(dtype, cap, isa):
     cases.append((codes.view(torch.int8), fp32_scales.reshape(8)))
     with _quantize_rows_build(cap, isa):
         for q, scales in cases:
-            got = moe_comm.ops.dequantize(q, scales, dtype, backend="native")
+            got = moe_comm.ops.dequantize(q, scales, dtype, impl="native")
             want = moe_comm.ops.dequantize_reference(q, scales, dtype)
             assert_same_bits_or_both_nan(got, want, f"{q.dtype} {scales.dtype} scales, {isa}")

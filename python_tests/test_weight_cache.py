@@ -10,7 +10,7 @@ from moe_comm.ops.fp8 import per_block_cast_to_fp8
 
 
 def _ffn(x, w13, w2, offsets, **scales):
-    return ops.expert_ffn(x, w13, w2, expert_offsets=offsets, backend="native", **scales)
+    return ops.expert_ffn(x, w13, w2, expert_offsets=offsets, impl="native", **scales)
 
 
 @pytest.fixture

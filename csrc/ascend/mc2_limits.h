@@ -4,7 +4,7 @@
 // ValueError naming the argument instead of a device fault. Host-only C++: built and tested everywhere.
 //
 // NOTES: the numbers are the documented ones for Atlas A2 (910B) and Atlas A3 (910_93), v1 and v2
-// (../shared/research/hetero.md §1.2-1.3); they change with CANN releases. One table here serves the
+// (docs/vendors.md: MC2's limits and their sources); they change with CANN releases. One table here serves the
 // Python adapter (moe_comm/backends/ascend/mc2.py reads them through moe_comm._C).
 #pragma once
 

@@ -1,4 +1,4 @@
-"""Every op of ``moe_comm.ops`` on every device and backend present, against the standard of
+"""Every op of ``moe_comm.ops`` on every device and implementation present, against the standard of
 ``moe_comm.accuracy``: ``python -m moe_comm.accuracy [--json PATH]`` prints one table and exits 1 if
 any check fails.
 
@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import ops
-from ..ops import impl as backend
+from ..ops import impl as impls
 from .standard import EXACT, check
 
 __all__ = ["run", "main", "targets", "InterpreterChildError"]
@@ -51,9 +51,9 @@ def _fields(what: str, out: Any, ref: Any, names: list[str]) -> Iterator[Check]:
         yield f"{what}.{name}", getattr(out, name), getattr(ref, name), EXACT
 
 
-def case_layout(device: torch.device, backend: str) -> Iterator[Check]:
+def case_layout(device: torch.device, impl: str) -> Iterator[Check]:
     topk = _routing(96, 32, 6, seed=1)
-    out = ops.dispatch_layout(topk.to(device), 4, 32, backend=backend)
+    out = ops.dispatch_layout(topk.to(device), 4, 32, impl=impl)
     yield from _fields("layout", out, ops.dispatch_layout_reference(topk, 4, 32),
                        ["num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"])
 
@@ -61,31 +61,31 @@ def case_layout(device: torch.device, backend: str) -> Iterator[Check]:
 _PERMUTATION = ["x", "scales", "expert_offsets", "num_tokens_per_expert", "row_of", "source", "expert_of_row"]
 
 
-def case_permute(device: torch.device, backend: str) -> Iterator[Check]:
+def case_permute(device: torch.device, impl: str) -> Iterator[Check]:
     x, topk = _normal(45, 256, seed=2), _routing(45, 8, 3, seed=3)
     for quant in (None, "e4m3", "int8"):
         for alignment in (1, 16):
-            out = ops.permute(x.to(device), topk.to(device), 8, alignment=alignment, quant=quant, backend=backend)
+            out = ops.permute(x.to(device), topk.to(device), 8, alignment=alignment, quant=quant, impl=impl)
             ref = ops.permute_reference(x, topk, 8, alignment=alignment, quant=quant)
             names = _PERMUTATION if quant else [n for n in _PERMUTATION if n != "scales"]
             yield from _fields(f"permute[{quant or 'bf16'},align={alignment}]", out, ref, names)
 
 
-def case_quantize(device: torch.device, backend: str) -> Iterator[Check]:
+def case_quantize(device: torch.device, impl: str) -> Iterator[Check]:
     x = _normal(33, 512, seed=4)
     for fmt, round_scale, ue8m0 in (("e4m3", False, False), ("e4m3", True, False), ("e4m3", True, True),
                                     ("e5m2", False, False), ("int8", False, False)):
         name = f"quantize[{fmt}{',pow2' if round_scale else ''}{',ue8m0' if ue8m0 else ''}]"
-        q, scales = ops.quantize(x.to(device), fmt, round_scale=round_scale, use_ue8m0=ue8m0, backend=backend)
+        q, scales = ops.quantize(x.to(device), fmt, round_scale=round_scale, use_ue8m0=ue8m0, impl=impl)
         q_ref, scales_ref = ops.quantize_reference(x, fmt, round_scale=round_scale, use_ue8m0=ue8m0)
         yield f"{name}.codes", q, q_ref, EXACT
         yield f"{name}.scales", scales, scales_ref, EXACT
-        back = ops.dequantize(q, scales, torch.float32, backend=backend)
+        back = ops.dequantize(q, scales, torch.float32, impl=impl)
         yield f"{name}.dequantize", back, ops.dequantize_reference(q_ref, scales_ref, torch.float32), EXACT
         yield f"{name}.roundtrip", back, x.double(), ops.FORMATS[fmt]
 
 
-def case_unpermute(device: torch.device, backend: str) -> Iterator[Check]:
+def case_unpermute(device: torch.device, impl: str) -> Iterator[Check]:
     topk = _routing(40, 8, 4, seed=5)
     perm = ops.permute_reference(_normal(40, 192, seed=6), topk, 8, alignment=4)
     weights = torch.rand(40, 4, generator=torch.Generator().manual_seed(7))
@@ -93,7 +93,7 @@ def case_unpermute(device: torch.device, backend: str) -> Iterator[Check]:
     ref = ops.unpermute_reduce_reference(y, perm.row_of, weights)
     for out_dtype in (torch.bfloat16, torch.float32):
         out = ops.unpermute_reduce(y.to(device), perm.row_of.to(device), weights.to(device), out_dtype=out_dtype,
-                                   backend=backend)
+                                   impl=impl)
         yield f"unpermute_reduce[{str(out_dtype).replace('torch.', '')}]", out, ref, out_dtype
 
 
@@ -104,27 +104,27 @@ def _fp8_weights(experts: int, n: int, k: int, seed: int) -> tuple[torch.Tensor,
     return w, scales + 1e-4
 
 
-def case_grouped_gemm(device: torch.device, backend: str) -> Iterator[Check]:
+def case_grouped_gemm(device: torch.device, impl: str) -> Iterator[Check]:
     experts, k, n = 4, 256, 160
     topk = _routing(50, experts, 2, seed=9)
     perm = ops.permute_reference(_normal(50, k, seed=10), topk, experts, alignment=8)
     b = _normal(experts, n, k, seed=11, scale=k ** -0.5)
     out = ops.grouped_gemm(perm.x.to(device), b.to(device), expert_offsets=perm.expert_offsets.to(device),
-                           backend=backend)
+                           impl=impl)
     yield "grouped_gemm[contiguous,bf16]", out, ops.grouped_gemm_reference(
         perm.x, b, expert_offsets=perm.expert_offsets), torch.bfloat16
     a3, masked_m = _normal(experts, 24, k, seed=12), torch.tensor([24, 0, 7, 13], dtype=torch.int32)
-    out = ops.grouped_gemm(a3.to(device), b.to(device), masked_m=masked_m.to(device), backend=backend)
+    out = ops.grouped_gemm(a3.to(device), b.to(device), masked_m=masked_m.to(device), impl=impl)
     yield "grouped_gemm[masked,bf16]", out, ops.grouped_gemm_reference(a3, b, masked_m=masked_m), torch.bfloat16
     a8, a_scales = ops.quantize_reference(perm.x, "e4m3")
     b8, b_scales = _fp8_weights(experts, n, k, seed=13)
     out = ops.grouped_gemm(a8.to(device), b8.to(device), expert_offsets=perm.expert_offsets.to(device),
-                           a_scales=a_scales.to(device), b_scales=b_scales.to(device), backend=backend)
+                           a_scales=a_scales.to(device), b_scales=b_scales.to(device), impl=impl)
     yield "grouped_gemm[contiguous,fp8]", out, ops.grouped_gemm_reference(
         a8, b8, expert_offsets=perm.expert_offsets, a_scales=a_scales, b_scales=b_scales), torch.bfloat16
 
 
-def case_expert_ffn(device: torch.device, backend: str) -> Iterator[Check]:
+def case_expert_ffn(device: torch.device, impl: str) -> Iterator[Check]:
     experts, hidden, inter = 4, 256, 128
     topk = _routing(40, experts, 2, seed=14)
     perm = ops.permute_reference(_normal(40, hidden, seed=15), topk, experts, alignment=8)
@@ -132,13 +132,13 @@ def case_expert_ffn(device: torch.device, backend: str) -> Iterator[Check]:
     w2 = _normal(experts, hidden, inter, seed=17, scale=inter ** -0.5)
     offsets = perm.expert_offsets
     out = ops.expert_ffn(perm.x.to(device), w13.to(device), w2.to(device), expert_offsets=offsets.to(device),
-                         backend=backend)
+                         impl=impl)
     yield "expert_ffn[bf16]", out, ops.expert_ffn_reference(perm.x, w13, w2, expert_offsets=offsets), torch.bfloat16
     x8, x_scales = ops.quantize_reference(perm.x, "e4m3")
     (w13_8, w13_s), (w2_8, w2_s) = _fp8_weights(experts, 2 * inter, hidden, 18), _fp8_weights(experts, hidden, inter, 20)
     fp8 = dict(x_scales=x_scales, w13_scales=w13_s, w2_scales=w2_s)
     out = ops.expert_ffn(x8.to(device), w13_8.to(device), w2_8.to(device), expert_offsets=offsets.to(device),
-                         backend=backend, **{key: value.to(device) for key, value in fp8.items()})
+                         impl=impl, **{key: value.to(device) for key, value in fp8.items()})
     yield "expert_ffn[fp8]", out, ops.expert_ffn_reference(x8, w13_8, w2_8, expert_offsets=offsets, **fp8), \
         torch.float8_e4m3fn
 
@@ -150,7 +150,7 @@ CASES: dict[str, Callable[[torch.device, str], Iterator[Check]]] = {
 
 
 def targets() -> list[tuple[torch.device, str]]:
-    """(device, backend) pairs this process can run: CPU native, CPU Triton (interpreter), CUDA both."""
+    """(device, impl) pairs this process can run: CPU native, CPU Triton (interpreter), CUDA both."""
     found = [(torch.device("cpu"), "native")]
     if ops.triton_usable(torch.device("cpu"))[0]:
         found.append((torch.device("cpu"), "triton"))
@@ -163,14 +163,14 @@ def targets() -> list[tuple[torch.device, str]]:
 
 
 def run(pairs: list[tuple[torch.device, str]]) -> list[dict[str, Any]]:
-    """One row per check: op, check, device, backend, standard, metrics, passed, reason."""
+    """One row per check: op, check, device, impl, standard, metrics, passed, reason."""
     rows = []
     for device, name in pairs:
         for op, case in CASES.items():
             for what, out, ref, dtype in case(device, name):
                 report = check(what, out, ref, dtype, raise_on_fail=False)
                 rows.append({"op": op, "check": what, "device": device.type,
-                             "backend": name + (" (interpreter)" if device.type == "cpu" and name == "triton" else ""),
+                             "impl": name + (" (interpreter)" if device.type == "cpu" and name == "triton" else ""),
                              "standard": report.standard, **report.metrics, "passed": report.passed,
                              "reason": report.reason})
     return rows
@@ -178,7 +178,7 @@ def run(pairs: list[tuple[torch.device, str]]) -> list[dict[str, Any]]:
 
 class InterpreterChildError(RuntimeError):
     """The ``TRITON_INTERPRET=1`` child of ``python -m moe_comm.accuracy`` produced no rows (or could not
-    run: ``ops.backend.interpreter_problem``); the message carries its exit status, the Triton version and
+    run: ``ops.impl.interpreter_problem``); the message carries its exit status, the Triton version and
     the tail of its stderr (its exception and traceback)."""
 
 
@@ -206,8 +206,8 @@ def _interpreter_rows() -> list[dict[str, Any]]:
     it failed, whatever its exit status: raises InterpreterChildError with its own error."""
     if ops.triton_usable(torch.device("cpu"))[1].startswith("triton does not import"):
         return []
-    if backend.interpreter_problem() is not None:
-        raise InterpreterChildError(f"the Triton interpreter cannot run here: {backend.interpreter_problem()}")
+    if impls.interpreter_problem() is not None:
+        raise InterpreterChildError(f"the Triton interpreter cannot run here: {impls.interpreter_problem()}")
     with tempfile.TemporaryDirectory(prefix="moe-comm-accuracy-") as tmp:
         path = os.path.join(tmp, "rows.json")
         command = [sys.executable, "-m", "moe_comm.accuracy", "--only-cpu-triton", "--rows-json", path]
@@ -235,7 +235,7 @@ def _format(value: Any) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as an aligned text table (numeric metrics for numeric checks, mismatched bytes for exact)."""
-    columns = ["op", "check", "device", "backend", "standard", "calc_diff", "max_abs", "mare", "mere",
+    columns = ["op", "check", "device", "impl", "standard", "calc_diff", "max_abs", "mare", "mere",
                "mismatched_bytes", "result"]
     cells = [[_format(row.get(c, "")) if c != "result" else ("pass" if row["passed"] else "FAIL: " + row["reason"])
               for c in columns] for row in rows]
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(r["passed"] for r in rows) else 1
     print(table(rows))
     failed = sum(not r["passed"] for r in rows)
-    covered = sorted({f"{r['device']}/{r['backend']}" for r in rows})
+    covered = sorted({f"{r['device']}/{r['impl']}" for r in rows})
     print(f"\n{len(rows) - failed} of {len(rows)} checks pass on {', '.join(covered)}"
           + ("" if torch.cuda.is_available() else "; no CUDA device here, so no GPU rows"))
     if args.json:

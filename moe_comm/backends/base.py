@@ -4,7 +4,7 @@
 DeepEP's tuples; a backend receives checked arguments and does the work: the normal-mode layout,
 dispatch, cached dispatch and combine, the low-latency dispatch, combine, zero-copy combine buffer,
 clean and rank masks, and the device facts DeepEP exposes. Each collective ``Buffer`` method runs
-inside ``Backend.call`` (see ``collective``), so a backend decides how a call is kept in step across
+inside ``Backend.call`` (see ``agreed_call``), so a backend decides how a call is kept in step across
 ranks: the portable backend runs a host handshake; a device-initiated kernel may not.
 
 The ``portable`` backend is the semantic reference: every other backend must give the same bytes,
@@ -25,7 +25,7 @@ from ..ops import DispatchLayout
 from ..protocol.codes import Fp8Format
 from ..protocol.handle import LowLatencyHandle, NormalHandle
 
-__all__ = ["Backend", "DispatchResult", "LowLatencyDispatch", "Receive", "collective"]
+__all__ = ["Backend", "DispatchResult", "LowLatencyDispatch", "Receive", "agreed_call"]
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -178,7 +178,7 @@ class Backend(abc.ABC):
         """Unmasks every rank."""
 
 
-def collective(op: str) -> Callable[[F], F]:
+def agreed_call(op: str) -> Callable[[F], F]:
     """Makes a ``Buffer`` method one collective call ``op`` of the buffer's backend (``self.runtime``):
     the whole method, its argument checks included, runs in ``Backend.call``, so that even a wrong
     signature on one rank is a call every rank fails alike."""

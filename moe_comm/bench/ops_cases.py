@@ -116,13 +116,13 @@ def build_groups(d: dict[str, Any], cfg: dict[str, Any], backends: Sequence[str]
 
     nbytes = T * K * 8 + R * 4 + E * 4 + T * R
     g = Group("dispatch_layout", f"R{R}", lambda: torch_dispatch_layout(topk_idx, R, E), exact)
-    _add_ours(g, "dispatch_layout", backends, nbytes, "GB/s", lambda op, b: _fields(op(topk_idx, R, E, backend=b)))
+    _add_ours(g, "dispatch_layout", backends, nbytes, "GB/s", lambda op, b: _fields(op(topk_idx, R, E, impl=b)))
     g.cases.append(Case(g.op, g.case, "torch", lambda: torch_dispatch_layout(topk_idx, R, E), nbytes, "GB/s"))
     groups.append(g)
 
     nbytes = T * H * 2 + rows * H * 2 + meta
     g = Group("permute", "bf16", lambda: torch_permute(x, topk_idx, E, A), exact)
-    _add_ours(g, "permute", backends, nbytes, "GB/s", lambda op, b: op(x, topk_idx, E, alignment=A, backend=b))
+    _add_ours(g, "permute", backends, nbytes, "GB/s", lambda op, b: op(x, topk_idx, E, alignment=A, impl=b))
     g.cases.append(Case(g.op, g.case, "torch_sort", lambda: torch_permute(x, topk_idx, E, A), nbytes, "GB/s"))
     src_tok, dst_rows = perm.source[perm.source >= 0] // K, torch.nonzero(perm.source >= 0).squeeze(1)
     out = torch.zeros_like(perm.x)
@@ -138,13 +138,13 @@ def build_groups(d: dict[str, Any], cfg: dict[str, Any], backends: Sequence[str]
     nbytes = T * H * 2 + rows * H + rows * (H // GROUP) * 4 + meta
     g = Group("permute", "fp8 e4m3", torch_permute_fp8, close_permutation_fp8)
     _add_ours(g, "permute", backends, nbytes, "GB/s",
-              lambda op, b: op(x, topk_idx, E, alignment=A, quant="e4m3", backend=b))
+              lambda op, b: op(x, topk_idx, E, alignment=A, quant="e4m3", impl=b))
     quantize = getattr(importlib.import_module("moe_comm.ops"), "quantize", None)
     permute = getattr(importlib.import_module("moe_comm.ops"), "permute", None)
     for b in backends:
         def unfused(b: str = b) -> Any:
-            p = permute(x, topk_idx, E, alignment=A, backend=b)
-            q, s = quantize(p.x, "e4m3", backend=b)
+            p = permute(x, topk_idx, E, alignment=A, impl=b)
+            q, s = quantize(p.x, "e4m3", impl=b)
             return TorchPermutation(q, s, p.expert_offsets, p.num_tokens_per_expert, p.row_of, p.source,
                                     p.expert_of_row)
         g.cases.append(Case(g.op, g.case, f"{b}_unfused", unfused if quantize and permute else None, nbytes, "GB/s",
@@ -155,14 +155,14 @@ def build_groups(d: dict[str, Any], cfg: dict[str, Any], backends: Sequence[str]
     for fmt, scale_bytes in (("e4m3", T * (H // GROUP) * 4), ("int8", T * 4)):
         nbytes = T * H * 2 + T * H + scale_bytes
         g = Group("quantize", fmt, lambda fmt=fmt: torch_quantize(x, fmt), close_quantized)
-        _add_ours(g, "quantize", backends, nbytes, "GB/s", lambda op, b, fmt=fmt: op(x, fmt, backend=b))
+        _add_ours(g, "quantize", backends, nbytes, "GB/s", lambda op, b, fmt=fmt: op(x, fmt, impl=b))
         g.cases.append(Case(g.op, g.case, "torch", lambda fmt=fmt: torch_quantize(x, fmt), nbytes, "GB/s"))
         groups.append(g)
     for fmt, scale_bytes in (("e4m3", T * (H // GROUP) * 4), ("int8", T * 4)):
         q, s = torch_quantize(x, fmt)
         nbytes = T * H + scale_bytes + T * H * 2
         g = Group("dequantize", fmt, lambda q=q, s=s: torch_dequantize(q, s), close)
-        _add_ours(g, "dequantize", backends, nbytes, "GB/s", lambda op, b, q=q, s=s: op(q, s, backend=b))
+        _add_ours(g, "dequantize", backends, nbytes, "GB/s", lambda op, b, q=q, s=s: op(q, s, impl=b))
         g.cases.append(Case(g.op, g.case, "torch", lambda q=q, s=s: torch_dequantize(q, s), nbytes, "GB/s"))
         groups.append(g)
 
@@ -170,7 +170,7 @@ def build_groups(d: dict[str, Any], cfg: dict[str, Any], backends: Sequence[str]
     flops = 2 * valid * (2 * I) * H
     g = Group("grouped_gemm", "contig bf16", lambda: loop_gemm(a, w13, bounds), close)
     _add_ours(g, "grouped_gemm", backends, flops, "TFLOP/s",
-              lambda op, b: op(a, w13, expert_offsets=offs, backend=b))
+              lambda op, b: op(a, w13, expert_offsets=offs, impl=b))
     g.cases.append(Case(g.op, g.case, "torch_grouped_mm",
                         (lambda: gmm(a, w13.transpose(1, 2), offs=d["offs32"])) if gmm else None, flops, "TFLOP/s",
                         note="" if gmm else "torch has no grouped_mm"))
@@ -181,7 +181,7 @@ def build_groups(d: dict[str, Any], cfg: dict[str, Any], backends: Sequence[str]
     a_q, a_s, w_q, w_s = d["a_q"], d["a_s"], d["w13_q"], d["w13_s"]
     g = Group("grouped_gemm", "contig fp8 blk", lambda: fp32_gemm_fp8(a_q, a_s, w_q, w_s, bounds), close)
     _add_ours(g, "grouped_gemm", backends, flops, "TFLOP/s",
-              lambda op, b: op(a_q, w_q, expert_offsets=offs, a_scales=a_s, b_scales=w_s, backend=b))
+              lambda op, b: op(a_q, w_q, expert_offsets=offs, a_scales=a_s, b_scales=w_s, impl=b))
     g.cases.append(Case(g.op, g.case, "torch_scaled_grouped_mm", _scaled_grouped_mm(a_q, a_s, w_q, w_s, d["offs32"]),
                         flops, "TFLOP/s", note="1x128 x 128x128 block scales"))
     g.cases.append(Case(g.op, g.case, "torch_loop_dequant", lambda: loop_gemm_fp8(a_q, a_s, w_q, w_s, bounds), flops,
@@ -191,7 +191,7 @@ def build_groups(d: dict[str, Any], cfg: dict[str, Any], backends: Sequence[str]
     xm, masked_m, counts = d["xm"], d["masked_m"], d["counts"]
     g = Group("grouped_gemm", "masked bf16", lambda: loop_gemm_masked(xm, w13, counts), close)
     _add_ours(g, "grouped_gemm", backends, flops, "TFLOP/s",
-              lambda op, b: op(xm, w13, masked_m=masked_m, backend=b))
+              lambda op, b: op(xm, w13, masked_m=masked_m, impl=b))
     g.cases.append(Case(g.op, g.case, "torch_grouped_mm", (lambda: gmm(xm, w13.transpose(1, 2))) if gmm else None,
                         flops, "TFLOP/s", note="computes all E*M rows" if gmm else "torch has no grouped_mm"))
     g.cases.append(Case(g.op, g.case, "torch_loop", lambda: loop_gemm_masked(xm, w13, counts), flops, "TFLOP/s",
@@ -200,7 +200,7 @@ def build_groups(d: dict[str, Any], cfg: dict[str, Any], backends: Sequence[str]
 
     flops = 2 * valid * (2 * I) * H + 2 * valid * H * I
     g = Group("expert_ffn", "contig bf16 swiglu", lambda: fp32_ffn(a, w13, w2, bounds), close)
-    _add_ours(g, "expert_ffn", backends, flops, "TFLOP/s", lambda op, b: op(a, w13, w2, expert_offsets=offs, backend=b))
+    _add_ours(g, "expert_ffn", backends, flops, "TFLOP/s", lambda op, b: op(a, w13, w2, expert_offsets=offs, impl=b))
     offs32 = d["offs32"]
     g.cases.append(Case(g.op, g.case, "torch_grouped_mm",
                         (lambda: gmm(swiglu(gmm(a, w13.transpose(1, 2), offs=offs32)), w2.transpose(1, 2),
@@ -213,7 +213,7 @@ def build_groups(d: dict[str, Any], cfg: dict[str, Any], backends: Sequence[str]
     weights, row_of = d["weights"], perm.row_of
     nbytes = valid * H * 2 + T * K * 12 + T * H * 2
     g = Group("unpermute_reduce", "bf16", lambda: torch_unpermute_loop_k(a, row_of, weights), close)
-    _add_ours(g, "unpermute_reduce", backends, nbytes, "GB/s", lambda op, b: op(a, row_of, weights, backend=b))
+    _add_ours(g, "unpermute_reduce", backends, nbytes, "GB/s", lambda op, b: op(a, row_of, weights, impl=b))
     g.cases.append(Case(g.op, g.case, "torch_index_add", lambda: torch_unpermute_index_add(a, row_of, weights), nbytes,
                         "GB/s"))
     g.cases.append(Case(g.op, g.case, "torch_loop_k", lambda: torch_unpermute_loop_k(a, row_of, weights), nbytes,

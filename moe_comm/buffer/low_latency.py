@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ..backends.base import Backend, collective
+from ..backends.base import Backend, agreed_call
 from ..core.checks import check_bools, check_int, check_tensor
 from ..core.errors import bad_argument
 from ..protocol.handle import LowLatencyHandle
@@ -38,7 +38,7 @@ class LowLatencyAPI:
         if not self.low_latency_mode:
             raise RuntimeError(f"{op}: needs a Buffer created with low_latency_mode=True (as DeepEP requires)")
 
-    @collective("clean_low_latency_buffer")
+    @agreed_call("clean_low_latency_buffer")
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """DeepEP's reset of both low-latency buffers. Collective: a barrier with the deadline.
         Finishes async results still pending; raises if a recv hook has not been called yet."""
@@ -47,7 +47,7 @@ class LowLatencyAPI:
         check_ll_sizes(op, num_max_dispatch_tokens_per_rank, hidden, num_experts, self.group_size, self.num_rdma_bytes)
         self.runtime.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-    @collective("low_latency_dispatch")
+    @agreed_call("low_latency_dispatch")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
@@ -100,7 +100,7 @@ class LowLatencyAPI:
         event, hook = self._ll_end(result.receive, async_finish, return_recv_hook, (args.x, args.topk_idx) + outputs)
         return recv_x, result.recv_count, result.handle.as_tuple(), event, hook
 
-    @collective("low_latency_combine")
+    @agreed_call("low_latency_combine")
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,

@@ -14,8 +14,9 @@ MOE_COMM_POOL_BYTES  idle bytes the CPU output pool (``moe_comm.core.memory.empt
                      0 disables recycling).
 MOE_COMM_WEIGHT_CACHE_BYTES  bytes of fp32 expert-weight copies the native CPU GEMM may keep across calls
                      (``moe_comm.ops.weight_cache``; default 1 GiB; 0 disables).
-MOE_COMM_OPS_BACKEND backend of the ops in ``moe_comm.ops`` when a call passes none: ``native`` or
+MOE_COMM_OPS_IMPL    implementation of the ops in ``moe_comm.ops`` when a call passes none: ``native`` or
                      ``triton`` (unset: ``native`` on CPU tensors, ``triton`` elsewhere when it imports).
+                     The old name MOE_COMM_OPS_BACKEND is read too, with a DeprecationWarning.
 TRITON_INTERPRET     (Triton's own) ``1`` runs Triton kernels in its CPU interpreter; read by Triton when
                      a kernel module is imported, and by ``moe_comm.ops.impl`` to allow CPU tensors.
 MOE_COMM_DEEP_EP     ``1``: the vLLM and SGLang plugin entry points make ``import deep_ep`` give moe-comm
@@ -31,10 +32,11 @@ LOCAL_WORLD_SIZE     (set by torchrun) ranks per node: the ``shm`` transport gro
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional
 
 __all__ = ["backend", "transport", "timeout_s", "num_threads", "pool_bytes", "weight_cache_bytes", "local_world_size",
-           "ops_backend", "triton_interpret", "deep_ep_alias", "ascend_comm_alg", "hccl_buffsize_mb"]
+           "ops_impl", "triton_interpret", "deep_ep_alias", "ascend_comm_alg", "hccl_buffsize_mb"]
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_POOL_BYTES = 2 << 30
@@ -101,10 +103,17 @@ def local_world_size() -> Optional[int]:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def ops_backend() -> Optional[str]:
-    """The ops backend named by ``MOE_COMM_OPS_BACKEND``, or None when unset or empty."""
-    value = os.environ.get("MOE_COMM_OPS_BACKEND", "").strip()
-    return value or None
+def ops_impl() -> tuple[Optional[str], str]:
+    """(the ops implementation named by ``MOE_COMM_OPS_IMPL``, or None when unset or empty; the variable's
+    name). The deprecated ``MOE_COMM_OPS_BACKEND`` is read when the new one is unset, with a warning."""
+    value = os.environ.get("MOE_COMM_OPS_IMPL", "").strip()
+    if value:
+        return value, "MOE_COMM_OPS_IMPL"
+    old = os.environ.get("MOE_COMM_OPS_BACKEND", "").strip()
+    if old:
+        warnings.warn("MOE_COMM_OPS_BACKEND is deprecated: set MOE_COMM_OPS_IMPL", DeprecationWarning, stacklevel=3)
+        return old, "MOE_COMM_OPS_BACKEND"
+    return None, "MOE_COMM_OPS_IMPL"
 
 
 def triton_interpret() -> bool:

@@ -86,8 +86,8 @@ class Experts:
 
     def ffn(self, x: torch.Tensor, *, expert_offsets: Optional[torch.Tensor] = None,
             masked_m: Optional[torch.Tensor] = None, x_scales: Optional[torch.Tensor] = None,
-            backend: Optional[str] = None) -> torch.Tensor:
+            impl: Optional[str] = None) -> torch.Tensor:
         """``moe_comm.ops.expert_ffn`` with these weights: bf16 rows in either grouped-GEMM layout (FP8
         experts need FP8 ``x`` with per-128-channel ``x_scales``)."""
         return expert_ffn(x, self.w13, self.w2, expert_offsets=expert_offsets, masked_m=masked_m, x_scales=x_scales,
-                          w13_scales=self.w13_scales, w2_scales=self.w2_scales, backend=backend)
+                          w13_scales=self.w13_scales, w2_scales=self.w2_scales, impl=impl)

@@ -5,9 +5,10 @@ from typing import Optional
 
 import torch
 
-from ..buffer.buffer import Buffer
+from ..buffer import Buffer
 from ..core.checks import check_int, check_tensor, describe
 from ..core.errors import bad_argument
+from ..ops.impl import renamed_impl
 from . import schedules
 from .experts import Experts
 from .routing import select_experts
@@ -50,7 +51,8 @@ def _check_forward(op: str, buffer: Buffer, x: torch.Tensor, topk_idx: torch.Ten
 
 def ep_moe(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, experts: Experts,
            num_experts: int, *, mode: str = "sequential", num_chunks: int = 2,
-           num_max_dispatch_tokens_per_rank: Optional[int] = None, backend: Optional[str] = None) -> torch.Tensor:
+           num_max_dispatch_tokens_per_rank: Optional[int] = None, ops_impl: Optional[str] = None,
+           backend: Optional[str] = None) -> torch.Tensor:
     """One expert-parallel MoE forward over ``buffer``'s group. Collective: every rank calls it with the
     same ``mode``, ``num_chunks`` and ``num_experts``.
 
@@ -64,7 +66,8 @@ def ep_moe(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights
             overlapped through receive hooks) or ``low_latency`` (one low-latency batch, for decode). The
             low-latency modes need a ``Buffer(low_latency_mode=True)`` sized for
             ``num_max_dispatch_tokens_per_rank`` tokens per micro-batch; FP8 experts get FP8 dispatch.
-        backend: the ops backend (``moe_comm.ops.resolve``).
+        ops_impl: the implementation of the ops (``impl=`` of ``moe_comm.ops``: ``native`` or ``triton``;
+            None: ``moe_comm.ops.resolve`` picks). ``backend`` is its deprecated old name.
     Returns:
         `[T, H]` bf16: ``out[t] = sum_k topk_weights[t, k] * expert_{topk_idx[t, k]}(x[t])`` over slots with
         ``topk_idx >= 0``, summed in fp32, bit for bit ``ep_moe_reference`` (normal modes round each rank's
@@ -72,7 +75,8 @@ def ep_moe(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights
     """
     _check_forward("ep_moe", buffer, x, topk_idx, topk_weights, experts, num_experts, mode, num_chunks,
                    num_max_dispatch_tokens_per_rank)
-    stages = schedules.stages_for(mode, buffer, experts, num_experts, num_max_dispatch_tokens_per_rank, backend)
+    ops_impl = renamed_impl("ep_moe", "ops_impl", ops_impl, backend)
+    stages = schedules.stages_for(mode, buffer, experts, num_experts, num_max_dispatch_tokens_per_rank, ops_impl)
     return schedules.run(mode, stages, x, topk_idx, topk_weights, num_chunks)
 
 
@@ -87,21 +91,23 @@ class EPMoE(torch.nn.Module):
         num_experts: experts over the whole group.
         top_k, scoring, num_groups, topk_groups, renormalize, scaling_factor: routing from logits
             (``select_experts``); ``correction_bias`` `[num_experts]` is kept as a buffer.
-        mode, num_chunks, num_max_dispatch_tokens_per_rank, backend: as ``ep_moe``.
+        mode, num_chunks, num_max_dispatch_tokens_per_rank, ops_impl, backend: as ``ep_moe``.
     """
 
     def __init__(self, buffer: Buffer, experts: Experts, num_experts: int, *, top_k: Optional[int] = None,
                  scoring: str = "softmax", num_groups: Optional[int] = None, topk_groups: Optional[int] = None,
                  correction_bias: Optional[torch.Tensor] = None, renormalize: bool = False,
                  scaling_factor: float = 1.0, mode: str = "sequential", num_chunks: int = 2,
-                 num_max_dispatch_tokens_per_rank: Optional[int] = None, backend: Optional[str] = None) -> None:
+                 num_max_dispatch_tokens_per_rank: Optional[int] = None, ops_impl: Optional[str] = None,
+                 backend: Optional[str] = None) -> None:
         super().__init__()
         if mode not in schedules.MODES:
             bad_argument("EPMoE", "mode", f"one of {list(schedules.MODES)}", repr(mode))
         self.buffer, self.num_experts = buffer, num_experts
         self.routing = dict(top_k=top_k, scoring=scoring, num_groups=num_groups, topk_groups=topk_groups,
                             renormalize=renormalize, scaling_factor=scaling_factor)
-        self.mode, self.num_chunks, self.backend = mode, num_chunks, backend
+        self.mode, self.num_chunks = mode, num_chunks
+        self.ops_impl = renamed_impl("EPMoE", "ops_impl", ops_impl, backend)
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         for name in ("w13", "w2", "w13_scales", "w2_scales"):
             self.register_buffer(name, getattr(experts, name))
@@ -132,4 +138,4 @@ class EPMoE(torch.nn.Module):
             return ep_moe(self.buffer, x, topk_idx, topk_weights, self.experts, self.num_experts, mode=self.mode,
                           num_chunks=self.num_chunks,
                           num_max_dispatch_tokens_per_rank=self.num_max_dispatch_tokens_per_rank,
-                          backend=self.backend)
+                          ops_impl=self.ops_impl)

@@ -39,11 +39,11 @@ def micro_batches(num_tokens: int, count: int) -> list[slice]:
 
 
 def stages_for(mode: str, buffer: Buffer, experts: Experts, num_experts: int,
-               num_max_dispatch_tokens_per_rank: Optional[int], backend: Optional[str] = None) -> Any:
+               num_max_dispatch_tokens_per_rank: Optional[int], impl: Optional[str] = None) -> Any:
     """The steps ``mode`` runs: low-latency calls (with M = ``num_max_dispatch_tokens_per_rank``) or normal ones."""
     if mode in LOW_LATENCY_MODES:
-        return LowLatencyStages(buffer, experts, num_experts, num_max_dispatch_tokens_per_rank, backend)
-    return NormalStages(buffer, experts, num_experts, backend)
+        return LowLatencyStages(buffer, experts, num_experts, num_max_dispatch_tokens_per_rank, impl)
+    return NormalStages(buffer, experts, num_experts, impl)
 
 
 def run(mode: str, stages: Any, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

@@ -22,18 +22,18 @@ __all__ = ["local_expert_rows", "NormalStages", "NormalReceived", "LowLatencySta
 
 
 def local_expert_rows(experts: Experts, x: torch.Tensor, local_idx: torch.Tensor, weights: torch.Tensor,
-                      scales: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
+                      scales: Optional[torch.Tensor] = None, impl: Optional[str] = None) -> torch.Tensor:
     """``experts`` on normal-mode rows ``x`` `[N, H]` (bf16, or E4M3 with ``scales`` `[N, H / 128]`), routed by
     ``local_idx`` `[N, K]` (ids into ``experts``, -1 for a slot elsewhere): `[N, H]` bf16, each row
     ``bf16(sum over its local slots k ascending of weights[n, k] * y_k)`` in fp32; a row without local slots is 0."""
-    perm = permute(x, local_idx, experts.num_experts, backend=backend)
+    perm = permute(x, local_idx, experts.num_experts, impl=impl)
     perm_scales = None
     if scales is not None:
         perm_scales = scales.new_empty(perm.x.shape[0], scales.shape[1])
         num_topk = local_idx.shape[1]
         take_rows(perm_scales, scales, torch.where(perm.source >= 0, perm.source // num_topk, -1))
-    y = experts.ffn(perm.x, expert_offsets=perm.expert_offsets, x_scales=perm_scales, backend=backend)
-    return unpermute_reduce(y, perm.row_of, weights, backend=backend)
+    y = experts.ffn(perm.x, expert_offsets=perm.expert_offsets, x_scales=perm_scales, impl=impl)
+    return unpermute_reduce(y, perm.row_of, weights, impl=impl)
 
 
 @dataclass
@@ -60,13 +60,13 @@ class NormalStages:
     Per token, the result is ``bf16(sum over ranks r ascending of bf16(sum over slots k ascending whose
     expert lives on r of w_k * y_k))``, every sum in fp32 (``reference.dense_moe`` with rank groups)."""
 
-    def __init__(self, buffer: Buffer, experts: Experts, num_experts: int, backend: Optional[str] = None) -> None:
-        self.buffer, self.experts, self.num_experts, self.backend = buffer, experts, num_experts, backend
+    def __init__(self, buffer: Buffer, experts: Experts, num_experts: int, impl: Optional[str] = None) -> None:
+        self.buffer, self.experts, self.num_experts, self.impl = buffer, experts, num_experts, impl
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  async_finish: bool = False) -> NormalReceived:
         """Sends ``x`` `[T, H]` bf16 (as E4M3 with per-128-channel scales for FP8 experts); collective."""
-        data = quantize(x, "e4m3", backend=self.backend) if self.experts.fp8 else x
+        data = quantize(x, "e4m3", impl=self.impl) if self.experts.fp8 else x
         recv, recv_idx, recv_weights, _, handle, event = self.buffer.dispatch(
             data, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=self.num_experts,
             async_finish=async_finish)
@@ -78,7 +78,7 @@ class NormalStages:
         weighted sum over its local slots."""
         received.wait()
         return local_expert_rows(self.experts, received.x, received.topk_idx, received.topk_weights, received.scales,
-                                 backend=self.backend)
+                                 impl=self.impl)
 
     def combine(self, partial: torch.Tensor, received: NormalReceived,
                 async_finish: bool = False) -> tuple[torch.Tensor, EventOverlap]:
@@ -112,8 +112,8 @@ class LowLatencyStages:
     ``bf16(sum over slots k ascending of w_k * y_k)`` in fp32 (``reference.dense_moe``)."""
 
     def __init__(self, buffer: Buffer, experts: Experts, num_experts: int, num_max_dispatch_tokens_per_rank: int,
-                 backend: Optional[str] = None) -> None:
-        self.buffer, self.experts, self.num_experts, self.backend = buffer, experts, num_experts, backend
+                 impl: Optional[str] = None) -> None:
+        self.buffer, self.experts, self.num_experts, self.impl = buffer, experts, num_experts, impl
         self.m = num_max_dispatch_tokens_per_rank
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -127,7 +127,7 @@ class LowLatencyStages:
     def compute(self, received: LowLatencyReceived) -> torch.Tensor:
         """This rank's experts on their blocks (receives first): `[E_loc, R * M, H]` bf16."""
         received.wait()
-        return self.experts.ffn(received.x, masked_m=received.count, x_scales=received.scales, backend=self.backend)
+        return self.experts.ffn(received.x, masked_m=received.count, x_scales=received.scales, impl=self.impl)
 
     def combine(self, y: torch.Tensor, received: LowLatencyReceived,
                 hook: bool = False) -> tuple[torch.Tensor, Optional[Callable[[], None]]]:

@@ -18,7 +18,7 @@ __all__ = ["expert_ffn", "expert_ffn_reference"]
 def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, expert_offsets: Optional[torch.Tensor] = None,
                masked_m: Optional[torch.Tensor] = None, x_scales: Optional[torch.Tensor] = None,
                w13_scales: Optional[torch.Tensor] = None, w2_scales: Optional[torch.Tensor] = None,
-               backend: Optional[str] = None) -> torch.Tensor:
+               impl: Optional[str] = None, backend: Optional[str] = None) -> torch.Tensor:
     """SwiGLU experts on ``x`` in either grouped-GEMM layout (see ``grouped_gemm``). ``w13`` `[E, 2I, H]`
     holds gate rows ``[0, I)`` then up rows ``[I, 2I)`` (vLLM's w13); ``w2`` `[E, H, I]`. The activation is
     computed from the fp32 products and rounded once to bf16; with FP8 (all three scales given, I a
@@ -37,7 +37,7 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, expert_o
         raise ValueError(f"expert_ffn: FP8 needs the intermediate size I to be a multiple of {GROUP}, got {inter}")
     first = GemmArgs("expert_ffn", x, w13, expert_offsets, masked_m, x_scales, w13_scales, inter)
     h = zeros((first.a.shape[0], inter), torch.bfloat16, x.device)
-    chosen = resolve("expert_ffn", x.device, backend)
+    chosen = resolve("expert_ffn", x.device, impl, backend)
     if chosen == "triton":
         launch_gemm(first, h, swiglu=True)
     else:
@@ -45,10 +45,10 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, expert_o
     h = h.view(first.out_shape)
     h_scales = None
     if fp8:
-        q, h_scales = quantize(h.reshape(-1, inter), "e4m3", backend=chosen)
+        q, h_scales = quantize(h.reshape(-1, inter), "e4m3", impl=chosen)
         h, h_scales = q.view(h.shape), h_scales.view(*h.shape[:-1], inter // GROUP)
     return grouped_gemm(h, w2, expert_offsets=expert_offsets, masked_m=masked_m, a_scales=h_scales,
-                        b_scales=w2_scales, backend=chosen)
+                        b_scales=w2_scales, impl=chosen)
 
 
 def expert_ffn_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
@@ -63,6 +63,6 @@ def expert_ffn_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *
     h = (torch.nn.functional.silu(both[:, :inter]) * both[:, inter:]).to(torch.bfloat16)
     h_scales = None
     if w2_scales is not None:
-        h, h_scales = quantize(h, "e4m3", backend="native")
+        h, h_scales = quantize(h, "e4m3", impl="native")
     out = segments_reference(first, h, h_scales, w2, w2_scales)
     return out.view(*first.out_shape[:-1], w2.shape[1])

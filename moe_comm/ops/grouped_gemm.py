@@ -169,7 +169,7 @@ def launch_gemm(args: GemmArgs, out: torch.Tensor, swiglu: bool, config: Optiona
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, *, expert_offsets: Optional[torch.Tensor] = None,
                  masked_m: Optional[torch.Tensor] = None, a_scales: Optional[torch.Tensor] = None,
                  b_scales: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
-                 backend: Optional[str] = None) -> torch.Tensor:
+                 impl: Optional[str] = None, backend: Optional[str] = None) -> torch.Tensor:
     """``a @ b[e].T`` per expert in the contiguous (``expert_offsets`` `[E + 1]`) or masked (``masked_m``
     `[E]`) layout; fp32 accumulation, rounded to ``out_dtype``. Returns `[M, N]` or `[E, M, N]`; rows
     outside the experts' ranges are zero. Reference ``grouped_gemm_reference`` (fp64)."""
@@ -177,7 +177,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, *, expert_offsets: Optional[t
     # NOTES: fresh zero pages on CPU: the masked layout's unused rows (most of [E, M, N] at decode) cost nothing
     out = zeros((args.a.shape[0], args.n_out), out_dtype, a.device)
     torch_npu = torch_npu_for(a)
-    if resolve("grouped_gemm", a.device, backend) == "triton":
+    if resolve("grouped_gemm", a.device, impl, backend) == "triton":
         launch_gemm(args, out, swiglu=False)
     elif torch_npu is not None and not args.masked and args.a_scales is None:
         grouped_gemm_npu(torch_npu, args.a, args.b, args.starts, args.ends, out)  # segments back to back
@@ -211,7 +211,7 @@ def native_gemm(args: GemmArgs, out: torch.Tensor, swiglu: bool) -> None:
             torch.matmul(args.a[start:end], args.b[e].t(), out=out[start:end])
             continue
         if fp8:
-            a = dequantize(args.a[start:end], args.a_scales[start:end], torch.float32, backend="native")
+            a = dequantize(args.a[start:end], args.a_scales[start:end], torch.float32, impl="native")
         else:
             a = args.a[start:end].to(torch.float32)
         weights = cached[e] if cached is not None else _expert_fp32(args, e)
@@ -227,7 +227,7 @@ def _expert_fp32(args: GemmArgs, e: int) -> torch.Tensor:
     if args.b_scales is None:
         return args.b[e].to(torch.float32)
     row_scales = args.b_scales[e].repeat_interleave(GROUP, dim=0)[:args.b_rows]
-    return dequantize(args.b[e], row_scales, torch.float32, backend="native")
+    return dequantize(args.b[e], row_scales, torch.float32, impl="native")
 
 
 def _all_fp32(args: GemmArgs) -> torch.Tensor:

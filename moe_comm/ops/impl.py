@@ -1,11 +1,12 @@
-"""Which implementation of an op runs: ``native`` (the device's fast path: ``moe_comm._C`` or torch
-ops) or ``triton`` (the one Triton source every vendor's Triton compiles). The plain-torch
-``*_reference`` of each op is its specification, not a backend."""
+"""Which implementation of an op runs (``impl=``): ``native`` (the device's fast path: ``moe_comm._C`` or
+torch ops) or ``triton`` (the one Triton source every vendor's Triton compiles). The plain-torch
+``*_reference`` of each op is its specification, not an implementation to pick."""
 from __future__ import annotations
 
 import functools
 import importlib
 import re
+import warnings
 from types import ModuleType
 from typing import Optional
 
@@ -13,9 +14,10 @@ import torch
 
 from ..core import env
 
-__all__ = ["BACKENDS", "resolve", "triton_usable", "interpreter_problem", "kernels", "next_pow2"]
+__all__ = ["IMPLS", "resolve", "renamed_impl", "triton_usable", "interpreter_problem", "kernels", "next_pow2"]
 
-BACKENDS = ("native", "triton")
+#: The implementations an op can run with (``impl=``).
+IMPLS = ("native", "triton")
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,21 +64,37 @@ def triton_usable(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def resolve(op: str, device: torch.device, backend: Optional[str]) -> str:
-    """The backend ``op`` runs with on ``device``: ``backend`` if given, else ``MOE_COMM_OPS_BACKEND``,
-    else ``native`` on CPU and ``triton`` elsewhere when usable. Raises ValueError for an unknown name or
-    a Triton request that cannot run, naming why."""
-    chosen = backend if backend is not None else env.ops_backend()
-    if chosen is None:
+def renamed_impl(op: str, name: str, impl: Optional[str], backend: Optional[str]) -> Optional[str]:
+    """The ops implementation a call asks for as ``name`` (``impl`` or ``ops_impl``), taking ``backend``, the
+    keyword's old name, with a DeprecationWarning (``backend=`` now only names a Buffer backend); a
+    ValueError when both are given and differ."""
+    if backend is None:
+        return impl
+    warnings.warn(f"{op}: the keyword backend= is deprecated, use {name}= (backend= names a Buffer backend)",
+                  DeprecationWarning, stacklevel=4)
+    if impl is not None and impl != backend:
+        raise ValueError(f"{op}: {name}={impl!r} and its deprecated name backend={backend!r} disagree")
+    return backend
+
+
+def resolve(op: str, device: torch.device, impl: Optional[str], backend: Optional[str] = None) -> str:
+    """The implementation ``op`` runs with on ``device``: ``impl`` if given, else ``MOE_COMM_OPS_IMPL``,
+    else ``native`` on CPU and ``triton`` elsewhere when usable. ``backend`` is the keyword's old name:
+    accepted with a DeprecationWarning, and a ValueError when it disagrees with ``impl``. Raises
+    ValueError for an unknown name or a Triton request that cannot run, naming why."""
+    impl = renamed_impl(op, "impl", impl, backend)
+    source = "impl"
+    if impl is None:
+        impl, source = env.ops_impl()
+    if impl is None:
         return "triton" if device.type != "cpu" and triton_usable(device)[0] else "native"
-    if chosen not in BACKENDS:
-        source = "backend" if backend is not None else "MOE_COMM_OPS_BACKEND"
-        raise ValueError(f"{op}: {source} must be one of {list(BACKENDS)}, got {chosen!r}")
-    if chosen == "triton":
+    if impl not in IMPLS:
+        raise ValueError(f"{op}: {source} must be one of {list(IMPLS)}, got {impl!r}")
+    if impl == "triton":
         usable, why = triton_usable(device)
         if not usable:
-            raise ValueError(f"{op}: backend 'triton' cannot run on {device.type} tensors: {why}")
-    return chosen
+            raise ValueError(f"{op}: impl 'triton' cannot run on {device.type} tensors: {why}")
+    return impl
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,7 +32,8 @@ class DispatchLayout:
         assert self.is_token_in_rank.dtype == torch.bool
 
 
-def dispatch_layout(topk_idx: torch.Tensor, num_ranks: int, num_experts: int, *, backend: Optional[str] = None
+def dispatch_layout(topk_idx: torch.Tensor, num_ranks: int, num_experts: int, *, impl: Optional[str] = None,
+                    backend: Optional[str] = None
                     ) -> DispatchLayout:
     """Histograms of ``topk_idx``. Local; no communication.
 
@@ -46,7 +47,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_ranks: int, num_experts: int, *,
     on other devices, or the Triton kernel.
     """
     num_tokens, num_topk = topk_idx.shape
-    if resolve("dispatch_layout", topk_idx.device, backend) == "triton":
+    if resolve("dispatch_layout", topk_idx.device, impl, backend) == "triton":
         return _layout_triton(topk_idx, num_ranks, num_experts)
     if topk_idx.device.type != "cpu":
         return dispatch_layout_reference(topk_idx, num_ranks, num_experts)

@@ -2,7 +2,7 @@
 specifies: ``permute`` (no alignment padding, bf16/fp16 or dynamic INT8) as ``npu_moe_init_routing_v2``,
 the contiguous-layout ``grouped_gemm`` (bf16/fp16) as ``npu_grouped_matmul``. The other forms take the
 torch path on NPU tensors too. Argument mapping and output conversion follow the operators'
-documentation (``../shared/research/hetero.md`` §1.4); the tests hold them to the references through a
+documentation (``docs/vendors.md``, ops on NPU tensors); the tests hold them to the references through a
 CPU model of the operators, and ``pytest -m ascend`` on an NPU.
 """
 from __future__ import annotations

@@ -83,7 +83,8 @@ def _num_rows(offsets: torch.Tensor, num_rows: Optional[int]) -> int:
 
 def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, alignment: int = 1,
             quant: Optional[str] = None, round_scale: bool = False, use_ue8m0: bool = False,
-            num_rows: Optional[int] = None, backend: Optional[str] = None) -> Permutation:
+            num_rows: Optional[int] = None, impl: Optional[str] = None, backend: Optional[str] = None
+            ) -> Permutation:
     """Gathers ``x`` `[T, H]` into expert-major rows by ``topk_idx`` `[T, K]` int64 (ids in
     ``[0, num_experts)``, -1 = skip). ``quant`` (``e4m3``, ``e5m2``, ``int8``) casts in the same pass,
     with the same bits as ``quantize`` of the unquantized permutation. ``num_rows`` fixes the output
@@ -91,7 +92,7 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, alignm
     Deterministic; reference ``permute_reference`` (tests compare every field exactly)."""
     _check(x, topk_idx, num_experts, alignment)
     check_quant_args("permute", x.shape[1], quant, round_scale, use_ue8m0)
-    if resolve("permute", x.device, backend) == "triton":
+    if resolve("permute", x.device, impl, backend) == "triton":
         return _permute_triton(x, topk_idx, num_experts, alignment, quant, round_scale, use_ue8m0, num_rows)
     torch_npu = torch_npu_for(x)
     if torch_npu is not None and alignment == 1 and quant in (None, "int8"):

@@ -116,7 +116,7 @@ def launch_rows(x: torch.Tensor, num_rows: int, fmt: Optional[str], round_scale:
 
 
 def quantize(x: torch.Tensor, fmt: str = "e4m3", *, round_scale: bool = False, use_ue8m0: bool = False,
-             backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             impl: Optional[str] = None, backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes ``x`` `[T, H]` (bf16, fp16 or fp32) per token.
 
     Returns:
@@ -127,7 +127,7 @@ def quantize(x: torch.Tensor, fmt: str = "e4m3", *, round_scale: bool = False, u
     """
     _check_x("quantize", x)
     check_quant_args("quantize", x.shape[1], fmt, round_scale, use_ue8m0)
-    if resolve("quantize", x.device, backend) == "triton":
+    if resolve("quantize", x.device, impl, backend) == "triton":
         return launch_rows(x, x.shape[0], fmt, round_scale, use_ue8m0)
     if x.device.type == "cpu":
         return native_rows(x, x.shape[0], fmt, round_scale, use_ue8m0)
@@ -148,7 +148,7 @@ def quantize_reference(x: torch.Tensor, fmt: str = "e4m3", *, round_scale: bool 
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *,
-               backend: Optional[str] = None) -> torch.Tensor:
+               impl: Optional[str] = None, backend: Optional[str] = None) -> torch.Tensor:
     """``q * scale`` in fp32, rounded to ``dtype``: `[T, H]`. ``q`` FP8 with fp32 `[T, H / 128]` or UE8M0
     int32 `[T, H / 512]` scales, or int8 with fp32 `[T]` scales. Reference ``dequantize_reference``."""
     if q.dim() != 2 or q.dtype not in FORMATS.values():
@@ -161,7 +161,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch
             (fmt == "int8" and use_ue8m0):
         raise ValueError(f"dequantize: scales for {q.dtype} {list(q.shape)} must be float32 {list(expected)}"
                          f"{' (or UE8M0 int32)' if fmt == 'fp8' else ''}, got {scales.dtype} {list(scales.shape)}")
-    if resolve("dequantize", q.device, backend) != "triton":
+    if resolve("dequantize", q.device, impl, backend) != "triton":
         if q.device.type == "cpu" and dtype in NATIVE_DTYPES:
             return _native_dequantize(q, scales, dtype, fmt, use_ue8m0)
         return dequantize_reference(q, scales, dtype)

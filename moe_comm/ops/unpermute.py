@@ -42,7 +42,8 @@ def _check_rows(y: torch.Tensor, row_of: torch.Tensor) -> None:
 
 
 def unpermute_reduce(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor, *,
-                     out_dtype: Optional[torch.dtype] = None, backend: Optional[str] = None) -> torch.Tensor:
+                     out_dtype: Optional[torch.dtype] = None, impl: Optional[str] = None,
+                     backend: Optional[str] = None) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t, k] * y[row_of[t, k]]`` over slots with ``row_of >= 0``, k ascending,
     in fp32, rounded to ``out_dtype`` (default y's): `[T, H]`. ``row_of`` is ``Permutation.row_of``. The fixed
     order makes results repeat bit for bit on a backend; backends may differ by fp32 rounding (FMA).
@@ -50,7 +51,7 @@ def unpermute_reduce(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.
     _check(y, row_of, topk_weights)
     out_dtype = out_dtype or y.dtype
     num_tokens, num_topk = row_of.shape
-    if resolve("unpermute_reduce", y.device, backend) == "triton":
+    if resolve("unpermute_reduce", y.device, impl, backend) == "triton":
         out = torch.empty(num_tokens, y.shape[1], dtype=out_dtype, device=y.device)
         if out.numel():
             block = min(_BLOCK_H, next_pow2(y.shape[1]))

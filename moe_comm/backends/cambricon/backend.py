@@ -4,7 +4,7 @@ Normal mode is the portable backend's over the group's transport (``collective``
 ``all_to_all_single``), so its outputs are the reference's bit for bit. Low-latency mode moves the
 portable mode's row records through ``torch_mlu_ops``' byte all-to-all (``moe_all2all_dispatch`` /
 ``_combine``; ``tmo.py``, ``low_latency.py``), whose calling conventions are read from its public
-callers (``../shared/research/tmo.md``).
+callers (``docs/vendors.md``, torch_mlu_ops' all-to-all).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``torch_mlu_ops``' expert-parallel all-to-all (``moe_all2all_*``) as the cambricon backend drives it:
 a byte all-to-all of row records, whose calling conventions come from its public callers (vllm-mlu's
-``CnclEP``, xllm; ``../shared/research/tmo.md``).
+``CnclEP``, xllm; ``docs/vendors.md``).
 
     create(dispatch bytes, combine bytes, experts, rows) -> every rank's exchange_info all-gathered
     -> init;   dispatch: rows sorted by destination rank in dispatch_send, (offset, count) per

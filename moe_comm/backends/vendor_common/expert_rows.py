@@ -1,4 +1,4 @@
-"""Rows between the vendors' block-grouped layout and a packed one (``csrc/vendor/expert_rows.h``): MC2's
+"""Rows between the vendors' block-grouped layout and a packed one (``csrc/cpu/expert_rows.h``): MC2's
 expert-grouped ``expand_x`` and DeepEP's ``[E_loc, R * M, H]`` (ascend), tmo's per-source padded
 ``dispatch_recv`` and the compact by-source records (cambricon)."""
 from __future__ import annotations
