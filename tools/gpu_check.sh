@@ -6,7 +6,7 @@
 # whatever happened before it; each writes $OUT/NAME.log (and NAME.json / NAME.xml where it has a record),
 # and $OUT/steps.tsv gets "name rc seconds box". The last step writes $OUT/summary.json (pass/fail per
 # step, the benchmark's numbers beside the issue's targets). What each step proves: tools/gpu_check/README.md.
-# The time boxes add up to under 480 s, grace included (python_tests/test_gpu_check_scripts.py checks it).
+# The time boxes add up to under 480 s, grace included (tests/tools/test_gpu_check_scripts.py checks it).
 #   OUT=/some/dir bash tools/gpu_check.sh        (PYTHON=python3 by default)
 #   SKIP="build bench_ops" ... skips those steps (recorded as skipped, rc -1: a dry run off the GPU machine)
 set -uo pipefail
@@ -66,7 +66,7 @@ assert c.device_count() > 0, 'moe_comm._cuda sees no GPU'"
 
 # --- correctness of moe_comm._cuda against moe_comm._cuda_host, bitwise
 # emulated ranks (one launch serves R ranks), R = 2, 4, 8: normal bf16 / FP8, low latency bf16 / FP8 / UE8M0
-TAIL=30 step pytest_emulated 55 "$PY" -m pytest -q -p no:cacheprovider python_tests/test_cuda_build.py -k emulat \
+TAIL=30 step pytest_emulated 55 "$PY" -m pytest -q -p no:cacheprovider tests/csrc/test_cuda_build.py -k emulat \
   --junitxml "$OUT/pytest_emulated.xml"
 # 2 and 4 processes on the one GPU, buffers shared over CUDA IPC (intranode, internode over IPC, low latency)
 TAIL=20 step ipc 45 "$PY" $GC/ipc_ranks.py --ranks 2 4 --timeout 8 --deadline 20 --json "$OUT/ipc.json"
@@ -96,7 +96,7 @@ sanitize sanitizer_synccheck 30 synccheck
 
 # --- the older checks of the Triton ops on the GPU, shortened (they ran in full on 2026-11-29)
 step accuracy 15 "$PY" -m moe_comm.accuracy --no-interpreter --json "$OUT/accuracy_rows.json"
-step pytest_legacy 20 "$PY" -m pytest -q -p no:cacheprovider python_tests/test_fused_ops.py python_tests/test_cuda.py \
+step pytest_legacy 20 "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_fused_ops.py tests/backends/test_cuda.py \
   --junitxml "$OUT/pytest_legacy.xml"
 step bench_ops 15 "$PY" -m moe_comm.bench ops --device cuda --warmup 1 --reps 5 --json "$OUT/bench_ops_rows.json"
 

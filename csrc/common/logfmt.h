@@ -38,7 +38,7 @@
 // * log2 and exp2. DeepEP calls the GPU's MUFU approximations (lg2.approx.f32, ex2.approx.f32), which a
 //   CPU cannot reproduce. Here both are computed once, deterministically, with IEEE fp32 operations
 //   only (no libm, no FMA), so host and device give the same bits: log2 within 1 ulp of the true value
-//   at every positive float (subnormals included), exp2 within 1.2 ulp (python_tests/test_logfmt.py
+//   at every positive float (subnormals included), exp2 within 1.2 ulp (tests/ops/test_logfmt.py
 //   measures both). DeepEP's codes and decoded values differ from ours by the MUFU error; this is the
 //   one deviation in the formula itself. The points below are roundings DeepEP leaves to its compiler,
 //   and inputs DeepEP mishandles or does not compile.

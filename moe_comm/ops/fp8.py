@@ -11,7 +11,7 @@ and returns ``scale_inv`` (the factor that dequantizes) as the scale. UE8M0 stor
 exponent byte of the power-of-two ``scale_inv``, four groups packed little-endian per int32.
 These functions are the plain-torch statement of those formulas (``quantize_reference`` uses them).
 The low-latency dispatch casts with ``ops.quantize`` (the C++ kernel on CPU, Triton elsewhere), which
-matches them bit for bit (``python_tests/test_fused_ops.py``, ``test_ops.py``).
+matches them bit for bit (``tests/ops/test_fused_ops.py``, ``test_ops.py``).
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ reads the error record. ``get_dispatch_layout`` runs the layout kernel on the cu
 A failed wait inside a kernel (its deadline, from the buffer's ``timeout_s``) raises CommTimeoutError
 naming the peer and breaks the buffer like any failure mid-call.
 
-Status: compiled, never run on a GPU. Without one, ``python_tests/test_cuda_backend.py`` tests the
+Status: compiled, never run on a GPU. Without one, ``tests/backends/test_cuda_backend.py`` tests the
 registry, the buffers', streams' and kernels adapter's logic with fakes, and this class end to end on
 the host build's kernels behind a stand-in for ``moe_comm._cuda`` on CPU tensors (``kernels_module``
 and the ``_device``/``_guard``/``_current_stream``/``_comm_stream`` hooks are what it replaces); its

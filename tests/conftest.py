@@ -1,0 +1,155 @@
+"""Shared fixtures: one pool of local gloo ranks per world size, reused across tests; the check that
+the session leaves /dev/shm as it found it."""
+from __future__ import annotations
+
+import gc
+import os
+import time
+from typing import Callable
+
+import pytest
+
+from moe_comm.launch import LocalWorld
+from moe_comm.launch.mpiexec import shm_holders
+
+from helpers.transports import NO_MPI, WORLD_KINDS, local_world
+
+# Keep each rank single-threaded: several ranks share 2 cores.
+os.environ.setdefault("MOE_COMM_NUM_THREADS", "1")
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter, which Triton reads when a kernel
+# module is imported (so before any test runs). With a GPU they compile, and the CPU-interpreter
+# cases skip with that reason.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# NOTES: the CUDA kernels' CPU-side checks (SPIN models, the ThreadSanitizer stress, the nvcc build and
+# its SASS lint) skip, saying which tool is missing, where a tool is absent. `make test` sets
+# MOE_COMM_REQUIRE_TOOLS=1: there a skip for a missing tool is a failure, so a CI machine without
+# them cannot pass those checks by skipping them.
+_TOOLS = ("spin is not installed", "gcc is not installed", "g++ is not installed", "-fsanitize=thread",
+          "nvcc not found", "nvdisasm not found", "ip is not installed", "unshare is not installed",
+          "torch-npu is not installed")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get("MOE_COMM_REQUIRE_TOOLS") == "1":
+        reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if any(tool in reason for tool in _TOOLS):
+            report.outcome = "failed"
+            report.longrepr = f"MOE_COMM_REQUIRE_TOOLS=1 (make test) needs this check to run: {reason}"
+
+
+@pytest.fixture(autouse=True)
+def _seeded_rng():
+    """Every test draws the same random data on every run (MOE_COMM_TEST_SEED picks another draw)."""
+    import torch
+    torch.manual_seed(int(os.environ.get("MOE_COMM_TEST_SEED", "0")))
+
+
+_SHM = "/dev/shm"
+# How long processes that just ended (ranks, mpiexec jobs) may take to let go of their files.
+_SHM_SETTLE_S = 15.0
+
+
+def _session_pids() -> set[int]:
+    """This process and its descendants."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    ours, grew = {os.getpid()}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in ours} - ours
+        ours |= more
+        grew = bool(more)
+    return ours
+
+
+def _new_shm_entries(before: set[str]) -> dict[str, str]:
+    """Entries of /dev/shm that are not in ``before`` and are this session's: nobody holds them (left
+    behind), or a process of this session still does. Entries that only live processes outside this
+    session map or hold open (another program, another test run on this host) are not. Values say
+    the size and who holds the entry."""
+    holders, _ = shm_holders()
+    ours = _session_pids()
+    found = {}
+    for name in sorted(set(os.listdir(_SHM)) - before):
+        held = holders.get(name, set())
+        if held and not held & ours:
+            continue
+        try:
+            size = os.stat(os.path.join(_SHM, name)).st_size
+        except FileNotFoundError:
+            continue
+        found[name] = f"{size} bytes, " + (f"held by this session's pids {sorted(held & ours)}" if held else
+                                           "held by no process")
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _dev_shm_as_found():
+    """The session leaves /dev/shm as it found it: after every pooled world is closed, no entry
+    created during the session remains (moe-comm's segments and counters, MPICH's segments,
+    multiprocessing's semaphores, anything else)."""
+    before = set(os.listdir(_SHM)) if os.path.isdir(_SHM) else None
+    yield
+    if before is None:
+        return
+    deadline = time.monotonic() + _SHM_SETTLE_S
+    while True:
+        gc.collect()  # objects that own semaphores (queues of closed worlds) let go of them when collected
+        left = _new_shm_entries(before)
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    if left:
+        pytest.fail(f"the test session left {len(left)} entries in {_SHM} (after {_SHM_SETTLE_S:g} s for ended "
+                    f"processes to let go; a concurrent test run on this host that leaks shows here too):\n"
+                    + "\n".join(f"  {name}: {what}" for name, what in left.items()), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def _world_pool(_dev_shm_as_found):
+    pool: dict[tuple[int, str], LocalWorld] = {}
+    yield pool
+    for world in pool.values():
+        world.close()
+    pool.clear()  # their multiprocessing queues (named semaphores) go with them
+
+
+@pytest.fixture(params=WORLD_KINDS)
+def transport(request) -> str:
+    """What the buffers of ``worlds`` run on: the transport ``Buffer(transport="auto")`` picks under
+    the portable backend, or ``cuda_host`` (that backend, over shm)."""
+    if request.param == "mpi" and NO_MPI:
+        pytest.skip(NO_MPI)
+    return request.param
+
+
+@pytest.fixture
+def worlds(_world_pool, transport) -> Callable[[int], LocalWorld]:
+    """``worlds(n)`` returns a live ``LocalWorld`` of n ranks whose buffers use ``transport``,
+    starting (or restarting) it on demand; worlds are shared across tests."""
+
+    def get(n: int) -> LocalWorld:
+        key = (n, transport)
+        if key not in _world_pool or _world_pool[key].closed:
+            _world_pool[key] = local_world(n, transport, timeout_s=240, threads_per_rank=1)
+        return _world_pool[key]
+
+    return get

@@ -1,0 +1,135 @@
+"""Rank functions for test_mpi: buffers on an mpi4py communicator, subgroups, argument errors, abort."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import moe_comm
+
+from helpers.fault_cases import _dispatch
+from helpers.shm_cases import low_latency_digests, normal_digests
+
+M, H, E = 24, 512, 12
+
+# A buffer that outlives one call, for the abort test.
+_KEPT: dict[str, moe_comm.Buffer] = {}
+
+
+def _digests(**kw: Any) -> list[str]:
+    hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(M, H, 1, E)
+    buf = moe_comm.Buffer(num_rdma_bytes=hint, low_latency_mode=True, timeout_s=30, explicitly_destroy=True, **kw)
+    try:
+        return normal_digests(buf) + low_latency_digests(buf, M, H, E)
+    finally:
+        buf.destroy()
+
+
+def comm_and_group(group: dist.ProcessGroup) -> dict[str, Any]:
+    """The same calls on a buffer over MPI.COMM_WORLD (no group), over the torch group with the mpi
+    transport, and with the collective transport; and what the comm buffer reports."""
+    from mpi4py import MPI
+    buf = moe_comm.Buffer(None, comm=MPI.COMM_WORLD, timeout_s=30)
+    info = dict(group=buf.group, rank=buf.rank, size=buf.group_size, transport=buf.transport_name)
+    return dict(info=info, comm=_digests(group=None, comm=MPI.COMM_WORLD),
+                mpi=_digests(group=group, transport="mpi"), collective=_digests(group=group, transport="collective"))
+
+
+def subgroup(group: dist.ProcessGroup) -> Any:
+    """A torch subgroup of the even ranks and an MPI communicator split the same way give the
+    collective transport's bits (the subgroup's MPI twin is made by the transport)."""
+    from mpi4py import MPI
+    rank = dist.get_rank(group)
+    evens = list(range(0, dist.get_world_size(group), 2))
+    sub = dist.new_group(evens)  # collective over the whole group
+    split = MPI.COMM_WORLD.Split(rank % 2, rank)
+    try:
+        if rank % 2:
+            return None
+        return dict(mpi=_digests(group=sub, transport="mpi"), comm=_digests(comm=split),
+                    collective=_digests(group=sub, transport="collective"))
+    finally:
+        split.Free()
+        dist.destroy_process_group(sub)
+
+
+def bad_arguments(group: dist.ProcessGroup) -> dict[str, tuple[str, str]]:
+    """(exception, message) of each misuse of ``comm``."""
+    from mpi4py import MPI
+    runtime = moe_comm.Buffer(None, comm=MPI.COMM_WORLD).runtime.transport
+    size = dist.get_world_size(group)
+    rows = torch.zeros(size, 4)
+    cases = {
+        "not_cpu": lambda: runtime.all_to_all(rows, torch.zeros(size, 4, device="meta"), [1] * size, [1] * size,
+                                              op="all_to_all"),
+        "strided": lambda: runtime.all_to_all(rows, torch.zeros(4, size).t(), [1] * size, [1] * size,
+                                              op="all_to_all"),
+        "shm_with_comm": lambda: moe_comm.Buffer(None, comm=MPI.COMM_WORLD, transport="shm"),
+        "comm_null": lambda: moe_comm.Buffer(None, comm=MPI.COMM_NULL),
+        "ranks_differ": lambda: moe_comm.Buffer(group, comm=MPI.COMM_SELF),
+    }
+    out = {}
+    for name, call in cases.items():
+        try:
+            call()
+            out[name] = ("no exception", "")
+        except Exception as exc:  # the test checks which
+            out[name] = (type(exc).__name__, str(exc))
+    return out
+
+
+def mpi_transport_outside_mpiexec(group: dist.ProcessGroup) -> tuple[str, str]:
+    """``transport='mpi'`` in ranks that are not one MPI job (each is an MPI singleton)."""
+    try:
+        moe_comm.Buffer(group, transport="mpi", timeout_s=30)
+    except RuntimeError as exc:
+        return type(exc).__name__, str(exc)
+    return "no exception", ""
+
+
+def time_out_then_refuse(group: dist.ProcessGroup, timeout_s: float) -> Any:
+    """The last rank skips a dispatch; the others time out, and then their buffer refuses to run
+    (its collective is still in flight) at once instead of waiting again."""
+    buf = moe_comm.Buffer(group, timeout_s=timeout_s, explicitly_destroy=True)
+    _KEPT["buf"] = buf
+    if buf.rank == buf.group_size - 1:
+        return "skipped"
+    try:
+        _dispatch(buf)
+    except moe_comm.CommTimeoutError as exc:
+        timeout = (str(exc), exc.missing_ranks)
+    start = time.monotonic()
+    try:
+        _dispatch(buf)
+    except RuntimeError as exc:
+        return timeout, str(exc), time.monotonic() - start
+    return "no refusal"
+
+
+def destroy_kept(group: dist.ProcessGroup) -> str:
+    """Destroys the buffer kept by ``time_out_then_refuse``: after a timeout it aborts the job."""
+    _KEPT.pop("buf").destroy()
+    return "destroyed"
+
+
+def many_buffers(group: dist.ProcessGroup, count: int) -> int:
+    """Builds and drops ``count`` mpi buffers (more than MPI has communicator ids for, if they leaked);
+    returns how many were built."""
+    for _ in range(count):
+        moe_comm.Buffer(group, transport="mpi", timeout_s=30)
+    return count
+
+
+def skip_construction(group: dist.ProcessGroup, timeout_s: float) -> Any:
+    """The last rank never builds its comm buffer; the others time out in the constructor."""
+    from mpi4py import MPI
+    if dist.get_rank(group) == dist.get_world_size(group) - 1:
+        return "skipped"
+    start = time.monotonic()
+    try:
+        moe_comm.Buffer(None, comm=MPI.COMM_WORLD, timeout_s=timeout_s)
+    except moe_comm.CommTimeoutError as exc:
+        return time.monotonic() - start, str(exc)
+    return "no timeout"

@@ -1,0 +1,97 @@
+"""The harness that runs DeepEP's own tests on CPU ranks (tools/deepep_tests): it runs a script
+written the way DeepEP's are (CUDA devices, NCCL, torch.multiprocessing.spawn, ``import deep_ep``)
+and reports its failures; with MOE_COMM_DEEPEP_TESTS naming DeepEP v1's tests/ folder it runs those
+(README, "DeepEP's own tests", has the results and how to get the folder)."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers.paths import ROOT
+
+RUN = ROOT / "tools" / "deepep_tests" / "run.py"
+
+SCRIPT = textwrap.dedent('''
+    import os
+    import torch
+    import torch.distributed as dist
+    import deep_ep
+
+    def loop(local_rank, num_local_ranks):
+        dist.init_process_group(backend="nccl", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                                world_size=num_local_ranks, rank=local_rank, device_id=torch.device(f"cuda:{local_rank}"))
+        torch.set_default_dtype(torch.bfloat16)
+        torch.set_default_device("cuda")
+        torch.cuda.set_device(local_rank)
+        assert getattr(deep_ep, "MOE_COMM", False), "deep_ep is not moe-comm's"
+        group = dist.new_group(list(range(num_local_ranks)))
+        buffer = deep_ep.Buffer(group, int(1e8), 0, explicitly_destroy=True)
+        x = torch.ones((16, 256), device="cuda") * local_rank
+        topk = torch.arange(16, device="cuda").view(-1, 1).repeat(1, 2) % 8
+        layout = buffer.get_dispatch_layout(topk, 8)
+        recv_x, _, _, counts, handle, _ = buffer.dispatch(x.cuda(), num_tokens_per_rank=layout[0],
+            is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], topk_idx=topk,
+            topk_weights=torch.ones((16, 2), dtype=torch.float32, device="cuda"))
+        gathered = torch.empty((num_local_ranks, 16, 2), dtype=topk.dtype, device="cuda")
+        dist.all_gather_into_tensor(gathered, topk, group=group)
+        assert recv_x.device.type == "cpu" and recv_x.shape[0] == int(handle[0][-1, local_rank])
+        assert RESULT, "planted failure"
+        torch.cuda.synchronize()
+        buffer.destroy()
+        dist.barrier()
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        torch.multiprocessing.spawn(loop, args=(2,), nprocs=2)
+''')
+
+
+def _run(script: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(RUN), str(script), "--timeout", str(timeout - 30), "--", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("result", [True, False])
+def test_harness_runs_a_deepep_style_script_and_reports_failures(tmp_path, result):
+    script = tmp_path / "test_style.py"
+    script.write_text(SCRIPT.replace("RESULT", str(result)))
+    done = _run(script, timeout=300)
+    if result:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    else:
+        assert done.returncode != 0 and "planted failure" in done.stderr, done.stderr[-3000:]
+
+
+DEEPEP_TESTS = os.environ.get("MOE_COMM_DEEPEP_TESTS")
+needs_deepep = pytest.mark.skipif(not DEEPEP_TESTS, reason="set MOE_COMM_DEEPEP_TESTS to DeepEP v1's tests/ folder "
+                                  "(not shipped: DeepEP's files are not copied here) to run DeepEP's own tests")
+
+# (script, harness options, script arguments, environment): small shapes so each runs in about a
+# minute on 2 cores; the shrink test's stopped ranks each cost one deadline, so it gets a short one
+DEEPEP_RUNS = [
+    ("test_intranode.py", [], ["--num-processes", "2", "--num-tokens", "128", "--hidden", "1024", "--num-experts", "16"],
+     {}),
+    ("test_intranode.py", [], ["--num-processes", "4", "--num-tokens", "64", "--hidden", "512", "--num-experts", "16"],
+     {}),
+    ("test_low_latency.py", [], ["--num-processes", "2", "--num-tokens", "32", "--hidden", "1024", "--num-experts", "16"],
+     {}),
+    ("test_low_latency.py", [], ["--num-processes", "4", "--num-tokens", "32", "--hidden", "1024", "--num-experts", "16",
+                                 "--use-logfmt"], {}),
+    ("test_low_latency.py", [], ["--num-processes", "6", "--num-tokens", "16", "--hidden", "1024", "--num-experts", "12",
+                                 "--shrink-test"], {"MOE_COMM_TIMEOUT_S": "10"}),
+    ("test_internode.py", ["--nodes", "2"], ["--num-processes", "8", "--num-tokens", "64", "--hidden", "512",
+                                             "--num-experts", "32"], {}),
+]
+
+
+@needs_deepep
+@pytest.mark.parametrize("script,options,args,env", DEEPEP_RUNS,
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else v if isinstance(v, str) else "")
+def test_deepep_own_tests(script, options, args, env):
+    path = Path(DEEPEP_TESTS) / script
+    done = subprocess.run([sys.executable, str(RUN), str(path), *options, "--timeout", "1200", "--", *args],
+                          capture_output=True, text=True, timeout=1300, env={**os.environ, **env})
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]

@@ -1,0 +1,104 @@
+"""Deadlines hold when the rank that hosts the rendezvous store stops or dies, on every transport:
+the others fail within the deadline plus 2 s, naming the rank."""
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+from moe_comm.launch.mpiexec import find_mpiexec
+
+from helpers.deadlines import STARTUP_S, found_within
+from helpers.paths import HELPERS
+from helpers.transports import NO_MPI, TRANSPORTS
+
+SCRIPT = HELPERS / "store_host_script.py"
+RANKS, TIMEOUT_S = 3, 4.0
+INIT_TIMEOUT_S = 60.0  # store_host_script.py's init_from_env(timeout_s=60): the rendezvous deadline
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(transport: str, scenario: str) -> dict[int, dict]:
+    """Starts the ranks as torchrun/mpirun would (rank 0 hosts the store); returns the survivors' reports."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "MOE_COMM_TRANSPORT": transport, "MOE_COMM_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    command = [sys.executable, str(SCRIPT), scenario, str(TIMEOUT_S)]
+    env["MOE_COMM_TEST_REPORT_DIR"] = report_dir = tempfile.mkdtemp(prefix="moe_comm_store_host_")
+    if transport == "mpi":
+        procs = [subprocess.Popen([find_mpiexec(), "-disable-auto-cleanup", "-n", str(RANKS)] + command, env=env,
+                                  stdout=subprocess.PIPE, text=True, start_new_session=True)]
+    else:
+        procs = [subprocess.Popen(command, env={**env, "RANK": str(r), "WORLD_SIZE": str(RANKS)},
+                                  stdout=subprocess.PIPE, text=True, start_new_session=True) for r in range(RANKS)]
+    lines: queue.Queue = queue.Queue()
+    for proc in procs:  # a stopped rank never closes its output: read every rank's at once
+        threading.Thread(target=lambda out=proc.stdout: [lines.put(line) for line in out], daemon=True).start()
+    reports, store_host = {}, None
+    # every survivor has reported by then: started, met within the rendezvous deadline, failed the
+    # dispatch within its own
+    deadline = time.monotonic() + STARTUP_S + found_within(INIT_TIMEOUT_S) + found_within(TIMEOUT_S)
+    try:
+        while len(reports) < RANKS - 1 and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if line.startswith("STORE_HOST "):
+                store_host = int(line.split()[1])
+            elif line.startswith("RESULT "):
+                report = json.loads(line[len("RESULT "):])
+                reports[report["rank"]] = report
+    finally:
+        # An mpi job ends by itself once its survivors know their reports were read (they abort it,
+        # which takes the stopped rank too, and unlink MPICH's segments first): kill the store's
+        # host only if it outlives the job. Spawned ranks: the stopped one never ends by itself.
+        open(os.path.join(report_dir, "read"), "w").close()
+        if transport == "mpi":
+            _wait(procs)
+        if store_host is not None:
+            try:
+                os.kill(store_host, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _wait(procs)
+        shutil.rmtree(report_dir, ignore_errors=True)
+    return reports
+
+
+def _wait(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.parametrize("scenario", ["stall", "dead"])
+@pytest.mark.parametrize("transport_name", TRANSPORTS)
+def test_store_host_that_stops_or_dies_fails_others_within_the_deadline(transport_name, scenario):
+    if transport_name == "mpi" and NO_MPI:
+        pytest.skip(NO_MPI)
+    reports = _run(transport_name, scenario)
+    assert sorted(reports) == list(range(1, RANKS)), reports
+    for report in reports.values():
+        assert report["transport"] == transport_name, report
+        assert report["seconds"] <= found_within(TIMEOUT_S), report
+        assert report["kind"] in ("CommTimeoutError", "PeerExitedError", "RuntimeError"), report
+        assert report["missing"] == [0] or "rank 0" in report["message"], report
+        if scenario == "dead":
+            assert "has exited" in report["message"], report
