@@ -18,11 +18,12 @@ TRITON_LOWEST_NUMPY ?= numpy<2.4
 TRITON_NEWEST ?= 3.9.0
 TRITON_OVERLAYS := $(VENV)/triton-$(TRITON_LOWEST)/.installed $(VENV)/triton-$(TRITON_NEWEST)/.installed
 # Everything that imports the kernels: the ops against their references (interpreter), the sm_90 compile,
-# the accuracy CLI's child, and the MoE layer on the kernels (one transport: the kernels are the same).
+# the accuracy CLI's child, and the MoE layer on the kernels (each mode once: the fast tier rotates the world
+# kinds, and the kernels are the same on each).
 TRITON_TESTS := tests/ops/test_fused_ops.py tests/ops/test_triton_compile.py tests/accuracy/test_accuracy_cli.py \
-	tests/moe/test_moe.py::test_ep_moe_on_triton_kernels -k "not test_ep_moe_on_triton_kernels or collective"
+	tests/moe/test_moe.py::test_ep_moe_on_triton_kernels
 
-.PHONY: setup demo test test-triton-versions bench clean ascend-check test-engines
+.PHONY: setup demo test test-all test-mutants test-triton-versions bench clean ascend-check test-engines
 
 setup: $(STAMP)
 
@@ -35,7 +36,11 @@ NVDISASM_SPEC ?= nvidia-cuda-nvdisasm==13.2.51
 # moe-comm is built (the build finds it through the venv's Python); pyproject's cu13 extra is >= this.
 NVSHMEM_SPEC ?= nvidia-nvshmem-cu13==3.4.5
 
-$(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*/*) $(wildcard csrc/*/*/*)
+# The editable install maps the package's modules by name, so it is redone when a module is added, moved or
+# removed (the folders' times change) as well as when the native sources change.
+PACKAGE_DIRS := $(sort $(dir $(wildcard moe_comm/*.py moe_comm/*/*.py moe_comm/*/*/*.py)))
+
+$(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*/*) $(wildcard csrc/*/*/*) $(PACKAGE_DIRS)
 	command -v spin >/dev/null || { command -v apt-get >/dev/null && { [ "$$(id -u)" = 0 ] && SUDO= || SUDO=sudo; \
 		$$SUDO apt-get install -y -q spin >/dev/null 2>&1 || { $$SUDO apt-get update -q >/dev/null && \
 		$$SUDO apt-get install -y -q spin >/dev/null; }; }; } || echo "spin not installed: the SPIN model tests will skip"
@@ -59,11 +64,26 @@ demo: setup
 TORCH_NPU_SPEC ?= torch-npu==2.14.0
 TORCH_NPU_OVERLAY := $(VENV)/torch-npu/.installed
 
+# The fast tier (CI): each case once, the world kinds rotated (tests/helpers/tiers.py; docs/testing.md).
 test: setup $(TRITON_OVERLAYS) $(TORCH_NPU_OVERLAY)
-	MOE_COMM_REQUIRE_TOOLS=1 $(PY) -m pytest -q tests
+	MOE_COMM_REQUIRE_TOOLS=1 $(PY) -m pytest -q tests --tier fast
 	$(PY) -m moe_comm.accuracy
 	$(call triton_tests,$(TRITON_LOWEST))
 	$(call triton_tests,$(TRITON_NEWEST))
+
+# The exhaustive matrix (not in CI): every case on every world kind, the rows marked exhaustive, and the
+# install round trip (pip install . with build isolation, the wheel and the sdist in fresh venvs).
+test-all: setup $(TRITON_OVERLAYS) $(TORCH_NPU_OVERLAY)
+	MOE_COMM_REQUIRE_TOOLS=1 $(PY) -m pytest -q tests --tier all
+	$(PY) -m moe_comm.accuracy
+	$(call triton_tests,$(TRITON_LOWEST),all)
+	$(call triton_tests,$(TRITON_NEWEST),all)
+	tools/install_check.sh
+
+# Planted bugs, one at a time in a scratch copy (build/mutants/), each run against the fast tier with -x:
+# every one must be caught (tools/mutants/; the table is in docs/testing.md). Not in CI.
+test-mutants: setup
+	$(PY) tools/mutants/run.py
 
 $(TORCH_NPU_OVERLAY): | $(STAMP)
 	rm -rf $(VENV)/torch-npu
@@ -76,17 +96,18 @@ $(VENV)/triton-%/.installed: | $(STAMP)
 		$(if $(filter $*,$(TRITON_LOWEST)),"$(TRITON_LOWEST_NUMPY)")
 	touch $@
 
-# $(call triton_tests,VERSION): the Triton tests and the accuracy table with that Triton (checked first).
+# $(call triton_tests,VERSION[,TIER]): the Triton tests (of the fast tier unless TIER is all) and the
+# accuracy table with that Triton (checked first).
 define triton_tests
 	PYTHONPATH=$(abspath $(VENV)/triton-$(1)) $(PY) -c 'import numpy, triton; v = triton.__version__; \
 		print(f"== triton {v}, numpy {numpy.__version__}"); assert v == "$(1)", f"wanted triton $(1), got {v}"'
-	PYTHONPATH=$(abspath $(VENV)/triton-$(1)) $(PY) -m pytest -q $(TRITON_TESTS)
+	PYTHONPATH=$(abspath $(VENV)/triton-$(1)) $(PY) -m pytest -q --tier $(or $(2),fast) $(TRITON_TESTS)
 	PYTHONPATH=$(abspath $(VENV)/triton-$(1)) $(PY) -m moe_comm.accuracy
 endef
 
 test-triton-versions: setup $(TRITON_OVERLAYS)
-	$(call triton_tests,$(TRITON_LOWEST))
-	$(call triton_tests,$(TRITON_NEWEST))
+	$(call triton_tests,$(TRITON_LOWEST),all)
+	$(call triton_tests,$(TRITON_NEWEST),all)
 
 # The user benchmarks ship in the package (python -m moe_comm.bench NAME, JSON in ./moe_comm_bench_out/);
 # bench/bench_kernels.py is the developers' one.

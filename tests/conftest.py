@@ -1,7 +1,8 @@
 """Shared fixtures: one pool of local gloo ranks per world size, reused across tests; the check that
-the session leaves /dev/shm as it found it."""
+the session leaves /dev/shm as it found it; the test tiers (``helpers/tiers.py``: ``--tier fast|all``)."""
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import os
 import time
@@ -12,6 +13,7 @@ import pytest
 from moe_comm.launch import LocalWorld
 from moe_comm.launch.mpiexec import shm_holders
 
+from helpers.tiers import fast_selection, tier_of
 from helpers.transports import NO_MPI, WORLD_KINDS, local_world
 
 # Keep each rank single-threaded: several ranks share 2 cores.
@@ -37,6 +39,28 @@ if not _has_cuda():
 _TOOLS = ("spin is not installed", "gcc is not installed", "g++ is not installed", "-fsanitize=thread",
           "nvcc not found", "nvdisasm not found", "ip is not installed", "unshare is not installed",
           "torch-npu is not installed")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", choices=("fast", "all"), default=None,
+                     help="fast (default; make test): each case once, world kinds rotated; all (make test-all): "
+                          "every case on every world kind, and the tests marked exhaustive. Also MOE_COMM_TEST_TIER.")
+
+
+def pytest_report_header(config):
+    return f"moe-comm test tier: {tier_of(config.getoption('--tier'))} (helpers/tiers.py)"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The fast tier drops what only the exhaustive tier runs (helpers/tiers.py says what and why)."""
+    if tier_of(config.getoption("--tier")) == "all":
+        return
+    kept = fast_selection(items, WORLD_KINDS)
+    kept_ids = {id(item) for item in kept}
+    dropped = [item for item in items if id(item) not in kept_ids]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -127,8 +151,9 @@ def _dev_shm_as_found():
 def _world_pool(_dev_shm_as_found):
     pool: dict[tuple[int, str], LocalWorld] = {}
     yield pool
-    for world in pool.values():
-        world.close()
+    # Closed side by side: each close mostly waits for its ranks to leave their group and exit.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(pool))) as closing:
+        list(closing.map(lambda world: world.close(), pool.values()))
     pool.clear()  # their multiprocessing queues (named semaphores) go with them
 
 

@@ -16,6 +16,7 @@ from moe_comm.core.errors import CommTimeoutError, PeerExitedError
 
 from helpers.cuda_host_cases import both_backends, tampered_internode_handle
 from helpers.deadlines import before, found_within
+from helpers.tiers import exhaustive
 from helpers.transports import local_world
 
 # DeepEP's defaults, and rings of 4 slots fed 1-3 tokens at a time: senders wait for room, slots wrap.
@@ -24,8 +25,12 @@ CONFIGS = {"default": dict(num_sms=20), "tiny_rings": dict(num_sms=4, num_max_nv
            "one_slot_chunks": dict(num_sms=6, num_max_nvl_chunked_send_tokens=1, num_max_nvl_chunked_recv_tokens=2)}
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+#: Every config on 1-4 ranks; the fast tier runs each config once, on 2, 3 and 4 ranks in turn.
+_SAME_BITS = [pytest.param(w, c, id=f"{w}-{c}", marks=() if w == 2 + i % 3 else pytest.mark.exhaustive)
+              for i, c in enumerate(sorted(CONFIGS)) for w in (1, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("world_size,config", _SAME_BITS)
 def test_same_bits_as_portable(world_size, config):
     """Dispatch (top-k, weights, alignment, FP8 input, cached, num_worst_tokens), combine with biases,
     and low-latency dispatch (bf16 and the three FP8 formats) and combine: every output bitwise equal."""
@@ -47,8 +52,8 @@ INTERNODE_CONFIGS = {"default": dict(num_sms=20),
 
 
 @pytest.mark.parametrize("world_size,ranks_per_node,config", [
-    (4, 2, "default"), (4, 2, "tiny_rings"), (4, 2, "one_slot_nvl"), (6, 3, "tiny_rings"), (4, 1, "four_nodes"),
-    (2, 1, "one_slot_nvl")])
+    exhaustive(4, 2, "default"), (4, 2, "tiny_rings"), exhaustive(4, 2, "one_slot_nvl"), exhaustive(6, 3, "tiny_rings"),
+    (4, 1, "four_nodes"), exhaustive(2, 1, "one_slot_nvl")])
 def test_same_bits_as_portable_across_nodes(world_size, ranks_per_node, config):
     """The same calls on a group split into nodes (LOCAL_WORLD_SIZE): normal mode through the kernels'
     two hops (RDMA rings to the forwarders, NVL rings to the ranks; the two-level combine sum), the

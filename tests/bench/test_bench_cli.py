@@ -9,13 +9,13 @@ import fcntl
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
 import time
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -24,6 +24,7 @@ from moe_comm.bench import BENCHMARKS
 from moe_comm.bench.transports import default_transports
 
 from helpers.paths import ROOT
+from helpers.ports import ATTEMPTS, free_port, port_taken
 
 BIN = Path(sys.executable).parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -57,12 +58,6 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 300, **extra: str) -> subpr
 
 def _bench(name: str, *args: str, cwd: Path, **extra: str) -> subprocess.CompletedProcess:
     return _run([sys.executable, "-m", "moe_comm.bench", name, *TINY[name], *args], cwd, **extra)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _assert_png(path: Path) -> None:
@@ -172,11 +167,21 @@ def test_unknown_benchmark_is_refused(tmp_path):
     assert done.returncode == 2 and "argument NAME: invalid choice: 'nope'" in done.stderr, done.stderr
 
 
+def _launch(cmd: Callable[[str], list[str]], cwd: Path) -> None:
+    """``cmd(port)`` launched with MASTER_PORT=port, until it does not lose its port (helpers/ports.py)."""
+    for _ in range(ATTEMPTS):
+        port = str(free_port())
+        done = subprocess.run(cmd(port), cwd=cwd, env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode == 0 or not port_taken(done.stdout + done.stderr):
+            break
+    assert done.returncode == 0, f"{cmd(port)} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+
+
 def test_normal_under_torchrun(tmp_path):
-    port = str(_free_port())
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
-          "-m", "moe_comm.bench", "normal", *TINY["normal"], "--tokens", "16", "--json", "t.json"], tmp_path,
-         MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    _launch(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          port, "-m", "moe_comm.bench", "normal", *TINY["normal"], "--tokens", "16", "--json",
+                          "t.json"], tmp_path)
     record = json.loads((tmp_path / "t.json").read_text())
     # mpi needs ranks that are one MPI job, which torchrun's are not
     _assert_normal_record(record, [16], [t for t in default_transports() if t != "mpi"], "torchrun")
@@ -187,8 +192,8 @@ def test_normal_under_mpirun(tmp_path):
     mpirun = shutil.which("mpirun", path=str(BIN)) or shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("mpirun not found (pip install 'moe-comm[mpi]' provides MPICH's)")
-    _run([mpirun, "-n", "2", sys.executable, "-m", "moe_comm.bench", "normal", *TINY["normal"], "--tokens", "16",
-          "--json", "m.json"], tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    _launch(lambda port: [mpirun, "-n", "2", sys.executable, "-m", "moe_comm.bench", "normal", *TINY["normal"],
+                          "--tokens", "16", "--json", "m.json"], tmp_path)
     record = json.loads((tmp_path / "m.json").read_text())
     _assert_normal_record(record, [16], default_transports(), "mpirun")
     assert record["config"]["ranks"] == 2 and "mpi" in record["config"]["transports"]  # and MPI_Alltoallv beside
@@ -206,6 +211,7 @@ def _build_wheel(out: Path) -> Path:
     return wheel
 
 
+@pytest.mark.exhaustive  # builds a wheel (make test-all also runs tools/install_check.sh)
 def test_installed_wheel_carries_the_benchmarks(tmp_path):
     """``pip install`` of a wheel into a fresh venv (no moe-comm source anywhere on its path; torch and
     the other dependencies from this venv's site-packages as a plain path entry, whose .pth files, the
@@ -236,12 +242,15 @@ def test_installed_wheel_carries_the_benchmarks(tmp_path):
     assert "--plot PATH" in out.stdout
 
 
-@pytest.mark.parametrize("bench", ["normal", "low_latency", "moe"])
-@pytest.mark.parametrize("flags,message", [
-    (["--experts", "3"], "--experts (3) must be a multiple of the rank count (2)"),
-    (["--hidden", "100"], "--hidden (100) must be a multiple of 128 for the FP8 scales"),
-    (["--topk", "0"], "need 1 <= --topk <= --experts and --iters >= 1"),
-])
+_BAD_SHAPES = [(["--experts", "3"], "--experts (3) must be a multiple of the rank count (2)"),
+               (["--hidden", "100"], "--hidden (100) must be a multiple of 128 for the FP8 scales"),
+               (["--topk", "0"], "need 1 <= --topk <= --experts and --iters >= 1")]
+
+
+#: Every bad shape on every routing benchmark; the fast tier pairs each benchmark with one shape.
+@pytest.mark.parametrize("bench,flags,message", [
+    pytest.param(bench, flags, message, id=f"{bench}-{flags[0]}", marks=() if i == j else pytest.mark.exhaustive)
+    for i, bench in enumerate(["normal", "low_latency", "moe"]) for j, (flags, message) in enumerate(_BAD_SHAPES)])
 def test_routing_benchmarks_refuse_a_bad_shape_before_launching(bench, flags, message):
     done = subprocess.run([sys.executable, "-m", "moe_comm.bench", bench, "--ranks", "2", *flags],
                           capture_output=True, text=True, timeout=120)

@@ -4,24 +4,29 @@ DeepEP's test_internode runs."""
 import pytest
 
 from helpers.internode_cases import internode
+from helpers.tiers import exhaustive
 from helpers.transports import local_world
 
+_SHM_RUN: dict = {}
 
-@pytest.mark.parametrize("world_size,ranks_per_node", [(4, 2), (6, 3)])
+
+@pytest.mark.parametrize("world_size,ranks_per_node", [exhaustive(4, 2), (6, 3)])  # 4 of 2: below
 def test_internode_forms(worlds, world_size, ranks_per_node):
     results = worlds(world_size).run(internode, ranks_per_node, 37, 256, 4, 2 * world_size)
     assert [r["checks"] for r in results] == [10] * world_size
 
 
+@pytest.mark.every_transport
 def test_internode_forms_are_the_same_on_every_transport(worlds, transport):
     """Outputs are bitwise equal across transports and backends (compared with the shm run)."""
     results = worlds(4).run(internode, 2, 29, 128, 3, 8)
-    shm = local_world(4, "shm", timeout_s=120, threads_per_rank=1)
-    with shm:
-        expected = shm.run(internode, 2, 29, 128, 3, 8)
-    assert [r["digest"] for r in results] == [r["digest"] for r in expected]
+    if "shm" not in _SHM_RUN:  # one shm run serves every transport's comparison
+        with local_world(4, "shm", timeout_s=120, threads_per_rank=1) as shm:
+            _SHM_RUN["shm"] = shm.run(internode, 2, 29, 128, 3, 8)
+    assert [r["digest"] for r in results] == [r["digest"] for r in _SHM_RUN["shm"]]
 
 
+@pytest.mark.exhaustive  # 16 processes: half a minute on 2 cores
 def test_sixteen_ranks_are_two_nodes_of_eight():
     """DeepEP's shape: more than 8 ranks make nodes of 8 (no LOCAL_WORLD_SIZE)."""
     with local_world(16, "shm", timeout_s=300, threads_per_rank=1) as world:

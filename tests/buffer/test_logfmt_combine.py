@@ -8,6 +8,7 @@ from helpers.logfmt_combine_cases import logfmt_combine
 _SEEN: dict = {}
 
 
+@pytest.mark.every_transport  # each run is compared with the first transport's
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_logfmt_combine(worlds, transport, world_size):
     results = worlds(world_size).run(logfmt_combine, 24, 1024, 6 * world_size, 4)

@@ -20,6 +20,7 @@ RECORDED = {
 }
 
 
+@pytest.mark.every_transport
 @pytest.mark.parametrize("world_size", sorted(RECORDED))
 def test_outputs_are_bitwise_those_of_the_commit_before_backends(worlds, world_size):
     assert worlds(world_size).run(output_digest, SEED) == RECORDED[world_size]
@@ -31,6 +32,7 @@ def _backend_of(group) -> tuple[str, str]:
     return buf.backend_choice.name, os.environ.get("MOE_COMM_BACKEND", "")
 
 
+@pytest.mark.every_transport
 def test_the_tests_run_on_the_backend_they_name(worlds, transport):
     """Every multi-rank test's Buffer (backend="auto" on gloo and mpi groups) is the portable backend,
     except in the cuda_host worlds, whose buffers (and so the digests above) are the CUDA kernels' host build."""

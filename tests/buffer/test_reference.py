@@ -14,7 +14,7 @@ def test_matches_reference(worlds, world_size, scenario):
     assert checks == [4] * world_size
 
 
-def test_same_inputs_same_bits_run_after_run(worlds):
+def test_same_inputs_same_bits_run_after_run(worlds):  # every transport: test_output_digests.py
     first = worlds(3).run(digest, "random", 7, False)
     second = worlds(3).run(digest, "random", 7, False)
     overlapped = worlds(3).run(digest, "random", 7, True)

@@ -56,7 +56,7 @@ def test_every_kernel_is_compiled(compiled):
 
 
 @needs_nvcc
-def test_kernels_havelaunch_bounds(compiled):
+def test_kernels_have_launch_bounds(compiled):
     arch, _, bounds = compiled
     missing = sorted(k for k, (threads, _) in bounds.items() if threads == 0)
     assert not missing, f"{arch}: kernels without __launch_bounds__: {missing}"
@@ -70,7 +70,7 @@ def test_no_spills(compiled):
 
 
 @needs_nvcc
-def test_registers_withinlaunch_bounds(compiled):
+def test_registers_within_launch_bounds(compiled):
     arch, report, bounds = compiled
     over = {}
     for kernel, (threads, min_blocks) in bounds.items():

@@ -19,6 +19,7 @@ from typing import Callable
 import pytest
 
 from helpers.paths import ROOT
+from helpers.tiers import exhaustive
 
 MODELS = ROOT / "tools" / "spin"
 SPIN = shutil.which("spin")
@@ -77,7 +78,7 @@ def assert_found(result: Search, kind: str) -> None:
     assert result.first_error.startswith(kind), result.output
 
 
-@pytest.mark.parametrize("chunk,tokens", [(2, 7), (3, 7), (3, 5), (4, 7)])
+@pytest.mark.parametrize("chunk,tokens", [(2, 7), exhaustive(3, 7), exhaustive(3, 5), (4, 7)])
 def test_ring_verifies(chunk: int, tokens: int, tmp_path: Path,
                        record_property: Callable[[str, object], None]) -> None:
     """A ring of 4 slots with chunks of at most ``chunk`` <= 4 tokens delivers every token intact (no
@@ -116,7 +117,7 @@ def test_ring_reset_after_barrier_is_caught(tmp_path: Path) -> None:
     assert_found(result, "invalid end state")
 
 
-@pytest.mark.parametrize("ranks,barriers", [(3, 3), (2, 4), (4, 2)])
+@pytest.mark.parametrize("ranks,barriers", [(3, 3), exhaustive(2, 4), exhaustive(4, 2)])
 def test_barrier_verifies(ranks: int, barriers: int, tmp_path: Path,
                           record_property: Callable[[str, object], None]) -> None:
     """With monotonic arrival counters, no rank leaves a barrier before every rank has entered it, over
@@ -130,7 +131,7 @@ def test_barrier_off_by_one_is_caught(tmp_path: Path) -> None:
     assert_found(result, "assertion violated")
 
 
-@pytest.mark.parametrize("ranks,calls", [(2, 3), (2, 4), (3, 3)])
+@pytest.mark.parametrize("ranks,calls", [exhaustive(2, 3), exhaustive(2, 4), (3, 3)])
 def test_ll_double_buffer_verifies(ranks: int, calls: int, tmp_path: Path,
                                    record_property: Callable[[str, object], None]) -> None:
     """With calls alternating between two halves, every receiver reads the current call's payload from
@@ -146,7 +147,7 @@ def test_ll_single_buffer_is_caught(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("rdma_slots,rdma_chunk,nvl_slots,nvl_chunk,tokens",
-                         [(2, 1, 2, 1, 3), (4, 2, 2, 1, 5), (4, 2, 3, 2, 5)])
+                         [exhaustive(2, 1, 2, 1, 3), exhaustive(4, 2, 2, 1, 5), (4, 2, 3, 2, 5)])
 def test_forward_verifies(rdma_slots: int, rdma_chunk: int, nvl_slots: int, nvl_chunk: int, tokens: int,
                           tmp_path: Path, record_property: Callable[[str, object], None]) -> None:
     """Two-hop dispatch, 2 senders of ``tokens`` tokens each through one forwarder to 2 receivers, at
@@ -194,7 +195,7 @@ def test_forward_nvl_chunk_larger_than_ring_deadlocks(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("rdma_slots,rdma_chunk,nvl_slots,nvl_chunk,tokens",
-                         [(2, 1, 2, 1, 3), (4, 2, 2, 1, 4), (2, 1, 3, 2, 4)])
+                         [exhaustive(2, 1, 2, 1, 3), (4, 2, 2, 1, 4), exhaustive(2, 1, 3, 2, 4)])
 def test_forward_combine_verifies(rdma_slots: int, rdma_chunk: int, nvl_slots: int, nvl_chunk: int,
                                   tokens: int, tmp_path: Path,
                                   record_property: Callable[[str, object], None]) -> None:

@@ -5,11 +5,12 @@ import sys
 import pytest
 
 from helpers.paths import ROOT
+from helpers.tiers import exhaustive
 
 DEMO = ROOT / "examples" / "demo.py"
 
 
-@pytest.mark.parametrize("backend", ["auto", "cuda_host"])
+@pytest.mark.parametrize("backend", ["auto", exhaustive("cuda_host")])
 def test_demo_passes_every_mode(backend):
     """On the default backend (portable over shm, for CPU ranks) and on the CUDA kernels' host build."""
     run = subprocess.run([sys.executable, str(DEMO), "--ranks", "2", "--tokens", "48", "--hidden", "256", "--ffn",

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+from helpers.ports import free_port
+
 __all__ = ["Host", "IFNAME", "NamespacesUnavailable", "THIS_MACHINE", "netns_hosts", "run_ranks", "unavailable"]
 
 #: The veth inside every host's namespace (GLOO_SOCKET_IFNAME there).
@@ -162,7 +164,7 @@ def run_ranks(hosts: Sequence[Host], ranks_per_host: int, argv: Sequence[str], *
     world = len(hosts) * ranks_per_host
     workdir.mkdir(parents=True, exist_ok=True)
     base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
-    port = 29500 if hosts[0].netns is not None else _free_port()  # a fresh namespace has every port free
+    port = 29500 if hosts[0].netns is not None else free_port()  # a fresh namespace has every port free
     shells = []
     for h, host in enumerate(hosts):
         shared = {"WORLD_SIZE": str(world), "MASTER_ADDR": hosts[0].ip, "MASTER_PORT": str(port),
@@ -208,9 +210,3 @@ def _logs(workdir: Path, ranks: Sequence[int], tail: int = 3000) -> str:
         text = path.read_text(errors="replace")[-tail:] if path.exists() else "(no log)"
         parts.append(f"--- rank {r} ---\n{text}")
     return "\n".join(parts)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

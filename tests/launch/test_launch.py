@@ -2,16 +2,17 @@
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from moe_comm.launch import LocalWorld, init_from_env, launcher_rank, spawn
 
 from helpers.paths import HELPERS
+from helpers.ports import ATTEMPTS, free_port, port_taken
 from helpers.transports import NO_MPI
 
 SCRIPT = HELPERS / "launch_script.py"
@@ -53,24 +54,24 @@ def test_spawn_runs_on_every_rank():
     assert spawn(_rank_of, 3, 10, timeout_s=120) == [(10, 3), (11, 3), (12, 3)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(cmd, extra_env):
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), **extra_env}
-    for name in LAUNCH_VARS:
-        env.pop(name, None)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+def _run(cmd: Callable[[int], list[str]], extra_env: dict[str, str]) -> str:
+    """The output of ``cmd(port)`` launched with MASTER_PORT=port (started again, on another port,
+    when the port was taken meanwhile: helpers/ports.py)."""
+    for _ in range(ATTEMPTS):
+        port = free_port()
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **extra_env}
+        for name in LAUNCH_VARS:
+            env.pop(name, None)
+        done = subprocess.run(cmd(port), env=env, capture_output=True, text=True, timeout=180)
+        if done.returncode == 0 or not port_taken(done.stdout + done.stderr):
+            break
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
 
 def test_torchrun_launch():
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(_free_port()), str(SCRIPT)], {"OMP_NUM_THREADS": "1"})
+    out = _run(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(port), str(SCRIPT)], {"OMP_NUM_THREADS": "1"})
     assert sorted(re.findall(r"rank \d/\d ok", out)) == ["rank 0/2 ok", "rank 1/2 ok"]
 
 
@@ -78,7 +79,7 @@ def test_mpirun_launch():
     mpirun = shutil.which("mpirun", path=str(BIN)) or shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("mpirun not found (pip install 'moe-comm[mpi]' provides MPICH's)")
-    out = _run([mpirun, "-n", "2", sys.executable, str(SCRIPT)], {"OMP_NUM_THREADS": "1"})
+    out = _run(lambda port: [mpirun, "-n", "2", sys.executable, str(SCRIPT)], {"OMP_NUM_THREADS": "1"})
     assert sorted(re.findall(r"rank \d/\d ok", out)) == ["rank 0/2 ok", "rank 1/2 ok"]
 
 
@@ -120,7 +121,7 @@ def test_functions_of_the_main_script_run_on_local_ranks(tmp_path, launcher):
         pytest.skip(NO_MPI)
     script = tmp_path / "main_script.py"
     script.write_text(MAIN_SCRIPT.replace("{launcher}", launcher))
-    out = _run([sys.executable, str(script)], {})
+    out = _run(lambda port: [sys.executable, str(script)], {})
     assert "results [(0, 2), (1, 2)]" in out, out
 
 

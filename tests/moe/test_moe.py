@@ -11,6 +11,7 @@ from moe_comm.ops import triton_usable
 
 from helpers.deadlines import found_within
 from helpers.moe_cases import layer_from_logits, mismatched_chunks, moe_forward, skip_forward
+from helpers.tiers import exhaustive
 
 CASES = [
     # world, tokens per rank, hidden, intermediate, topk, experts, unused experts
@@ -22,9 +23,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("world_size,tokens,hidden,inter,topk,experts,unused", CASES)
+#: Every case in every mode, bf16 and fp8; the fast tier runs each (mode, dtype) once, the cases in turn.
+_LAYER_RUNS = [pytest.param(*case, mode, fp8, id=f"{i}-{mode}-{'fp8' if fp8 else 'bf16'}",
+                            marks=() if (2 * m + f) % len(CASES) == i else pytest.mark.exhaustive)
+               for i, case in enumerate(CASES) for m, mode in enumerate(MODES) for f, fp8 in enumerate([False, True])]
+
+
+@pytest.mark.parametrize("world_size,tokens,hidden,inter,topk,experts,unused,mode,fp8", _LAYER_RUNS)
 def test_ep_moe_matches_dense_reference(worlds, world_size, tokens, hidden, inter, topk, experts, unused, mode, fp8):
     cfg = dict(tokens=tokens, hidden=hidden, inter=inter, topk=topk, experts=experts, unused=unused, mode=mode,
                num_chunks=3, fp8=fp8, seed=world_size)
@@ -81,7 +86,7 @@ def test_ep_moe_on_triton_kernels(worlds, mode):
 SKIP_TIMEOUT_S = 2.0  # the deadline of the buffers whose peer skips the layer
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [m if m in ("sequential", "two_batch") else exhaustive(m) for m in MODES])
 def test_rank_that_skips_the_layer_times_out_the_others(mode):
     with LocalWorld(2, timeout_s=60, threads_per_rank=1) as world:
         results = world.run(skip_forward, mode, SKIP_TIMEOUT_S)

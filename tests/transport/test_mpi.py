@@ -9,13 +9,14 @@ from moe_comm.launch import LocalWorld
 
 from helpers.mpi_cases import (bad_arguments, comm_and_group, destroy_kept, many_buffers, mpi_transport_outside_mpiexec,
                                skip_construction, subgroup, time_out_then_refuse)
+from helpers.tiers import exhaustive
 from helpers.transports import NO_MPI, local_world
 
 needs_mpi = pytest.mark.skipif(NO_MPI is not None, reason=NO_MPI or "")
 
 
 @needs_mpi
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [exhaustive(1), exhaustive(2), 3, exhaustive(4)])
 def test_comm_buffer_gives_the_collective_transports_bits(world_size):
     with local_world(world_size, "mpi", timeout_s=120, threads_per_rank=1) as world:
         results = world.run(comm_and_group)

@@ -18,6 +18,7 @@ from moe_comm.transport.shm_segment import COUNTERS_PREFIX, PREFIX, sweep_stale
 from helpers.deadlines import EXIT_S, well_before
 from helpers.paths import TESTS
 from helpers.shm_hygiene_cases import KILL_POINTS, identity, kill_rank, killed_at_random, killed_while_setting_up
+from helpers.tiers import exhaustive
 from helpers.transports import NO_MPI, TRANSPORTS, local_world
 
 needs_mpi = pytest.mark.skipif(NO_MPI is not None, reason=NO_MPI or "")
@@ -55,11 +56,14 @@ def _all_gone(pids: list[int]) -> bool:
     return not any(native().process_alive(p) for p in pids)
 
 
-_CASES = [(t, p) for t in TRANSPORTS for p in KILL_POINTS[t]]
+#: (transport, kill point, victims): the fast tier kills at every point once, the victims alternating.
+_CASES = [pytest.param(t, p, v, id=f"{t}-{p}-{v}", marks=() if (i + j) % 2 == 0 else pytest.mark.exhaustive)
+          for i, (t, p) in enumerate((t, p) for t in TRANSPORTS for p in KILL_POINTS[t])
+          for j, v in enumerate(["one", "all"])]
 
 
-@pytest.mark.parametrize("victims", ["one", "all"])
-@pytest.mark.parametrize("transport,point", _CASES, ids=[f"{t}-{p}" for t, p in _CASES])
+@pytest.mark.every_transport  # the rows above choose the fast tier's runs
+@pytest.mark.parametrize("transport,point,victims", _CASES)
 def test_rank_killed_while_setting_up_leaves_nothing(tmp_path, transport, point, victims):
     """SIGKILL in the middle of a growth (shm) or of the host counters' set-up: once every process
     is gone, nothing of theirs is in /dev/shm. A surviving peer removes what a victim held; when
@@ -90,7 +94,7 @@ def test_rank_killed_while_setting_up_leaves_nothing(tmp_path, transport, point,
     assert _files_of(ranks) == []
 
 
-@pytest.mark.parametrize("trial", range(8))
+@pytest.mark.parametrize("trial", [0] + [exhaustive(t) for t in range(1, 8)])
 def test_shm_rank_killed_at_a_random_moment_leaves_nothing(tmp_path, trial):
     """Buffers built and grown in a loop, a rank SIGKILLed at a random moment: once the processes
     are gone, none of their segments are left."""
