@@ -220,3 +220,59 @@ def test_names_type_checking_imports_and_parent_packages_make_no_edge(tmp_path):
     assert graph["pkg.sub.impl"] == {"pkg.names"}
     assert graph["pkg.user"] == {"pkg.sub.impl"}
     assert find_cycles(package) == []
+
+
+ROOT_PACKAGE = "__init__"
+#: The package's floors, bottom to top (docs/layout.md): a module imports modules of its own package and
+#: of packages on lower floors only, so nothing imports from a layer above it.
+FLOORS = (
+    ("core",),                            # leaf utilities: native modules, config, env, errors, checks
+    ("ops", "transport"),                 # local compute; byte movers
+    ("protocol", "accuracy", "launch"),   # what every backend agrees on; the accuracy standard; local worlds
+    ("backends",),                        # portable, cuda, ascend, cambricon
+    ("buffer",),                          # the DeepEP facade
+    ("moe", "compat", "testing"),         # the EP-MoE layer; the deep_ep alias; contract helpers
+    (ROOT_PACKAGE,),                      # moe_comm/__init__.py: the public names users import
+    ("bench", "integrations"),            # benchmarks and engine plugins, written against the public names
+)
+
+
+def floor_of(module: str) -> tuple[int, str]:
+    """(floor, package) of a module of moe_comm (``moe_comm`` itself: the public names' floor)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        parts = [parts[0], ROOT_PACKAGE]
+    for floor, packages in enumerate(FLOORS):
+        if parts[1] in packages:
+            return floor, parts[1]
+    raise AssertionError(f"{module}: moe_comm.{parts[1]} is on no floor of FLOORS (test_imports.py, docs/layout.md)")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for every import of a module ``b`` of another package on the same or a higher floor."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        floor, package = floor_of(module)
+        for target in sorted(targets):
+            target_floor, target_package = floor_of(target)
+            if target_package != package and target_floor >= floor:
+                found.append(f"{module} (floor {floor}) -> {target} (floor {target_floor})")
+    return found
+
+
+def test_nothing_imports_from_a_floor_above_it():
+    found = upward_imports(import_graph(PACKAGE))
+    assert not found, "imports that do not go down:\n" + "\n".join(found)
+
+
+def test_a_planted_upward_import_is_named(tmp_path):
+    package = _write_package(tmp_path / "moe_comm", {
+        "__init__.py": "", "core/__init__.py": "", "buffer/__init__.py": "", "ops/__init__.py": "",
+        "core/env.py": "def f():\n    from ..buffer import facade\n",
+        "buffer/facade.py": "from ..core import env\n",
+        "ops/a.py": "from ..transport import mover\n",
+        "transport/__init__.py": "", "transport/mover.py": "",
+    })
+    assert upward_imports(import_graph(package)) == [
+        "moe_comm.core.env (floor 0) -> moe_comm.buffer.facade (floor 4)",
+        "moe_comm.ops.a (floor 1) -> moe_comm.transport.mover (floor 1)"]
