@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*/*) $(wildcard csrc/*/*
 		$$SUDO apt-get install -y -q iproute2 >/dev/null; }; }; } || echo "iproute2 not installed: the multi-host test will skip"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)" numpy pybind11 "scikit-build-core>=0.10" cmake ninja \
+	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)" numpy pybind11 "scikit-build-core>=0.11" "cmake>=3.25.2" ninja \
 		"$(NVDISASM_SPEC)" "$(NVSHMEM_SPEC)"
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,mpi,plot]"
 	touch $(STAMP)
@@ -78,7 +78,7 @@ test-all: setup $(TRITON_OVERLAYS) $(TORCH_NPU_OVERLAY)
 	$(PY) -m moe_comm.accuracy
 	$(call triton_tests,$(TRITON_LOWEST),all)
 	$(call triton_tests,$(TRITON_NEWEST),all)
-	tools/install_check.sh
+	PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" tools/install_check.sh
 
 # Planted bugs, one at a time in a scratch copy (build/mutants/), each run against the fast tier with -x:
 # every one must be caught (tools/mutants/; the table is in docs/testing.md). Not in CI.
@@ -141,7 +141,7 @@ ascend-check: $(ASCEND_STAMP)
 ENGINES_PYTHON ?= $(PYTHON)
 VLLM_VENV ?= .venv-vllm
 SGLANG_VENV ?= .venv-sglang
-BUILD_TOOLS := pybind11 "scikit-build-core>=0.10" cmake ninja
+BUILD_TOOLS := pybind11 "scikit-build-core>=0.11" "cmake>=3.25.2" ninja
 ENGINE_DEPS := pyproject.toml CMakeLists.txt $(wildcard csrc/*/*)
 
 $(VLLM_VENV)/.engines-installed: tools/engines/vllm.txt $(ENGINE_DEPS)

@@ -48,6 +48,14 @@ py::dict build_info() {
     info["hardware_threads"] = cpu::hardware_threads();
     info["combine_reduce_isa"] = cpu::combine_reduce_isa();
     info["quantize_rows_isa"] = cpu::quantize_rows_isa();
+    // Why CMake left moe_comm._cuda and moe_comm._cuda_nvshmem out of this build ("" for one it built),
+    // decided at configure time (CMakeLists.txt passes them to this file alone); moe_comm.build_info()
+    // reports the reason of each module that is missing.
+#if !defined(MOE_COMM_CUDA_NOT_BUILT) || !defined(MOE_COMM_NVSHMEM_NOT_BUILT)
+#error "CMakeLists.txt defines MOE_COMM_CUDA_NOT_BUILT and MOE_COMM_NVSHMEM_NOT_BUILT (string literals) for this file"
+#endif
+    info["cuda_not_built"] = MOE_COMM_CUDA_NOT_BUILT;
+    info["cuda_nvshmem_not_built"] = MOE_COMM_NVSHMEM_NOT_BUILT;
     return info;
 }
 

@@ -44,21 +44,46 @@ def build_info() -> dict[str, Any]:
     ``"cuda"``: whether ``moe_comm._cuda`` (the device build of ``csrc/cuda``, for the ``cuda`` backend)
     was built and imports; ``"cuda_archs"``: the GPU code it holds (``"sm_90"``: a cubin for sm_90,
     ``"compute_100"``: PTX for compute_100), ``"cuda_error"`` why it failed to import, if it did;
-    ``"cuda_host"``: whether ``moe_comm._cuda_host`` (the kernels' host build) was built. Everything
-    else comes from ``moe_comm._C``: all False (plus ``"error"``) when that extension is missing.
+    ``"cuda_host"``: whether ``moe_comm._cuda_host`` (the kernels' host build) was built;
+    ``"cuda_nvshmem"``: whether ``moe_comm._cuda_nvshmem`` (the kernels on NVSHMEM) was built (not
+    imported here: that loads NVSHMEM's host library; ``moe_comm.backends.cuda.nvshmem_lib.available()``
+    says whether it loads). ``"cuda_not_built"`` and ``"cuda_nvshmem_not_built"``, present only for a
+    module that is missing: why, as CMake decided when it configured the build (``"MOE_COMM_CUDA=OFF"``,
+    ``"nvcc not found (MOE_COMM_CUDA=AUTO): ..."``, ``"NVSHMEM not found: ..."``; docs/install.md says
+    what to change). Everything else comes from ``moe_comm._C``: all False (plus ``"error"``) when that
+    extension is missing.
     """
     module, error = _load()
     if module is None:
         info: dict[str, Any] = {"cpu": False, "cuda": False, "ascend": False, "bang": False, "error": error}
     else:
         info = dict(module.build_info())
+    # CMake's reasons, recorded in _C: "" for a module it built
+    reasons = {"cuda": info.pop("cuda_not_built", None), "cuda_nvshmem": info.pop("cuda_nvshmem_not_built", None)}
     cuda, cuda_error = cuda_module()
+    cuda_file = importlib.util.find_spec("moe_comm._cuda") is not None
     info["cuda"] = cuda is not None
     info["cuda_archs"] = cuda_archs()
-    if cuda_error and importlib.util.find_spec("moe_comm._cuda") is not None:
+    if cuda_error and cuda_file:
         info["cuda_error"] = cuda_error
     info["cuda_host"] = importlib.util.find_spec("moe_comm._cuda_host") is not None
+    info["cuda_nvshmem"] = importlib.util.find_spec("moe_comm._cuda_nvshmem") is not None
+    for part, present in (("cuda", cuda_file), ("cuda_nvshmem", info["cuda_nvshmem"])):
+        if not present:
+            info[f"{part}_not_built"] = _why_not_built(f"moe_comm._{part}", reasons[part], error)
     return info
+
+
+def _why_not_built(name: str, reason: Optional[str], c_error: str) -> str:
+    """CMake's reason for leaving ``name`` out, or what can be said without one."""
+    if reason:
+        return reason
+    if c_error:
+        return f"unknown: moe_comm._C, which records why CMake left {name} out, failed to import ({c_error})"
+    if reason is None:
+        return (f"unknown: this moe_comm._C predates the build's reasons; rebuild (pip install .) to see why "
+                f"{name} is missing")
+    return f"{name} is not installed, though the build that made moe_comm._C configured it (files removed?)"
 
 
 @functools.lru_cache(maxsize=None)

@@ -281,8 +281,8 @@ def test_relocated_module_finds_the_wheel_by_preloading(tmp_path):
 def test_module_not_built_is_one_clear_error(tmp_path):
     out = _run_in_layout(_layout(tmp_path, None), hide=True, body=_TRY_LOAD)
     assert out["loaded"] is False and out["type"] == "NvshmemUnavailableError", out
-    for words in ("was not built", "MOE_COMM_NVSHMEM=OFF", "pip install 'moe-comm[cu13]'",
-                  "CMAKE_ARGS=-DMOE_COMM_NVSHMEM=ON", "nvcc"):
+    for words in ("was not built", "build_info()['cuda_nvshmem_not_built']",
+                  "MOE_COMM_NVSHMEM_WHEEL=cu13 pip install '.[cu13]'", "CMAKE_ARGS=-DMOE_COMM_NVSHMEM=ON", "nvcc"):
         assert words in out["error"], (words, out["error"])
 
 

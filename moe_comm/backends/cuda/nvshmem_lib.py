@@ -46,12 +46,11 @@ HOST_LIBRARY = "libnvshmem_host.so.3"
 DEFAULT_CUDA_MAJOR = 13
 
 _BUILD_HINT = ("it is built when nvcc and the nvidia-nvshmem wheel are found at build time (CMake option "
-               "MOE_COMM_NVSHMEM=AUTO, the default); it may be missing because there was no nvcc, no "
-               "nvidia-nvshmem wheel visible to the build's Python (an isolated pip build cannot see it), or "
-               "because MOE_COMM_NVSHMEM=OFF. To build it: pip install 'moe-comm[cu13]' (or "
-               "'nvidia-nvshmem-cu13>=3.4.5'; cu12 for CUDA 12), then rebuild with "
-               "CMAKE_ARGS=-DMOE_COMM_NVSHMEM=ON pip install "
-               "--no-build-isolation . (or set NVSHMEM_DIR to an NVSHMEM tree)")
+               "MOE_COMM_NVSHMEM=AUTO, the default); moe_comm.build_info()['cuda_nvshmem_not_built'] says why "
+               "it was not. To build it: MOE_COMM_NVSHMEM_WHEEL=cu13 pip install '.[cu13]' (cu12 for CUDA 12; "
+               "an isolated build then installs the NVSHMEM wheel for itself), or pip install "
+               "'nvidia-nvshmem-cu13>=3.4.5' and rebuild with CMAKE_ARGS=-DMOE_COMM_NVSHMEM=ON pip install "
+               "--no-build-isolation . (or set NVSHMEM_DIR to an NVSHMEM tree); docs/install.md")
 
 _lock = threading.Lock()
 _preloaded: dict[Path, ctypes.CDLL] = {}  # kept open for the life of the process
