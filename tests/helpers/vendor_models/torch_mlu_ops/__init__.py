@@ -1,5 +1,5 @@
 """A CPU model of ``torch_mlu_ops``' expert-parallel all-to-all (``moe_all2all_*``), written from its
-docstrings and its public callers (vllm-mlu's ``CnclEP``, xllm; ``../shared/research/tmo.md``), never
+docstrings and its public callers (vllm-mlu's ``CnclEP``, xllm; ``docs/vendors.md`` records them), never
 from moe-comm's code. The tests put this folder first on ``sys.path`` inside their rank processes only.
 
 It proves the cambricon backend's use of the calls against those conventions, not against an MLU.

@@ -1,5 +1,5 @@
 """A CPU model of the parts of ``torch_npu`` the ascend backend calls, written from their documentation
-(op-plugin's schemas and docs, as ``../shared/research/hetero.md`` §1.2-1.3 records them), never from
+(op-plugin's schemas and docs, as ``docs/vendors.md`` "Facts about MC2" records them), never from
 moe-comm's code. The tests put this folder first on ``sys.path`` inside their rank processes only.
 
 It proves the backend's argument mapping and layout conversions against the documentation, not
