@@ -14,19 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from moe_comm.launch.ports import free_port
+
 HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str]) -> int:
@@ -38,7 +33,8 @@ def main(argv: list[str]) -> int:
     opts, args = parser.parse_args(argv[:cut]), argv[cut + 1:]  # the script's arguments follow --
     script = opts.script.resolve()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE / "cuda_on_cpu"), os.environ.get("PYTHONPATH", "")]),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(opts.nodes))
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()),
+               WORLD_SIZE=str(opts.nodes))
     env.setdefault("MOE_COMM_NUM_THREADS", "1")
     procs = [subprocess.Popen([sys.executable, script.name, *args], cwd=script.parent, start_new_session=True,
                               env=dict(env, RANK=str(node))) for node in range(opts.nodes)]
