@@ -1,6 +1,7 @@
 """``LocalWorld`` / ``spawn``: N processes on this host, one gloo group among them, that run
-picklable functions on every rank with a deadline. The ranks are children of this process
-(multiprocessing ``spawn``, ``spawned.py``) or one ``mpiexec`` job (``mpiexec.py``), which MPI code needs.
+picklable functions on every rank with a deadline. The ranks are started by this process (forked from
+multiprocessing's forkserver, which has imported torch and moe_comm once: ``spawned.py``) or are one
+``mpiexec`` job (``mpiexec.py``), which MPI code needs.
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""The ranks of a ``LocalWorld`` as children of this process (multiprocessing ``spawn``)."""
+"""The ranks of a ``LocalWorld`` as processes of this host started by this one (multiprocessing's
+``forkserver``: forked from a server process that has imported torch and moe_comm already)."""
 from __future__ import annotations
 
+import os
 import queue
 from typing import Any, Optional
 
@@ -10,17 +12,34 @@ from .worker import worker_loop
 
 __all__ = ["SpawnedRanks"]
 
+# NOTES: a fresh interpreter takes seconds to import torch; a rank forked from the forkserver, which
+# imported these once, starts in milliseconds. The server starts with this process's first world and
+# imports nothing else (no CUDA, no thread pool is started by an import), so a fork of it is as clean as
+# a spawned interpreter; each rank then takes this process's environment as it is at the world's start,
+# as a spawned one would (the server's is the one of its own start).
+_PRELOAD = ["torch", "torch.distributed", "moe_comm"]
+
+
+def _forked_rank(environ: dict[str, str], *args: Any) -> None:
+    """``worker_loop`` in a rank forked from the server, with the starting process's environment."""
+    os.environ.clear()
+    os.environ.update(environ)
+    worker_loop(*args)
+
 
 class SpawnedRanks:
     """``world_size`` child processes running ``worker_loop`` (a ``worker.Ranks``), fed by queues."""
 
     def __init__(self, world_size: int, store_port: int, backend: str, timeout_s: float, threads: int,
                  environ: dict[str, str]) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts: this process's first world
+        here = dict(os.environ)
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        self._procs = [ctx.Process(target=worker_loop, args=(r, world_size, store_port, backend, timeout_s, threads,
-                                                             environ, self._tasks[r], self._results), daemon=True)
+        self._procs = [ctx.Process(target=_forked_rank, args=(here, r, world_size, store_port, backend, timeout_s,
+                                                              threads, environ, self._tasks[r], self._results),
+                                   daemon=True)
                        for r in range(world_size)]
         for p in self._procs:
             p.start()
