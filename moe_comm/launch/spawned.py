@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 from typing import Any, Optional
 
 import torch.multiprocessing as mp
@@ -24,7 +25,20 @@ def _forked_rank(environ: dict[str, str], *args: Any) -> None:
     """``worker_loop`` in a rank forked from the server, with the starting process's environment."""
     os.environ.clear()
     os.environ.update(environ)
-    worker_loop(*args)
+    try:
+        worker_loop(*args)
+    finally:
+        _finalize_mpi()
+
+
+def _finalize_mpi() -> None:
+    """``MPI_Finalize`` where this rank initialised MPI (a rank that imported mpi4py is an MPI singleton).
+
+    mpi4py finalises when the interpreter exits; a forked rank leaves by ``os._exit``, which skips that,
+    and MPICH keeps its segment's name in /dev/shm until ``MPI_Finalize``."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
 
 
 class SpawnedRanks:
