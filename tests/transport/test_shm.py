@@ -100,7 +100,7 @@ def test_local_world_size_splits_one_host_into_nodes(worlds):
 
 
 def test_flags_wait_outcomes():
-    """The native wait: reached, past an exact target, deadline, and a dead setter."""
+    """The native wait: reached, past an exact target, deadline, and a dead setter (reaped or a zombie)."""
     import time
 
     import torch
@@ -121,6 +121,16 @@ def test_flags_wait_outcomes():
     start = time.monotonic()
     assert native().flags_wait([a, b], [5, 1], [0, dead.pid], deadline_s, True) == (1, outcomes.PEER_EXITED)
     assert time.monotonic() - start < before(deadline_s)  # noticed at a 20 ms check, not at the deadline
+    # exited but not reaped (a zombie: its parent has not waited yet, as a launcher that polls late)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    until = time.monotonic() + 30
+    while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < until, "the child did not exit within 30 s"
+        time.sleep(0.01)
+    start = time.monotonic()
+    assert native().flags_wait([a, b], [5, 1], [0, zombie.pid], deadline_s, True) == (1, outcomes.PEER_EXITED)
+    assert time.monotonic() - start < before(deadline_s)
+    zombie.wait()
 
 
 def test_segment_that_does_not_fit_is_a_clear_error_and_leaves_nothing():

@@ -1,0 +1,208 @@
+"""The planted bugs of ``make test-mutants`` (tools/mutants/run.py), as data.
+
+Each mutant replaces one snippet of one file in a scratch copy of the repository (never the working
+tree): ``old`` must occur exactly once in ``file``, or the run stops and says so (the code moved on:
+update the mutant). Each is a bug a developer could plausibly write, that compiles and imports, and that
+changes what a user sees; the fast test tier (``python -m pytest tests``) must fail on every one.
+``hints``: test files run first (whole files: the fast tier thins its cases per module, so a file is
+its unit), to find the kill sooner; the rest of the fast tier still runs after them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str
+    old: str
+    new: str
+    description: str
+    hints: Tuple[str, ...] = ()
+
+
+MUTANTS: Tuple[Mutant, ...] = (
+    # ------------------------------------------------------------------ shm flags (csrc/cpu/flags.cpp)
+    Mutant(
+        id="flags-zombie-alive",
+        file="csrc/cpu/flags.cpp",
+        old="return paren == nullptr || (paren[1] != '\\0' && paren[2] != 'Z' && paren[2] != 'X');",
+        new="return paren == nullptr || (paren[1] != '\\0' && paren[2] != 'X');",
+        description="an exited but unreaped peer (zombie, state Z) counts as alive: waiters on it sit out "
+                    "the whole deadline instead of reporting the exit",
+        hints=("tests/transport/test_shm.py", "tests/transport/test_store_host.py"),
+    ),
+    Mutant(
+        id="flags-exact-ignored",
+        file="csrc/cpu/flags.cpp",
+        old="if (value < targets[i] || (exact && value > targets[i])) {",
+        new="if (value < targets[i] || (!exact && value > targets[i])) {",
+        description="the exact/at-least test is inverted: an exact wait takes a flag past its target as "
+                    "arrived (a setter out of step goes unnoticed) and an at-least wait reports it as past",
+        hints=("tests/transport/test_shm.py",),
+    ),
+    # ------------------------------------------------------------------ dispatch layout (csrc/cpu/layout.cpp)
+    Mutant(
+        id="layout-rank-counted-per-slot",
+        file="csrc/cpu/layout.cpp",
+        old="if (!in_rank[r]) {\n                        in_rank[r] = true;\n                        ++rh[r];\n"
+            "                    }",
+        new="in_rank[r] = true;\n                    ++rh[r];",
+        description="num_tokens_per_rank counts a token once per top-k slot on the rank, not once per rank "
+                    "(two experts of one rank count it twice)",
+        hints=("tests/csrc/test_native_bounds.py", "tests/buffer/test_reference.py"),
+    ),
+    # ------------------------------------------------------------------ combine reduction (csrc/cpu/reduce.cpp)
+    Mutant(
+        id="reduce-sources-reversed",
+        file="csrc/cpu/reduce.cpp",
+        old="for (int64_t j = 0; j < num_rows; ++j) {\n            const uint16_t* x = rows[j] + h;",
+        new="for (int64_t j = num_rows - 1; j >= 0; --j) {\n            const uint16_t* x = rows[j] + h;",
+        description="the AVX2 bf16 combine sums its sources last to first (\"addition commutes\"): other "
+                    "fp32 roundings, so other bits than the reference and the generic build",
+        hints=("tests/backends/test_cuda_backend.py", "tests/buffer/test_reference.py"),
+    ),
+    # ------------------------------------------------------------------ FP8 / UE8M0 casts
+    Mutant(
+        id="fp8-ties-away",
+        file="csrc/common/numeric.h",
+        old="const uint32_t odd = (bits >> kDrop) & 1u;",
+        new="const uint32_t odd = (bits >> (kDrop - 1)) & 1u;",
+        description="the float8 casts (E4M3/E5M2) read the round bit where the kept lsb belongs (a shift "
+                    "off by one): ties round away from zero instead of to even",
+        hints=("tests/buffer/test_low_latency.py", "tests/ops/test_fp8.py"),
+    ),
+    Mutant(
+        id="ue8m0-exponent-floor",
+        file="csrc/cpu/quant.cpp",
+        old="- 127u + ((bits & kMantissa) != 0 ? 1u : 0u);",
+        new="- 127u;",
+        description="the power-of-two (round_scale / UE8M0) scale rounds its exponent down, not up: "
+                    "amax / 448 not a power of two gives a scale too small, and codes saturate",
+        hints=("tests/backends/test_cuda_backend.py", "tests/ops/test_fp8.py"),
+    ),
+    # ------------------------------------------------------------------ LogFMT (csrc/common/logfmt.h)
+    Mutant(
+        id="logfmt-decode-code-offset",
+        file="csrc/common/logfmt.h",
+        old="exp2(add_rn(mul_rn(add_rn(static_cast<float>(code), -1.0f), dv.step), dv.log_amin))",
+        new="exp2(add_rn(mul_rn(static_cast<float>(code), dv.step), dv.log_amin))",
+        description="the LogFMT decoder takes code k as level k, not k - 1 (code 1 is 2^log_amin): every "
+                    "cast value comes back one step too large",
+        hints=("tests/ops/test_logfmt.py", "tests/buffer/test_logfmt_combine.py"),
+    ),
+    # ------------------------------------------------------------------ cuda_host ring publish (csrc/cuda/protocol/ring.h)
+    Mutant(
+        id="ring-tail-before-data",
+        file="csrc/cuda/protocol/ring.h",
+        old="        for (int64_t i = sent; i < sent + n; ++i) fill(ring.slot(i), i);\n"
+            "        G::sync();\n"
+            "        sent += n;\n"
+            "        if (G::leader()) ring_publish_tail<P>(ring, sent);\n",
+        new="        if (G::leader()) ring_publish_tail<P>(ring, sent + n);\n"
+            "        for (int64_t i = sent; i < sent + n; ++i) fill(ring.slot(i), i);\n"
+            "        G::sync();\n"
+            "        sent += n;\n",
+        description="the ring sender publishes its tail before it writes the slots: the receiver may read "
+                    "slots not yet written (a data race)",
+        hints=("tests/csrc/test_tsan_stress.py", "tests/backends/test_cuda_host.py"),
+    ),
+    # ------------------------------------------------------------------ call agreement (moe_comm/protocol/agreement.py)
+    Mutant(
+        id="agreement-peer-rejection-ignored",
+        file="moe_comm/protocol/agreement.py",
+        old="rejected = [r for r, flag in enumerate(shake.field(Field.REJECTED)) if flag > 0]",
+        new="rejected = [r for r, flag in enumerate(shake.field(Field.REJECTED)) if flag > 0 and r == self.rank]",
+        description="the verdict only looks at this rank's own rejection: a peer's rejection is ignored, so "
+                    "the other ranks go on with the call",
+        hints=("tests/protocol/test_agreement.py",),
+    ),
+    # ------------------------------------------------------------------ handle validation (moe_comm/protocol/handle.py)
+    Mutant(
+        id="handle-send-head-unchecked",
+        file="moe_comm/protocol/handle.py",
+        old="wrong = handle.sent[2]\n",
+        new="wrong = None\n",
+        description="a combine handle's send_head is no longer checked against is_token_in_rank (the check "
+                    "dropped as redundant): a tampered handle combines the wrong rows",
+        hints=("tests/protocol/test_agreement.py", "tests/buffer/test_errors.py"),
+    ),
+    Mutant(
+        id="handle-recv-rows-transposed",
+        file="moe_comm/protocol/handle.py",
+        old="return int(self.rank_prefix_matrix[-1, rank].item())",
+        new="return int(self.rank_prefix_matrix[rank, -1].item())",
+        description="the rows a rank received are read from its row of rank_prefix_matrix (what ranks "
+                    "0..rank sent to the last rank), not from the last row's column",
+        hints=("tests/buffer/test_intranode.py", "tests/protocol/test_agreement.py"),
+    ),
+    # ------------------------------------------------------------------ shrink masks (moe_comm/protocol/shrink.py)
+    Mutant(
+        id="shrink-late-not-noted",
+        file="moe_comm/protocol/shrink.py",
+        old="return [MARK, call] + _bitmap(masked, num_ranks) + _bitmap(late, num_ranks)",
+        new="return [MARK, call] + _bitmap(masked, num_ranks) + _bitmap(masked, num_ranks)",
+        description="a shrink note repeats the masked set where the late set belongs (copy-paste): ranks "
+                    "that saw a peer late do not tell the others, and the masks differ between ranks",
+        hints=("tests/protocol/test_shrink.py",),
+    ),
+    # ------------------------------------------------------------------ MPI deadline (moe_comm/transport/mpi.py)
+    Mutant(
+        id="mpi-deadline-restarts",
+        file="moe_comm/transport/mpi.py",
+        old="next_check = now + _LIVENESS_EVERY_S\n",
+        new="deadline, next_check = now + self.timeout_s, now + _LIVENESS_EVERY_S\n",
+        description="the MPI wait restarts its deadline at every liveness check: while the late peer's "
+                    "process lives, the wait never times out",
+        hints=("tests/transport/test_mpi.py",),
+    ),
+    Mutant(
+        id="mpi-late-ranks-off-by-one",
+        file="moe_comm/transport/mpi.py",
+        old="late = [r for r, n in zip(self._host_ranks, counts) if n < self._entered]",
+        new="late = [r for r, n in zip(self._host_ranks, counts) if n <= self._entered]",
+        description="the MPI timeout names as late every rank at this rank's exchange count too (<= for <): "
+                    "the ranks that did arrive are blamed",
+        hints=("tests/transport/test_mpi.py",),
+    ),
+    # ------------------------------------------------------------------ ops permute / unpermute
+    Mutant(
+        id="permute-inclusive-prefix",
+        file="moe_comm/ops/permute.py",
+        old="- (per_expert.cumsum(0) - per_expert)[expert]",
+        new="- per_expert.cumsum(0)[expert]",
+        description="permute places a routed row by the inclusive prefix of the expert counts where the "
+                    "exclusive one belongs: rows land one expert's count too early",
+        hints=("tests/ops/test_fused_ops.py",),
+    ),
+    Mutant(
+        id="unpermute-weights-dropped",
+        file="moe_comm/ops/unpermute.py",
+        old="combine_reduce(layout, records, row_of.to(torch.int32), None, None, out, None, scale=topk_weights)",
+        new="combine_reduce(layout, records, row_of.to(torch.int32), None, None, out, None, scale=None)",
+        description="the native unpermute_reduce forgets the top-k weights: an unweighted sum of the "
+                    "expert rows",
+        hints=("tests/ops/test_fused_ops.py",),
+    ),
+    # ------------------------------------------------------------------ a Triton kernel (moe_comm/ops/triton/)
+    Mutant(
+        id="triton-unpermute-skips-row0",
+        file="moe_comm/ops/triton/unpermute.py",
+        old="if row >= 0:",
+        new="if row > 0:",
+        description="the Triton unpermute kernel tests row > 0 for \"routed\" (row_of is -1 when not): the "
+                    "expert output in row 0 is dropped from its token",
+        hints=("tests/ops/test_fused_ops.py",),
+    ),
+    Mutant(
+        id="triton-cast-ties-down",
+        file="moe_comm/ops/triton/rounding.py",
+        old="rounded = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & ~((1 << DROP) - 1)",
+        new="rounded = (bits + ((1 << (DROP - 1)) - 1)) & ~((1 << DROP) - 1)",
+        description="the Triton kernels' cast to bf16/fp16/fp8 rounds ties down, not to even (the odd-bit "
+                    "term left out): other bits than torch's casts",
+        hints=("tests/ops/test_fused_ops.py",),
+    ),
+)
