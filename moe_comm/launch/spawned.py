@@ -2,6 +2,7 @@
 ``forkserver``: forked from a server process that has imported torch and moe_comm already)."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import sys
@@ -21,12 +22,38 @@ __all__ = ["SpawnedRanks"]
 _PRELOAD = ["torch", "torch.distributed", "moe_comm"]
 
 
-def _forked_rank(environ: dict[str, str], *args: Any) -> None:
+#: How often an idle rank checks that the process that started its world still runs.
+_OWNER_POLL_S = 1.0
+
+
+class _TasksWhileOwnerLives:
+    """A rank's task queue, read while the process that started the world lives; once that process has
+    gone (killed by a CI timeout, say) ``get`` returns None, the rank's signal to leave.
+
+    Without this an orphaned rank would wait for ever: it holds its queue's write end, and the
+    forkserver's liveness pipe, so neither ever reports the end."""
+
+    def __init__(self, tasks: Any) -> None:
+        self._tasks = tasks
+        self._owner = multiprocessing.parent_process()
+
+    def get(self) -> Any:
+        while True:
+            try:
+                return self._tasks.get(timeout=_OWNER_POLL_S)
+            except queue.Empty:
+                if self._owner is not None and not self._owner.is_alive():
+                    return None
+
+
+def _forked_rank(environ: dict[str, str], rank: int, world_size: int, store_port: int, backend: str,
+                 timeout_s: float, threads: int, rank_environ: dict[str, str], tasks: Any, results: Any) -> None:
     """``worker_loop`` in a rank forked from the server, with the starting process's environment."""
     os.environ.clear()
     os.environ.update(environ)
     try:
-        worker_loop(*args)
+        worker_loop(rank, world_size, store_port, backend, timeout_s, threads, rank_environ,
+                    _TasksWhileOwnerLives(tasks), results)
     finally:
         _finalize_mpi()
 

@@ -17,11 +17,17 @@ from __future__ import annotations
 
 from moe_comm.transport.collective import STORE_WAIT_S
 
-__all__ = ["EXIT_S", "LATE_S", "SCHEDULING_S", "STARTUP_S", "before", "found_within", "well_before"]
+__all__ = ["EXIT_S", "LATE_S", "MEET_S", "SCHEDULING_S", "STARTUP_S", "before", "found_within", "well_before"]
 
 #: How late, past the moment it could, a rank of a local world may get to run on the loaded machine
 #: (a full `make test` keeps both cores busy for minutes; the 2-15 ms measured above, times 200).
 SCHEDULING_S = 3.0
+
+#: The shortest deadline for a wait that every rank must reach before any can pass it (a Buffer's
+#: construction on ``mpi``, whose communicator duplication is collective): ranks that left a barrier
+#: together reach it up to ``SCHEDULING_S`` apart. At 2 s, three ranks on the loaded machine (two busy
+#: loops beside the fast tier) all timed out building the buffer.
+MEET_S = 2 * SCHEDULING_S
 
 #: How long past its deadline a rank may take to raise: the library's own allowance (reading the
 #: rendezvous store for the late ranks' names takes at most ``STORE_WAIT_S``; the README promises

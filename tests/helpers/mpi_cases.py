@@ -91,7 +91,9 @@ def mpi_transport_outside_mpiexec(group: dist.ProcessGroup) -> tuple[str, str]:
 
 def time_out_then_refuse(group: dist.ProcessGroup, timeout_s: float) -> Any:
     """The last rank skips a dispatch; the others time out, and then their buffer refuses to run
-    (its collective is still in flight) at once instead of waiting again."""
+    (its collective is still in flight) at once instead of waiting again. The ranks meet at a barrier
+    first: building the buffer is collective too, under the same deadline (``timeout_s`` >= MEET_S)."""
+    dist.barrier(group)
     buf = moe_comm.Buffer(group, timeout_s=timeout_s, explicitly_destroy=True)
     _KEPT["buf"] = buf
     if buf.rank == buf.group_size - 1:

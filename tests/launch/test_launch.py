@@ -4,6 +4,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -11,6 +12,7 @@ import pytest
 
 from moe_comm.launch import LocalWorld, init_from_env, launcher_rank, spawn
 
+from helpers.deadlines import EXIT_S
 from helpers.paths import HELPERS
 from helpers.ports import ATTEMPTS, free_port, port_taken
 from helpers.transports import NO_MPI
@@ -133,3 +135,31 @@ def test_a_script_that_starts_mpiexec_ranks_unguarded_is_a_clear_error(tmp_path)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert done.returncode != 0
     assert "was started while an mpiexec rank loaded the main script" in done.stderr, done.stderr[-2000:]
+
+
+ORPHANING_SCRIPT = '''
+import os
+from moe_comm.launch import LocalWorld
+
+def pid(group):
+    return os.getpid()
+
+if __name__ == "__main__":
+    world = LocalWorld(2, timeout_s=60, threads_per_rank=1)
+    print(*world.run(pid), flush=True)
+    os.kill(os.getpid(), 9)  # as a CI timeout ends a test run: no cleanup of any kind
+'''
+
+
+def test_ranks_of_a_killed_owner_exit(tmp_path):
+    """Ranks whose starting process was killed leave (they would otherwise wait for a task for ever)."""
+    script = tmp_path / "orphaning.py"
+    script.write_text(ORPHANING_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr[-2000:]
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2, done.stdout
+    until = time.monotonic() + 1.0 + EXIT_S  # one poll of the owner, then the rank's exit
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < until:
+        time.sleep(0.1)
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "ranks outlived their world's owner"

@@ -7,6 +7,7 @@ import pytest
 from moe_comm import transport as transports
 from moe_comm.launch import LocalWorld
 
+from helpers.deadlines import MEET_S
 from helpers.mpi_cases import (bad_arguments, comm_and_group, destroy_kept, many_buffers, mpi_transport_outside_mpiexec,
                                skip_construction, subgroup, time_out_then_refuse)
 from helpers.tiers import exhaustive
@@ -65,11 +66,11 @@ def test_mpi_transport_needs_ranks_launched_as_one_mpi_job():
 @needs_mpi
 def test_timed_out_buffer_refuses_work_and_aborts_the_job_when_destroyed():
     with local_world(3, "mpi", timeout_s=60, threads_per_rank=1) as world:
-        results = world.run(time_out_then_refuse, 2.0)
+        results = world.run(time_out_then_refuse, MEET_S)
         assert results[2] == "skipped"
         for rank in (0, 1):
             (timeout, missing), refusal, seconds = results[rank]
-            assert f"dispatch: rank {rank} timed out after 2 s; ranks not heard from: [2]" in timeout
+            assert f"dispatch: rank {rank} timed out after {MEET_S:g} s; ranks not heard from: [2]" in timeout
             assert missing == [2]
             # the Buffer refuses before its transport would (which says MPI cannot cancel a collective)
             assert f"dispatch: rank {rank}: this Buffer is unusable since CommTimeoutError in dispatch" in refusal

@@ -15,7 +15,7 @@ import pytest
 from moe_comm.launch import LocalWorld
 from moe_comm.transport.shm_segment import COUNTERS_PREFIX, PREFIX, sweep_stale
 
-from helpers.deadlines import EXIT_S, well_before
+from helpers.deadlines import EXIT_S, MEET_S, well_before
 from helpers.paths import TESTS
 from helpers.shm_hygiene_cases import KILL_POINTS, identity, kill_rank, killed_at_random, killed_while_setting_up
 from helpers.tiers import exhaustive
@@ -148,7 +148,7 @@ def test_mpi_world_aborted_after_a_timeout_leaves_no_mpich_segment():
     with local_world(3, "mpi", timeout_s=60, threads_per_rank=1) as world:
         ranks = world.run(identity)
         assert all(r["mpich"] for r in ranks), ranks
-        world.run(time_out_then_refuse, 2.0)
+        world.run(time_out_then_refuse, MEET_S)
         with pytest.raises(TimeoutError, match=r"exited"):
             world.run(destroy_kept, timeout_s=30)
     assert _all_gone([r["pid"] for r in ranks])
@@ -170,14 +170,15 @@ def test_bare_mpiexec_job_aborted_after_a_timeout_leaves_no_mpich_segment(tmp_pa
         from helpers.shm_hygiene_cases import mpich_job_shm
         comm = MPI.COMM_WORLD
         print(json.dumps(mpich_job_shm()), flush=True)
-        buf = moe_comm.Buffer(None, comm=comm, timeout_s=2, explicitly_destroy=True)
+        comm.Barrier()  # the ranks start Python apart; building the buffer is collective, under its deadline
+        buf = moe_comm.Buffer(None, comm=comm, timeout_s={meet_s}, explicitly_destroy=True)
         if comm.rank == 0:
             try:
                 _dispatch(buf)
             except moe_comm.CommTimeoutError:
                 buf.destroy()  # aborts the job
         time.sleep({sleep_s})
-    """).format(sleep_s=sleep_s))
+    """).format(sleep_s=sleep_s, meet_s=MEET_S))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "MOE_COMM_NUM_THREADS": "1"}
     start = time.monotonic()
