@@ -24,7 +24,8 @@ __all__ = ["EXIT_S", "LATE_S", "MEET_S", "SCHEDULING_S", "STARTUP_S", "before", 
 SCHEDULING_S = 3.0
 
 #: The shortest deadline for a wait that every rank must reach before any can pass it (a Buffer's
-#: construction on ``mpi``, whose communicator duplication is collective): ranks that left a barrier
+#: construction on ``mpi``, whose communicator duplication is collective; each call under shrink, where a
+#: late rank is masked): ranks that left a barrier
 #: together reach it up to ``SCHEDULING_S`` apart. At 2 s, three ranks on the loaded machine (two busy
 #: loops beside the fast tier) all timed out building the buffer.
 MEET_S = 2 * SCHEDULING_S

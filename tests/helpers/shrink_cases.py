@@ -30,6 +30,7 @@ def stopped_ranks(group: dist.ProcessGroup, timeout_s: float) -> dict[str, Any]:
     rank, R = dist.get_rank(group), dist.get_world_size(group)
     E = 2 * R
     hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(M, H, R, E)
+    dist.barrier(group)  # every rank must reach each call within timeout_s of the others, or it is masked
     buf = moe_comm.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, enable_shrink=True, timeout_s=timeout_s)
     x, idx, w = _inputs(rank, M, H, E, K, seed=3)
     every_idx = [torch.empty_like(idx) for _ in range(R)]
