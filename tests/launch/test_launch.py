@@ -4,7 +4,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +14,7 @@ from moe_comm.launch import LocalWorld, init_from_env, launcher_rank, spawn
 from helpers.deadlines import EXIT_S
 from helpers.paths import HELPERS
 from helpers.ports import ATTEMPTS, free_port, port_taken
+from helpers.processes import all_gone
 from helpers.transports import NO_MPI
 
 SCRIPT = HELPERS / "launch_script.py"
@@ -159,7 +159,4 @@ def test_ranks_of_a_killed_owner_exit(tmp_path):
     assert done.returncode == -9, done.stderr[-2000:]
     pids = [int(p) for p in done.stdout.split()]
     assert len(pids) == 2, done.stdout
-    until = time.monotonic() + 1.0 + EXIT_S  # one poll of the owner, then the rank's exit
-    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < until:
-        time.sleep(0.1)
-    assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "ranks outlived their world's owner"
+    assert all_gone(pids, within_s=1.0 + EXIT_S), "ranks outlived their world's owner"  # a poll, then the exit

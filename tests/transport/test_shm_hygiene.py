@@ -15,8 +15,9 @@ import pytest
 from moe_comm.launch import LocalWorld
 from moe_comm.transport.shm_segment import COUNTERS_PREFIX, PREFIX, sweep_stale
 
-from helpers.deadlines import EXIT_S, MEET_S, well_before
+from helpers.deadlines import MEET_S, well_before
 from helpers.paths import TESTS
+from helpers.processes import all_gone
 from helpers.shm_hygiene_cases import KILL_POINTS, identity, kill_rank, killed_at_random, killed_while_setting_up
 from helpers.tiers import exhaustive
 from helpers.transports import NO_MPI, TRANSPORTS, local_world
@@ -48,14 +49,6 @@ def _files_of(ranks: list[dict]) -> list[str]:
     return sorted(n for n in os.listdir(SHM) if n in mpich or n.startswith(tuple(own)))
 
 
-def _all_gone(pids: list[int]) -> bool:
-    from moe_comm.core.native import native
-    deadline = time.monotonic() + EXIT_S  # the world's close ended them
-    while any(native().process_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not any(native().process_alive(p) for p in pids)
-
-
 #: (transport, kill point, victims): the fast tier kills at every point once, the victims alternating.
 _CASES = [pytest.param(t, p, v, id=f"{t}-{p}-{v}", marks=() if (i + j) % 2 == 0 else pytest.mark.exhaustive)
           for i, (t, p) in enumerate((t, p) for t in TRANSPORTS for p in KILL_POINTS[t])
@@ -85,7 +78,7 @@ def test_rank_killed_while_setting_up_leaves_nothing(tmp_path, transport, point,
     survivors = set(range(2)) - set(chosen)
     assert set(results) <= survivors and (transport == "mpi" or set(results) == survivors), results
     assert all(isinstance(r, tuple) for r in results.values()), results
-    assert _all_gone([r["pid"] for r in ranks])
+    assert all_gone([r["pid"] for r in ranks])
     left = _left(tmp_path)
     assert left, "the victims stamped what they were setting up"
     if victims == "all":  # nobody survived to sweep: the next start-up does
@@ -102,7 +95,7 @@ def test_shm_rank_killed_at_a_random_moment_leaves_nothing(tmp_path, trial):
         ranks = world.run(identity)
         with pytest.raises(TimeoutError, match=r"ranks \[1\] exited"):
             world.run(killed_at_random, 1, trial, str(tmp_path))
-    assert _all_gone([r["pid"] for r in ranks])
+    assert all_gone([r["pid"] for r in ranks])
     assert _files_of(ranks) == []
 
 
@@ -151,7 +144,7 @@ def test_mpi_world_aborted_after_a_timeout_leaves_no_mpich_segment():
         world.run(time_out_then_refuse, MEET_S)
         with pytest.raises(TimeoutError, match=r"exited"):
             world.run(destroy_kept, timeout_s=30)
-    assert _all_gone([r["pid"] for r in ranks])
+    assert all_gone([r["pid"] for r in ranks])
     assert _present(sorted({n for r in ranks for n in r["mpich"]})) == {}
 
 
@@ -200,5 +193,5 @@ def test_mpiexec_world_with_a_sigkilled_rank_leaves_no_mpich_segment():
         # Hydra ends rank 0 too (SIGUSR1) once rank 1 is killed, often before it returns
         with pytest.raises(TimeoutError, match=r"ranks \[(0, )?1\] exited"):
             world.run(kill_rank, 1)
-    assert _all_gone([r["pid"] for r in ranks])
+    assert all_gone([r["pid"] for r in ranks])
     assert _files_of(ranks) == []
