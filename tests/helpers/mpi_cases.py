@@ -80,13 +80,15 @@ def bad_arguments(group: dist.ProcessGroup) -> dict[str, tuple[str, str]]:
     return out
 
 
-def mpi_transport_outside_mpiexec(group: dist.ProcessGroup) -> tuple[str, str]:
-    """``transport='mpi'`` in ranks that are not one MPI job (each is an MPI singleton)."""
+def mpi_transport_outside_mpiexec(group: dist.ProcessGroup) -> tuple[str, str, list[str]]:
+    """``transport='mpi'`` in ranks that are not one MPI job (each is an MPI singleton); with the
+    MPICH segments the rank maps (named in /dev/shm until it finalises MPI)."""
+    from moe_comm.transport.mpi import mapped_mpich_segments
     try:
         moe_comm.Buffer(group, transport="mpi", timeout_s=30)
     except RuntimeError as exc:
-        return type(exc).__name__, str(exc)
-    return "no exception", ""
+        return type(exc).__name__, str(exc), mapped_mpich_segments()
+    return "no exception", "", mapped_mpich_segments()
 
 
 def time_out_then_refuse(group: dist.ProcessGroup, timeout_s: float) -> Any:

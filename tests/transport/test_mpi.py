@@ -2,6 +2,8 @@
 subgroups, argument errors, deadlines and the abort after a timeout."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from moe_comm import transport as transports
@@ -57,10 +59,13 @@ def test_comm_misuse_is_a_clear_error():
 def test_mpi_transport_needs_ranks_launched_as_one_mpi_job():
     with LocalWorld(2, timeout_s=60, threads_per_rank=1) as world:  # spawned: each rank is its own MPI world
         results = world.run(mpi_transport_outside_mpiexec)
-    for rank, (kind, message) in enumerate(results):
+    for rank, (kind, message, _) in enumerate(results):
         assert kind == "RuntimeError", message
         assert (f"transport 'mpi' on a torch.distributed group needs torch rank r to be MPI.COMM_WORLD rank r; "
                 f"got torch rank {rank} of 2, MPI rank 0 of 1") in message
+    # each singleton's segment goes with its rank (which finalises MPI as it leaves the closed world)
+    segments = [name for _, _, names in results for name in names]
+    assert segments and not [n for n in segments if os.path.exists(f"/dev/shm/{n}")], segments
 
 
 @needs_mpi

@@ -167,6 +167,25 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "the ranks that did arrive are blamed",
         hints=("tests/transport/test_mpi.py",),
     ),
+    # ------------------------------------------------------------------ LocalWorld's forked ranks
+    Mutant(
+        id="rank-ignores-dead-owner",
+        file="moe_comm/launch/spawned.py",
+        old="if self._owner is not None and not self._owner.is_alive():",
+        new="if self._owner is not None and self._owner.is_alive() is None:",
+        description="an idle rank no longer notices that the process that started its world is gone: "
+                    "after a CI timeout kills the test run, its ranks and the forkserver wait for ever",
+        hints=("tests/launch/test_launch.py",),
+    ),
+    Mutant(
+        id="forked-rank-skips-mpi-finalize",
+        file="moe_comm/launch/spawned.py",
+        old="if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():",
+        new="if mpi is not None and mpi.Is_initialized() and mpi.Is_finalized():",
+        description="a forked rank that initialised MPI leaves without MPI_Finalize: MPICH's segment "
+                    "stays named in /dev/shm",
+        hints=("tests/transport/test_mpi.py",),
+    ),
     # ------------------------------------------------------------------ ops permute / unpermute
     Mutant(
         id="permute-inclusive-prefix",
