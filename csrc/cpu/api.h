@@ -154,12 +154,14 @@ int64_t low_latency_combine_rows(int64_t* rows,
 //   src_info[e * rows_per_expert + r]                      <- the int32 at src_offset
 //   recv_count[e] = sum over s of count[e, s];  layout_range[e * num_ranks + s] = begin << 32 | count
 // The int32 at expert_offset is the record's local expert. Rows past recv_count are not written.
-// `records` holds num_records records. Checks (before writing anything but the outputs' counts):
-// every recv_counts[s] >= 0 and their sum == num_records, every field inside a record, every record's
-// expert in [0, num_local_experts), and no expert receiving more than rows_per_expert records.
+// `records` holds num_records records: source s's recv_counts[s] records follow one another from record
+// firsts[s], or, with firsts null, right after source s - 1's (from record 0). Checks (before writing
+// anything but the outputs' counts): every source's records inside [0, num_records) (with firsts null:
+// recv_counts sum to num_records), every field inside a record, every record's expert in
+// [0, num_local_experts), and no expert receiving more than rows_per_expert records.
 void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int32_t* recv_count,
                         int64_t* layout_range,
-                        const uint8_t* records, const int64_t* recv_counts,
+                        const uint8_t* records, const int64_t* recv_counts, const int64_t* firsts,
                         int64_t num_records, int64_t num_ranks, int64_t num_local_experts, int64_t rows_per_expert,
                         int64_t record_bytes, int64_t x_offset, int64_t x_bytes,
                         int64_t scales_offset, int64_t num_scales, int64_t scale_bytes,

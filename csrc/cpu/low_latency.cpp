@@ -73,7 +73,7 @@ int64_t low_latency_combine_rows(int64_t* rows,
 
 void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int32_t* recv_count,
                         int64_t* layout_range,
-                        const uint8_t* records, const int64_t* recv_counts,
+                        const uint8_t* records, const int64_t* recv_counts, const int64_t* firsts,
                         int64_t num_records, int64_t num_ranks, int64_t num_local_experts, int64_t rows_per_expert,
                         int64_t record_bytes, int64_t x_offset, int64_t x_bytes,
                         int64_t scales_offset, int64_t num_scales, int64_t scale_bytes,
@@ -85,15 +85,20 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
     MC_CHECK(num_records >= 0 && R >= 0 && E >= 0 && rows_per_expert >= 0 && record_bytes >= 0,
              fn << ": num_records, num_ranks, num_local_experts, rows_per_expert and record_bytes must be >= 0, got "
                 << num_records << ", " << R << ", " << E << ", " << rows_per_expert << ", " << record_bytes);
-    // The records read: recv_counts must add up to what `records` holds (each partial sum bounded, so no overflow).
+    // The records read: each source's run inside `records` (each bound checked before adding: no overflow).
+    std::vector<int64_t> first(static_cast<size_t>(R));
     int64_t counted = 0;
     for (int64_t s = 0; s < R; ++s) {
-        MC_CHECK(recv_counts[s] >= 0 && recv_counts[s] <= num_records - counted,
+        const int64_t at = firsts != nullptr ? firsts[s] : counted;
+        MC_CHECK(at >= 0 && at <= num_records,
+                 fn << ": firsts[" << s << "] = " << at << " is outside [0, " << num_records << "] (num_records)");
+        MC_CHECK(recv_counts[s] >= 0 && recv_counts[s] <= num_records - at,
                  fn << ": recv_counts[" << s << "] = " << recv_counts[s] << " is outside [0, "
-                    << num_records - counted << "] (records left of num_records=" << num_records << ")");
-        counted += recv_counts[s];
+                    << num_records - at << "] (records left of num_records=" << num_records << ")");
+        first[static_cast<size_t>(s)] = at;
+        counted += recv_counts[s];  // <= R * num_records: no overflow
     }
-    MC_CHECK(counted == num_records,
+    MC_CHECK(firsts != nullptr || counted == num_records,
              fn << ": recv_counts sum to " << counted << ", but records holds num_records=" << num_records);
     check_in_record(fn, "field x", x_offset, 1, x_bytes, record_bytes);
     check_in_record(fn, "field src", src_offset, 1, sizeof(int32_t), record_bytes);
@@ -101,14 +106,17 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
     if (scales != nullptr) check_in_record(fn, "field scales", scales_offset, num_scales, scale_bytes, record_bytes);
     // Pass 1 (sequential, 4 bytes per record): counts per (expert, source) and each record's expert.
     std::vector<int64_t> counts(static_cast<size_t>(E * R), 0);
-    std::vector<int32_t> expert_of(static_cast<size_t>(num_records));
+    std::vector<int32_t> expert_of(static_cast<size_t>(counted));
+    std::vector<int64_t> record_of(static_cast<size_t>(counted));
     for (int64_t s = 0, j = 0; s < R; ++s) {
         for (int64_t i = 0; i < recv_counts[s]; ++i, ++j) {
+            const int64_t at = first[static_cast<size_t>(s)] + i;
             int32_t e;
-            std::memcpy(&e, records + j * record_bytes + expert_offset, sizeof(e));
-            MC_CHECK(e >= 0 && e < E, "low_latency_unpack: record " << j << " from rank " << s << " names local expert "
+            std::memcpy(&e, records + at * record_bytes + expert_offset, sizeof(e));
+            MC_CHECK(e >= 0 && e < E, "low_latency_unpack: record " << at << " from rank " << s << " names local expert "
                                                                     << e << ", outside [0, " << E << ")");
             expert_of[static_cast<size_t>(j)] = e;
+            record_of[static_cast<size_t>(j)] = at;
             ++counts[static_cast<size_t>(e * R + s)];
         }
     }
@@ -125,7 +133,7 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
         recv_count[e] = static_cast<int32_t>(row);
     }
     // Destination row of every record: the next free row of its (expert, source) block.
-    std::vector<int64_t> dst(static_cast<size_t>(num_records));
+    std::vector<int64_t> dst(static_cast<size_t>(counted));
     std::vector<int64_t> next(begins);
     for (int64_t s = 0, j = 0; s < R; ++s)
         for (int64_t i = 0; i < recv_counts[s]; ++i, ++j) {
@@ -134,9 +142,9 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
         }
     // Pass 2 (parallel over records, distinct destinations): copy the fields.
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(record_bytes, 1));
-    parallel_for(num_records, grain, num_threads, [&](int64_t first, int64_t last) {
-        for (int64_t j = first; j < last; ++j) {
-            const uint8_t* rec = records + j * record_bytes;
+    parallel_for(counted, grain, num_threads, [&](int64_t lo, int64_t hi) {
+        for (int64_t j = lo; j < hi; ++j) {
+            const uint8_t* rec = records + record_of[static_cast<size_t>(j)] * record_bytes;
             const int64_t flat = dst[static_cast<size_t>(j)];
             std::memcpy(recv_x + flat * x_bytes, rec + x_offset, static_cast<size_t>(x_bytes));
             std::memcpy(src_info + flat, rec + src_offset, sizeof(int32_t));

@@ -290,7 +290,8 @@ PYBIND11_MODULE(_C, m) {
     m.def(
         "low_latency_unpack",
         [](std::uintptr_t recv_x, std::uintptr_t scales, std::uintptr_t src_info, std::uintptr_t recv_count,
-           std::uintptr_t layout_range, std::uintptr_t records, std::uintptr_t recv_counts, int64_t num_records,
+           std::uintptr_t layout_range, std::uintptr_t records, std::uintptr_t recv_counts, std::uintptr_t firsts,
+           int64_t num_records,
            int64_t num_ranks, int64_t num_local_experts, int64_t rows_per_expert, int64_t record_bytes, int64_t x_offset,
            int64_t x_bytes, int64_t scales_offset, int64_t num_scales, int64_t scale_bytes,
            int64_t scales_expert_stride, int64_t scales_row_stride, int64_t scales_col_stride, int64_t src_offset,
@@ -298,14 +299,15 @@ PYBIND11_MODULE(_C, m) {
             py::gil_scoped_release release;
             cpu::low_latency_unpack(ptr<uint8_t>(recv_x), ptr<uint8_t>(scales), ptr<int32_t>(src_info),
                                     ptr<int32_t>(recv_count), ptr<int64_t>(layout_range), ptr<const uint8_t>(records),
-                                    ptr<const int64_t>(recv_counts), num_records, num_ranks, num_local_experts,
+                                    ptr<const int64_t>(recv_counts), ptr<const int64_t>(firsts), num_records,
+                                    num_ranks, num_local_experts,
                                     rows_per_expert,
                                     record_bytes, x_offset, x_bytes, scales_offset, num_scales, scale_bytes,
                                     scales_expert_stride, scales_row_stride, scales_col_stride, src_offset,
                                     expert_offset, num_threads);
         },
         py::arg("recv_x"), py::arg("scales"), py::arg("src_info"), py::arg("recv_count"), py::arg("layout_range"),
-        py::arg("records"), py::arg("recv_counts"), py::arg("num_records"), py::arg("num_ranks"),
+        py::arg("records"), py::arg("recv_counts"), py::arg("firsts"), py::arg("num_records"), py::arg("num_ranks"),
         py::arg("num_local_experts"),
         py::arg("rows_per_expert"), py::arg("record_bytes"), py::arg("x_offset"), py::arg("x_bytes"),
         py::arg("scales_offset"), py::arg("num_scales"), py::arg("scale_bytes"), py::arg("scales_expert_stride"),

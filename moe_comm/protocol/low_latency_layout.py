@@ -107,7 +107,8 @@ def layout_range_check_reference(layout_range: torch.Tensor, rows_per_expert: in
 
 def low_latency_unpack(layout: RecordLayout, records: torch.Tensor, recv_counts: Sequence[int],
                        recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor], src_info: torch.Tensor,
-                       layout_range: torch.Tensor, recv_count: torch.Tensor) -> None:
+                       layout_range: torch.Tensor, recv_count: torch.Tensor,
+                       firsts: Optional[Sequence[int]] = None) -> None:
     """Scatters records into DeepEP's low-latency outputs. Local; deterministic.
 
     Args:
@@ -117,13 +118,17 @@ def low_latency_unpack(layout: RecordLayout, records: torch.Tensor, recv_counts:
         recv_x: `[E_loc, rows, H]` contiguous, x's element size; written at the valid rows only.
         recv_scales: `[E_loc, rows, S]` any strides (DeepEP's column-major view), or None.
         src_info: `[E_loc, rows]` int32 contiguous; layout_range `[E_loc, R]` int64; recv_count `[E_loc]` int32.
+        firsts: where each source's records start in ``records`` (a transport's fixed regions); None:
+            packed, source after source from record 0.
     Row ``begin[e, s] + j`` of expert e holds record j of source s's block for e, blocks by source
     rank ascending; ``layout_range[e, s] = begin << 32 | count``. ValueError when ``recv_counts`` has a
-    negative entry or does not sum to ``N``, a record names an expert outside ``[0, E_loc)``, or an
-    expert receives more than ``rows`` records.
+    negative entry or a source's records lie outside ``records`` (packed: do not sum to ``N``), a record
+    names an expert outside ``[0, E_loc)``, or an expert receives more than ``rows`` records.
     Reference: ``low_latency_unpack_reference``.
     """
     if records.device.type != "cpu":
+        if firsts is not None:
+            records = torch.cat([records[f:f + int(n)] for f, n in zip(firsts, recv_counts)])
         return low_latency_unpack_reference(layout, records, recv_counts, recv_x, recv_scales, src_info,
                                             layout_range, recv_count)
     _check_unpack_outputs(layout, records, len(recv_counts), recv_x, recv_scales, src_info, layout_range, recv_count)
@@ -136,8 +141,12 @@ def low_latency_unpack(layout: RecordLayout, records: torch.Tensor, recv_counts:
         scales_ptr, scales_offset, num_scales, scale_bytes = recv_scales.data_ptr(), f.offset, f.num_cols, f.dtype.itemsize
         strides = tuple(s * recv_scales.element_size() for s in recv_scales.stride())
     counts = torch.tensor(list(recv_counts), dtype=torch.int64)
+    starts = None if firsts is None else torch.tensor(list(firsts), dtype=torch.int64)
+    if starts is not None and starts.numel() != counts.numel():
+        raise ValueError(f"low_latency_unpack: firsts has {starts.numel()} entries, recv_counts {counts.numel()}")
     native().low_latency_unpack(recv_x.data_ptr(), scales_ptr, src_info.data_ptr(), recv_count.data_ptr(),
-                                layout_range.data_ptr(), records.data_ptr(), counts.data_ptr(), records.shape[0],
+                                layout_range.data_ptr(), records.data_ptr(), counts.data_ptr(),
+                                0 if starts is None else starts.data_ptr(), records.shape[0],
                                 len(recv_counts), local, rows, layout.record_bytes, x.offset, x.nbytes, scales_offset,
                                 num_scales, scale_bytes, *strides, src.offset, expert.offset, cpu_threads())
 
