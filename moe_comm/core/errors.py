@@ -17,7 +17,7 @@ class CommTimeoutError(TimeoutError):
 
     def __init__(self, op: str, rank: int, timeout_s: float, missing_ranks: Sequence[int] | None,
                  detail: str = "") -> None:
-        self.op, self.rank, self.timeout_s = op, rank, timeout_s
+        self.op, self.rank, self.timeout_s, self.detail = op, rank, timeout_s, detail
         self.missing_ranks = None if missing_ranks is None else list(missing_ranks)
         who = "unknown (the transport cannot tell)" if missing_ranks is None else str(self.missing_ranks)
         message = f"{op}: rank {rank} timed out after {timeout_s:g} s; ranks not heard from: {who}"

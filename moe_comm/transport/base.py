@@ -6,16 +6,19 @@ and reports ranks that miss a deadline.
 from __future__ import annotations
 
 import abc
+import queue
 import socket
+import threading
 import zlib
 from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
+from ..core.errors import CommTimeoutError
 from ..core.memory import Workspace
 from .store_gather import StoreGather
 
-__all__ = ["Exchange", "Pending", "Rows", "Transport", "host_id", "own_counts", "peer_blocks", "prefix_sums"]
+__all__ = ["Exchange", "Pending", "Posted", "Rows", "Transport", "host_id", "own_counts", "peer_blocks", "prefix_sums"]
 
 #: What a rank sends in an exchange: ``pack(dest, first, out)`` writes the rows for rank ``dest`` into
 #: ``out`` (`[rows, record_bytes]` uint8, possibly another rank's memory); they are rows
@@ -40,6 +43,26 @@ class Exchange(Protocol):
 
     def release(self) -> None:
         """Hands the received rows' memory back to the transport. Idempotent."""
+
+
+class Posted(Protocol):
+    """A low-latency call's header and rows on their way (``Transport.post``): the receive half."""
+
+    def headers(self) -> torch.Tensor:
+        """Every rank's header, `[R, header_bytes]` uint8 in rank order; blocks until all have
+        arrived. Raises ``CommTimeoutError`` past the deadline, ``PeerExitedError`` when a rank waited
+        for has exited, RuntimeError when a rank has already published a later call here (out of step)."""
+
+    def rows(self) -> tuple[torch.Tensor, list[int]]:
+        """``(records, firsts)``: the rows sent to this rank, source s's at ``records[firsts[s]:]`` (as many
+        as its header says). Call after ``headers``. Valid until ``release``."""
+
+    def last_call_header(self, rank: int) -> Optional[torch.Tensor]:
+        """The latest header this rank holds from ``rank`` (of this call or an earlier one), for
+        error messages: empty when none came yet, None where the transport keeps none."""
+
+    def release(self) -> None:
+        """Done with this call (its rows may be dropped unread); frees what it holds. Idempotent."""
 
 
 class Transport(abc.ABC):
@@ -141,6 +164,53 @@ class Transport(abc.ABC):
         pending = self.bulk_all_to_all(received, packed, recv_counts, send_counts, op=op, skip=skip)
         return _BufferedExchange(self.workspace, pending, received, send_store, recv_store)
 
+    def post_room(self, header_bytes: int, record_bytes: int) -> Optional[int]:
+        """The most rows ``post`` can carry to one rank with these sizes (None: no limit). Local."""
+        return None
+
+    #: whether ``post`` moves rows on a thread of the transport (its exchanges may be posted from two
+    #: threads at once: metadata from the caller's, payloads from that one)
+    posts_in_background = False
+
+    def post(self, header: torch.Tensor, counts: Sequence[int], record_bytes: int, rows: Rows, *, op: str,
+             device: torch.device) -> Posted:
+        """Sends a low-latency call: ``header`` (`[header_bytes]` uint8, the same size on every rank) to
+        every rank, and ``counts[j]`` rows (``rows(dest, first, out)``, as in ``exchange``) to each rank j,
+        without waiting for any peer to arrive. Collective in order: every rank posts its calls in the
+        same order, with headers of one size, and ``counts`` within ``post_room``. Reads ``rows``'s
+        inputs before it returns.
+
+        This implementation packs the rows into private memory and posts the headers, led by the
+        record size and counts, as an ``all_to_all``; once they arrive, the rows follow as a
+        ``bulk_all_to_all`` (none when ranks disagree on the record size: their verdict fails anyway).
+        With ``posts_in_background`` a thread of the transport does that, in post order; otherwise
+        ``Posted.rows`` does, and the caller must settle the posts it holds in post order before any
+        other collective."""
+        firsts = prefix_sums(counts)
+        packed = torch.empty(firsts[-1], record_bytes, dtype=torch.uint8, device=device)
+        for dest, count in enumerate(counts):
+            if count:
+                rows(dest, firsts[dest], packed[firsts[dest]:firsts[dest + 1]])
+        posted = _DeferredPost(self, header, counts, record_bytes, packed, op, device)
+        if self.posts_in_background:
+            if self._poster is None:
+                self._poster = _Poster(f"moe-comm {self.name} rank {self.rank}")
+            self._poster.submit(posted.move)
+        return posted
+
+    _poster: Optional["_Poster"] = None
+
+    def posted_all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+                          input_splits: Sequence[int], *, op: str) -> Pending:
+        """The all-to-all that moves the rows of ``post``: ``bulk_all_to_all`` here; a transport whose
+        payload channel other buffers share gives posts a channel of their own."""
+        return self.bulk_all_to_all(output, input, output_splits, input_splits, op=op)
+
+    def _close_poster(self) -> None:
+        if self._poster is not None:
+            self._poster.stop()
+            self._poster = None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Releases transport resources. Idempotent."""
@@ -203,3 +273,103 @@ class _BufferedExchange:
         for name, store in self._stores:
             self._workspace.give_back(name, store)
         self._stores = []
+
+
+class _Poster:
+    """One daemon thread that runs a transport's posts in order."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+class _DeferredPost:
+    """``Transport.post`` over ``all_to_all`` and ``bulk_all_to_all`` (see there)."""
+
+    def __init__(self, transport: Transport, header: torch.Tensor, counts: Sequence[int], record_bytes: int,
+                 packed: torch.Tensor, op: str, device: torch.device) -> None:
+        R = transport.num_ranks
+        self._t, self._packed, self._counts, self._op, self._device = transport, packed, list(counts), op, device
+        self._lead = 8 * (R + 1)  # record size and counts, before the caller's header
+        lead = torch.tensor([record_bytes] + [int(c) for c in counts], dtype=torch.int64).view(torch.uint8)
+        wire = torch.cat([lead, header.reshape(-1).cpu()]).to(device)
+        mine = wire.reshape(1, -1).expand(R, -1).contiguous()
+        self._got = torch.empty_like(mine)
+        self._pending = transport.all_to_all(self._got, mine, [1] * R, [1] * R, op=op)
+        self._record_bytes = record_bytes
+        self._arrived, self._moved = threading.Event(), threading.Event()
+        self._error: Optional[BaseException] = None
+        self._header_error: Optional[BaseException] = None
+        self._received: Optional[torch.Tensor] = None
+        self._firsts: list[int] = []
+        self._started = False
+
+    def move(self) -> None:
+        """Waits for the headers, then moves the rows (on the transport's thread, or the caller's)."""
+        self._started = True
+        try:
+            try:
+                self._pending.wait()
+            except BaseException as exc:
+                self._header_error = exc
+                raise
+            finally:
+                self._arrived.set()
+            lead = self._got[:, :self._lead].cpu().contiguous().view(torch.int64)
+            sizes, sent = lead[:, 0].tolist(), lead[:, 1:].tolist()
+            if len(set(sizes)) == 1:  # else no rows move, on every rank (their verdict fails anyway)
+                me = self._t.rank
+                recv_counts = [int(row[me]) for row in sent]
+                received = torch.empty(sum(recv_counts), self._record_bytes, dtype=torch.uint8, device=self._device)
+                if any(any(row) for row in sent):  # a handshake moves none
+                    self._t.posted_all_to_all(received, self._packed, recv_counts, self._counts, op=self._op).wait()
+                self._received, self._firsts = received, prefix_sums(recv_counts)[:-1]
+        except BaseException as exc:  # raised to the caller by headers() / rows()
+            self._error = exc
+        finally:
+            self._arrived.set()
+            self._moved.set()
+
+    def _wait(self, event: threading.Event) -> None:
+        if not self._t.posts_in_background and not self._started:
+            self.move()
+        # the thread's own waits have the deadline; this bound only guards against a lost thread
+        if not event.wait(3 * self._t.timeout_s + 10):
+            raise CommTimeoutError(self._op, self._t.rank, self._t.timeout_s, None,
+                                   "the transport's posting thread did not finish this call")
+
+    def headers(self) -> torch.Tensor:
+        self._wait(self._arrived)
+        if self._header_error is not None:
+            raise self._header_error
+        return self._got[:, self._lead:]
+
+    def rows(self) -> tuple[torch.Tensor, list[int]]:
+        self._wait(self._moved)
+        if self._error is not None:
+            raise self._error
+        if self._received is None:
+            raise RuntimeError(f"{self._op}: rank {self._t.rank}: ranks posted rows of different sizes")
+        return self._received, self._firsts
+
+    def last_call_header(self, rank: int) -> Optional[torch.Tensor]:
+        return None
+
+    def release(self) -> None:
+        # the rows move whatever the verdict: every rank's exchanges must stay in the same order
+        self._wait(self._moved)
+        self._received = None
+        self._packed = self._packed[:0]

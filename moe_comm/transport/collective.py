@@ -94,6 +94,7 @@ class _ArrivalBook:
         self._prefix = ""
         self.store_trouble = ""  # why the store stopped being used, if it did
         self.entered = 0
+        self._lock = threading.Lock()
 
     def attach(self, host_ranks: list[int], counters: HostCounters, store: Optional[dist.Store],
                prefix: str) -> None:
@@ -104,9 +105,10 @@ class _ArrivalBook:
         self._prefix = prefix
 
     def enter(self) -> None:
-        self.entered += 1
-        if self._counters is not None:
-            self._counters.store(self.entered)
+        with self._lock:  # posts enter their rows' exchanges from a thread of their own
+            self.entered += 1
+            if self._counters is not None:
+                self._counters.store(self.entered)
         if self._store is not None:
             try:
                 self._store.set(f"{self._prefix}/{self._rank}", str(self.entered))
@@ -190,16 +192,21 @@ class CollectiveTransport(Transport):
         # NOTES: a failure inside _meet reports liveness from _peers, so give it a placeholder first.
         self._peers = [(self._host, os.getpid())] * self.num_ranks
         self._metadata: Optional[dist.ProcessGroup] = None  # _meet runs on the group itself
+        self._posts: Optional[dist.ProcessGroup] = None
         self._peers = self._meet(instance, store, f"{scope}/arrivals/{instance}")
         whole = dist.get_world_size(group) == dist.get_world_size()  # LOCAL_WORLD_SIZE blocks count world ranks
         self.nodes = split_nodes([host for host, _ in self._peers],
                                  [dist.get_global_rank(group, r) for r in range(self.num_ranks)] if whole else None)
         self._metadata = self._metadata_channel(store, f"{scope}/metadata/{instance}")
+        # the rows of posts move on a thread (the send half never waits), on a group of their own: other
+        # buffers of the group keep posting to it from the caller's thread, in their own order
+        self._posts = self._metadata_channel(store, f"{scope}/posts/{instance}")
+        self.posts_in_background = self._posts is not None
         if store is not None:
             self.gatherer = StoreGather(store, f"{scope}/shrink/{instance}", self.rank, timeout_s, self.exited_ranks)
 
     def _metadata_channel(self, store: Optional[dist.Store], prefix: str) -> Optional[dist.ProcessGroup]:
-        """The second gloo group that carries ``all_to_all`` (see the module docstring); None off gloo,
+        """A gloo group of its own (for ``all_to_all``, see the module docstring; for rows of posts); None off gloo,
         for one rank, or without the rendezvous store. Every rank builds it after ``_meet`` (so the
         instances agree), within the deadline."""
         if self._backend != "gloo" or self.num_ranks == 1 or store is None:
@@ -242,6 +249,10 @@ class CollectiveTransport(Transport):
     def bulk_all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
                         input_splits: Sequence[int], *, op: str, skip: frozenset[int] = frozenset()) -> Pending:
         return self._post(output, input, output_splits, input_splits, op, skip, None)
+
+    def posted_all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+                          input_splits: Sequence[int], *, op: str) -> Pending:
+        return self._post(output, input, output_splits, input_splits, op, frozenset(), self._posts)
 
     def _post(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
               input_splits: Sequence[int], op: str, skip: frozenset[int],
@@ -291,8 +302,12 @@ class CollectiveTransport(Transport):
         """Re-raises a backend error as CommTimeoutError (deadline) or RuntimeError naming ranks;
         blocks at most STORE_WAIT_S."""
         missing, note = self._book.missing()
-        detail = ", ".join(part for part in (self._liveness([r for r in range(self.num_ranks) if r != self.rank]),
-                                             note) if part)
+        peers = [r for r in range(self.num_ranks) if r != self.rank]
+        stopped = self._stopped(peers)
+        if not missing and stopped:  # every rank entered the exchange: name the ones that stopped inside it
+            missing = [r for r, _ in stopped]
+        detail = ", ".join(part for part in (self._liveness(peers), ", ".join(
+            f"rank {r} (pid {pid}) is stopped" for r, pid in stopped), note) if part)
         if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
             raise CommTimeoutError(op, self.rank, self.timeout_s, missing, detail) from exc
         who = "unknown" if missing is None else str(missing)
@@ -303,6 +318,11 @@ class CollectiveTransport(Transport):
         """Ranks on this host whose process has exited."""
         return [peer for peer, (host, pid) in enumerate(self._peers)
                 if host == self._host and peer != self.rank and not _process_alive(pid)]
+
+    def _stopped(self, ranks: list[int]) -> list[tuple[int, int]]:
+        """(rank, pid) of ``ranks`` on this host whose process is stopped (SIGSTOP, a debugger)."""
+        return [(peer, pid) for peer in ranks for host, pid in [self._peers[peer]]
+                if host == self._host and _process_state(pid) in ("T", "t")]
 
     def _liveness(self, ranks: list[int]) -> str:
         """Which of ``ranks`` run on this host and have exited."""
@@ -316,27 +336,36 @@ class CollectiveTransport(Transport):
         return ", ".join(dead)
 
     def close(self) -> None:
+        self._close_poster()
         self._book = _ArrivalBook(self.rank, self.num_ranks)
         self._recent.clear()
-        self._metadata = None
+        self._metadata = self._posts = None
         self.workspace.clear()
+
+
+def _process_state(pid: int) -> Optional[str]:
+    """``pid``'s state letter from procfs (R, S, T, Z, ...); "" when it is gone, None without procfs."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return ""
+    except OSError:
+        return None
 
 
 def _process_alive(pid: int) -> bool:
     """Whether ``pid`` runs on this host; an exited process that is not yet reaped (zombie) counts as dead."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
+    state = _process_state(pid)
+    if state is not None:
+        return state not in ("", "Z", "X")
+    try:  # no procfs: fall back to signal 0
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
-    except OSError:  # no procfs: fall back to signal 0
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
+    except PermissionError:
+        pass
+    return True
 
 
 def default_store() -> Optional[dist.Store]:

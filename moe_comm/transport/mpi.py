@@ -25,6 +25,7 @@ import datetime
 import os
 import secrets
 import sys
+import threading
 import time
 import weakref
 from typing import Any, Optional, Sequence, Union
@@ -160,6 +161,7 @@ class MpiTransport(Transport):
     """Alltoallv over an mpi4py communicator (or over the MPI twin of a torch.distributed group)."""
 
     name = "mpi"
+    posts_in_background = True  # low-latency rows move on a thread (MPI_THREAD_MULTIPLE): the send half never waits
 
     def __init__(self, group: Union[dist.ProcessGroup, Any], timeout_s: float, buffer_bytes: int = 0) -> None:
         """Collective over ``group``: a torch.distributed group whose ranks are the same MPI ranks,
@@ -175,6 +177,7 @@ class MpiTransport(Transport):
         # NOTES: plain (requests, tensors) pairs: a pending object here would hold the transport in a
         # cycle and delay the finalizer that frees its communicators.
         self._inflight: list[_Flight] = []
+        self._requests_lock = threading.Lock()
         self._comms: list[Any] = []
         self._failed: Optional[str] = None
         self._counters: Optional[HostCounters] = None
@@ -242,9 +245,10 @@ class MpiTransport(Transport):
                 layout = "" if tensor.is_contiguous() else ", not contiguous"
                 raise ValueError(f"{op}: the mpi transport moves contiguous CPU tensors; {name} is "
                                  f"{describe(tensor)}{layout}")
-        self._entered += 1
-        if self._counters is not None:
-            self._counters.store(self._entered)
+        with self._requests_lock:  # posts enter their rows' exchanges from a thread of their own
+            self._entered += 1
+            if self._counters is not None:
+                self._counters.store(self._entered)
         row = self._row_type(output, input)
         if row is None:  # zero-width rows on every rank: nothing to move
             requests = []
@@ -252,7 +256,8 @@ class MpiTransport(Transport):
             requests = self._point_to_point(comm, row, output, input, output_splits, input_splits, skip)
         else:
             requests = [comm.Ialltoallv(_spec(input, input_splits, row), _spec(output, output_splits, row))]
-        self._inflight[:] = [f for f in self._inflight if not _done(f)] + [(requests, (output, input))]
+        with self._requests_lock:
+            self._inflight[:] = [f for f in self._inflight if not _done(f)] + [(requests, (output, input))]
         return _MpiPending(self, requests, op)
 
     def _row_type(self, output: torch.Tensor, input: torch.Tensor) -> Any:
@@ -282,12 +287,18 @@ class MpiTransport(Transport):
         return requests
 
     # ------------------------------------------------------------------ waiting
+    def _test(self, requests: list) -> bool:
+        # NOTES: Testall frees the requests it finds complete; posts test other exchanges' requests
+        # (``_inflight``), and a post's rows move on a thread of their own, so tests take turns
+        with self._requests_lock:
+            return self._mpi.Request.Testall(requests)
+
     def wait_for(self, requests: list, op: str) -> None:
         """Polls ``requests`` until all complete; past the deadline raises CommTimeoutError (and marks
         the transport failed), and PeerExitedError as soon as a host rank's process has exited."""
         start = time.monotonic()
         deadline, next_check = start + self.timeout_s, start + _LIVENESS_EVERY_S
-        while not self._mpi.Request.Testall(requests):
+        while not self._test(requests):
             now = time.monotonic()
             if now >= deadline:
                 self._fail(f"a timeout in {op}")
@@ -341,6 +352,7 @@ class MpiTransport(Transport):
         return [r for r in self._host_ranks if r != self.rank and not native().process_alive(self.pids[r])]
 
     def close(self) -> None:
+        self._close_poster()
         if self._failed is not None:
             self._abort()
         for requests, _ in list(self._inflight):

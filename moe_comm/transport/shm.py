@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..core.errors import CommTimeoutError, PeerExitedError
 from ..core.native import native
-from .base import Exchange, Pending, Rows, Transport, own_counts, prefix_sums
+from .base import Exchange, Pending, Posted, Rows, Transport, own_counts, prefix_sums
 from .collective import CollectiveTransport
 from .shm_segment import DATA, META, META_CELL, NUM_SLOTS, Segment, SegmentLayout, segment_name, sweep_stale
 
@@ -167,6 +167,73 @@ class _ShmExchange:
     def _free_slot(self) -> None:
         self.released = True
         native().flag_store(self._segment.flag(self._segment.layout.consumed(DATA, self._slot)), self._seq)
+
+
+class _ShmPost:
+    """A low-latency call in this rank's data slot: a header cell and a fixed region of rows per source
+    (``ShmTransport.post``)."""
+
+    def __init__(self, transport: "ShmTransport", segment: Segment, slot: int, seq: int, op: str,
+                 header_bytes: int, region_rows: int, record_bytes: int) -> None:
+        self._t, self._segment, self._slot, self._seq, self._op = transport, segment, slot, seq, op
+        self._header_bytes, self._region_rows, self._record_bytes = header_bytes, region_rows, record_bytes
+        self._arrived = False
+        self._private: Optional[torch.Tensor] = None  # the slot's bytes, once spilled
+        self.released = False
+
+    def _bytes(self, offset: int, nbytes: int) -> torch.Tensor:
+        if self._private is not None:
+            return self._private[offset:offset + nbytes]
+        return self._segment.view(self._segment.layout.data_slot(self._slot) + offset, nbytes)
+
+    def headers(self) -> torch.Tensor:
+        t = self._t
+        if not self._arrived:
+            layout = self._segment.layout
+            t.waiter.until([self._segment.flag(layout.arrived(DATA, self._slot, i)) for i in range(len(t.local))],
+                           [self._seq] * len(t.local), list(t.local), self._op, exact=True)
+            self._arrived = True
+        return self._bytes(0, len(t.local) * self._header_bytes).view(len(t.local), self._header_bytes)
+
+    def rows(self) -> tuple[torch.Tensor, list[int]]:
+        self.headers()
+        R, rb = len(self._t.local), self._record_bytes
+        region = self._region_rows
+        records = self._bytes(_post_rows_offset(R, self._header_bytes), R * region * rb).view(R * region, rb)
+        return records, [s * region for s in range(R)]
+
+    def last_call_header(self, rank: int) -> Optional[torch.Tensor]:
+        """The header cell ``rank`` last wrote here, in either slot (the one with the later exchange)."""
+        segment, t = self._t._segments[self._t.local_index], self._t
+        layout, i = segment.layout, t.local.index(rank)
+        seqs = [native().flag_load(segment.flag(layout.arrived(DATA, slot, i))) for slot in range(NUM_SLOTS)]
+        slot = max(range(NUM_SLOTS), key=lambda k: seqs[k])
+        if seqs[slot] <= 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return segment.view(layout.data_slot(slot) + i * self._header_bytes, self._header_bytes).clone()
+
+    def spill(self) -> None:
+        """Moves the slot's bytes to private memory and frees it (the slot is about to be reused)."""
+        if not self.released:
+            self.headers()
+            R = len(self._t.local)
+            nbytes = _post_rows_offset(R, self._header_bytes) + R * self._region_rows * self._record_bytes
+            self._private = self._bytes(0, nbytes).clone()
+            self._free()
+
+    def release(self) -> None:
+        if not self.released:
+            self._free()
+        self._private = None
+
+    def _free(self) -> None:
+        self.released = True
+        native().flag_store(self._segment.flag(self._segment.layout.consumed(DATA, self._slot)), self._seq)
+
+
+def _post_rows_offset(num_local: int, header_bytes: int) -> int:
+    """Where the rows of a post start in a data slot: after one header cell per source, 4 KiB aligned."""
+    return -(-num_local * header_bytes // 4096) * 4096
 
 
 def _require_cpu(op: str, device: torch.device) -> None:
@@ -340,6 +407,47 @@ class ShmTransport(Transport):
                 got[r] = cell.clone().view(torch.int64).tolist()
         native().flag_store(mine.flag(layout.consumed(META, slot)), seq)
         return got, sorted(set(late))
+
+    # ------------------------------------------------------------------ low-latency posts
+    def post_room(self, header_bytes: int, record_bytes: int) -> Optional[int]:
+        if self.remote:
+            return None
+        L = len(self.local)
+        return max(self.capacity - _post_rows_offset(L, header_bytes), 0) // L // max(record_bytes, 1)
+
+    def post(self, header: torch.Tensor, counts: Sequence[int], record_bytes: int, rows: Rows, *, op: str,
+             device: torch.device) -> Posted:
+        """With every rank on this host: the header and rows go straight into each receiver's data slot,
+        source s's at fixed places (its header cell, its region of ``post_room`` rows) that do not depend
+        on any rank's arguments, so a receiver reads every header before it trusts any count. The only
+        wait is for the slot to be free (the receiver consumed the post two exchanges back)."""
+        if self.remote:
+            return super().post(header, counts, record_bytes, rows, op=op, device=device)
+        _require_cpu(op, device)
+        header_bytes = header.numel()
+        room = self.post_room(header_bytes, record_bytes)
+        if max(counts, default=0) > room:
+            raise ValueError(f"{op}: shm transport: {max(counts)} rows of {record_bytes} bytes for one rank exceed "
+                             f"the {room} rows a data slot of {self.capacity} bytes holds per rank; create the "
+                             f"Buffer with a larger num_rdma_bytes")
+        seq, slot = self._next(DATA)
+        me, firsts = self.local_index, prefix_sums(counts)
+        rows_at = _post_rows_offset(len(self.local), header_bytes) + me * room * record_bytes
+        header = header.reshape(-1)
+        for dest in self.local:
+            count = int(counts[dest])
+
+            def write(segment: Segment, dest: int = dest, count: int = count) -> None:
+                base = segment.layout.data_slot(slot)
+                segment.view(base + me * header_bytes, header_bytes).copy_(header)
+                if count:
+                    out = segment.view(base + rows_at, count * record_bytes)
+                    rows(dest, firsts[dest], out.view(count, record_bytes))
+
+            self._send(DATA, slot, seq, dest, write, op)
+        posted = _ShmPost(self, self._segments[me], slot, seq, op, header_bytes, room, record_bytes)
+        self._held[(DATA, slot)] = posted
+        return posted
 
     # ------------------------------------------------------------------ Transport
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
