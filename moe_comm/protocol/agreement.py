@@ -27,11 +27,12 @@ import torch
 
 from ..core.errors import BufferUnusableError, CrossRankMismatchError
 from ..transport import Transport
+from . import call_header
 from .codes import UNKNOWN, Field, Op
 from .handshake import Handshake, check, show, vector
 from .shrink import note, read_note
 
-__all__ = ["CallAgreement", "Proposal"]
+__all__ = ["CallAgreement", "Proposal", "Rejecter", "is_agreed", "no_rows"]
 
 _MESSAGE_BYTES = 1024  # a rejection's message on the wire, truncated to fit
 #: the calls whose handshake masks late ranks in a shrinking buffer (``shrink.py``)
@@ -40,6 +41,20 @@ _SHRINKING = (Op.LOW_LATENCY_DISPATCH, Op.LOW_LATENCY_COMBINE, Op.CLEAN_LOW_LATE
 #: ``propose(skip)``: a rank's handshake entries rebuilt for a larger set of masked ranks, as keyword
 #: arguments of ``CallAgreement.handshake`` (send_counts, expected, sent_digests, expected_digests)
 Proposal = Callable[[frozenset[int]], Mapping[str, Any]]
+
+#: ``rejecter(op, number, message)``: delivers a rejection of call ``number`` the way the call's peers
+#: expect it (a low-latency call: a header with the rejected bit, ``call_header``)
+Rejecter = Callable[[str, int, str], None]
+
+
+def _mark_agreed(exc: BaseException) -> BaseException:
+    exc.moe_comm_agreed = True  # type: ignore[attr-defined]
+    return exc
+
+
+def is_agreed(exc: BaseException) -> bool:
+    """Whether ``exc`` is a verdict every rank reached alike (the ranks stay in step)."""
+    return bool(getattr(exc, "moe_comm_agreed", False))
 
 
 @dataclass
@@ -64,6 +79,10 @@ class CallAgreement:
         self.broken: Optional[str] = None  # why this buffer refuses further use
         self.destroyed = False
         self._current: Optional[_Call] = None
+        #: ops whose calls agree through headers in the data path: how a rejection reaches their peers
+        self.rejecters: dict[str, Rejecter] = {}
+        #: run before every handshake: work of earlier calls that must move first (``Transport.post``)
+        self.before_handshake: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ state
     def refuse(self, op: str) -> None:
@@ -95,7 +114,7 @@ class CallAgreement:
             self._current = None
 
     def _failed(self, call: _Call, exc: BaseException, skipped: Callable[[], frozenset[int]]) -> None:
-        if self.broken is not None or exc is call.agreed:
+        if self.broken is not None or exc is call.agreed or is_agreed(exc):
             return
         if call.started:
             self.breaks(f"{type(exc).__name__} in {call.op} (call {call.number}) on rank {self.rank}: {exc}")
@@ -104,6 +123,10 @@ class CallAgreement:
         # that they fail this call too instead of pairing with this rank's next one.
         call.rejection = f"{type(exc).__name__}: {exc}"
         try:
+            rejecter = None if self.shrink else self.rejecters.get(call.op)
+            if rejecter is not None:
+                rejecter(call.op, call.number, call.rejection)
+                return
             self.handshake(call.op, Op.of_method(call.op), {}, [0] * self.num_ranks, [0] * self.num_ranks, (),
                            self.transport.device, skipped())
         except BaseException as failure:  # the rejection could not be delivered: ranks may wait for it
@@ -123,10 +146,66 @@ class CallAgreement:
                 try:
                     finish()
                 except BaseException as exc:
+                    if is_agreed(exc):  # every rank fails this call alike and stays in step
+                        raise
                     self.breaks(f"{type(exc).__name__} while completing {op} on rank {self.rank}: {exc}")
                     raise
             return complete
         return wrap
+
+    # ------------------------------------------------------------------ headers in the data path
+    @property
+    def number(self) -> int:
+        """The number of the call running now."""
+        return self._current.number
+
+    def header(self, code: Op, fields: Mapping[Field, int], send_counts: Sequence[int],
+               expected: Optional[Sequence[int]] = None, sent_digests: Optional[Sequence[int]] = None,
+               expected_digests: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """The header of the running call (``call_header``), which then counts as started: a failure
+        from here on breaks the buffer. Arguments as ``handshake``'s."""
+        call = self._current
+        scalars = {**fields, Field.OP: code, Field.CALL: call.number, Field.REJECTED: 0}
+        call.started = True
+        return call_header.encode(vector(scalars, send_counts, expected, sent_digests, expected_digests,
+                                         self.num_ranks), None)
+
+    def rejection_header(self, code: Op, number: int, message: str) -> torch.Tensor:
+        """The header of rejected call ``number``: no rows, the rejected bit, ``message``."""
+        zeros = [0] * self.num_ranks
+        row = vector({Field.OP: code, Field.CALL: number, Field.REJECTED: 1}, zeros, zeros, None, None, self.num_ranks)
+        return call_header.encode(row, message)
+
+    def judge(self, op: str, headers: torch.Tensor, compare: Sequence[Field],
+              verdict: Optional[Callable[[Handshake], None]] = None) -> Handshake:
+        """The verdict on every rank's header of one call (`[R, header_bytes]`), as ``handshake``
+        reaches it: BufferUnusableError when ranks are on different calls (the buffer breaks);
+        CrossRankMismatchError, the same on every rank and leaving the buffer usable, when a rank
+        rejected its arguments or the headers disagree."""
+        R = self.num_ranks
+        rows = call_header.decode(headers, len(Field) + 4 * R)
+        shake = Handshake(rows)
+        self._same_call(shake, op)
+        rejected = [r for r, flag in enumerate(shake.field(Field.REJECTED)) if flag > 0]
+        try:
+            if rejected:
+                texts = call_header.messages(headers, len(Field) + 4 * R, rejected)
+                raise _rejected_error(op, rejected, texts)
+            check(shake, op, compare)
+            if verdict is not None:
+                verdict(shake)
+        except CrossRankMismatchError as exc:
+            raise _mark_agreed(exc)
+        return shake
+
+    def _same_call(self, shake: Handshake, op: str) -> None:
+        if len(set(shake.field(Field.CALL))) > 1:
+            ops = shake.field(Field.OP)
+            calls = ", ".join(f"rank {r}: call {n} ({show(Field.OP, ops[r])})"
+                              for r, n in enumerate(shake.field(Field.CALL)))
+            self.breaks(f"its ranks were found on different calls ({calls}): a rank skipped a call, or failed "
+                        f"one alone")
+            raise BufferUnusableError(op, self.rank, self.broken)
 
     # ------------------------------------------------------------------ the handshake
     def handshake(self, op: str, code: Op, fields: Mapping[Field, int], send_counts: Sequence[int],
@@ -158,26 +237,44 @@ class CallAgreement:
             every rank, when a rank rejected its arguments or ops, fields, counts or digests disagree;
             CommTimeoutError / PeerExitedError from the transport.
         """
+        for settle in self.before_handshake:
+            settle()
+        self.refuse(op)  # settling an earlier call may have broken the buffer
         call = self._current
         R = self.num_ranks
         scalars = {**fields, Field.OP: code, Field.CALL: call.number, Field.REJECTED: int(call.rejection is not None)}
         entries = dict(send_counts=send_counts, expected=expected, sent_digests=sent_digests,
                        expected_digests=expected_digests)
         call.started = True
+        texts: Optional[dict[int, str]]
         if self.shrink and code in _SHRINKING:
             rows, skip = self._shrinking(call, op, scalars, entries, skip, propose)
-        else:
-            row = vector(scalars, num_ranks=R, **entries)
-            mine = torch.tensor(row, dtype=torch.int64, device=device).expand(R, len(row)).contiguous()
-            got = torch.empty_like(mine)
-            self.transport.all_to_all(got, mine, [1] * R, [1] * R, op=op, skip=skip).wait()
-            rows = got.cpu().tolist()
+            texts = None
+        else:  # ranks are masked only in shrinking buffers
+            assert not skip, "masked ranks without shrink"
+            rows, texts = self._post_vector(op, vector(scalars, num_ranks=R, **entries), call.rejection, device)
         F = len(Field)
         for r in skip:
             rows[r] = rows[self.rank][:F] + [0] * R + [UNKNOWN] * (3 * R)
         shake = Handshake(rows, skip)
-        self._judge(call, shake, op, compare, device, skip, verdict)
+        self._judge(call, shake, op, compare, device, skip, verdict, texts)
         return shake
+
+    def _post_vector(self, op: str, row: list[int], rejection: Optional[str],
+                     device: torch.device) -> tuple[list[list[int]], dict[int, str]]:
+        """Every rank's vector, and the rejecting ranks' messages: a post with no rows
+        (``Transport.post``), the very exchange that carries a low-latency call's header, so that a
+        handshake and a low-latency call that meet are judged alike."""
+        R = self.num_ranks
+        posted = self.transport.post(call_header.encode(row, rejection), [0] * R, 0, no_rows, op=op, device=device)
+        try:
+            headers = posted.headers()
+            rows = call_header.decode(headers, len(row))
+            rejected = [r for r in range(R) if rows[r][Field.REJECTED] > 0]
+            texts = dict(zip(rejected, call_header.messages(headers, len(row), rejected))) if rejected else {}
+        finally:
+            posted.release()
+        return rows, texts
 
     def _shrinking(self, call: _Call, op: str, scalars: Mapping[Field, int], entries: dict[str, Any],
                    skip: frozenset[int], propose: Optional[Proposal]) -> tuple[list[list[int]], frozenset[int]]:
@@ -220,17 +317,16 @@ class CallAgreement:
                 entries = {**entries, **propose(skip)}
 
     def _judge(self, call: _Call, shake: Handshake, op: str, compare: Sequence[Field], device: torch.device,
-               skip: frozenset[int], verdict: Optional[Callable[[Handshake], None]]) -> None:
-        if len(set(shake.field(Field.CALL))) > 1:
-            ops = shake.field(Field.OP)
-            calls = ", ".join(f"rank {r}: call {n} ({show(Field.OP, ops[r])})"
-                              for r, n in enumerate(shake.field(Field.CALL)))
-            self.breaks(f"its ranks were found on different calls ({calls}): a rank skipped a call, or failed "
-                        f"one alone")
-            raise BufferUnusableError(op, self.rank, self.broken)
+               skip: frozenset[int], verdict: Optional[Callable[[Handshake], None]],
+               texts: Optional[dict[int, str]]) -> None:
+        """``texts``: the rejecting ranks' messages, or None to exchange them (``_rejected``)."""
+        self._same_call(shake, op)
         try:
             rejected = [r for r, flag in enumerate(shake.field(Field.REJECTED)) if flag > 0]
-            if rejected:
+            if rejected and texts is not None:
+                if call.rejection is None:
+                    raise _rejected_error(op, rejected, [texts[r] for r in rejected])
+            elif rejected:
                 self._rejected(call, op, rejected, device, skip)
             else:
                 check(shake, op, compare)
@@ -242,7 +338,7 @@ class CallAgreement:
 
     def _rejected(self, call: _Call, op: str, rejected: list[int], device: torch.device,
                   skip: frozenset[int]) -> None:
-        """Every rank learns the rejecting ranks' messages; those ranks return (they raise their own
+        """(A shrinking buffer's handshake, whose vectors carry no messages.) Every rank learns the rejecting ranks' messages; those ranks return (they raise their own
         errors), the others raise one CrossRankMismatchError naming them."""
         R = self.num_ranks
         text = (call.rejection or "").encode()[:_MESSAGE_BYTES]
@@ -253,6 +349,16 @@ class CallAgreement:
         if call.rejection is not None:
             return
         texts = got.cpu()
-        said = "; ".join(f"rank {r} rejected its arguments ({bytes(texts[r].tolist()).rstrip(bytes(1)).decode(errors='replace')})"
-                         for r in rejected)
-        raise CrossRankMismatchError(f"{op}: {said}; every rank fails this call, and the Buffer stays usable")
+        raise _rejected_error(op, rejected, [bytes(texts[r].tolist()).rstrip(bytes(1)).decode(errors="replace")
+                                             for r in rejected])
+
+
+def no_rows(dest: int, first: int, out: torch.Tensor) -> None:
+    """The rows of a post that sends none (a handshake, a rejection)."""
+    raise AssertionError("this post sends no rows")
+
+
+def _rejected_error(op: str, rejected: list[int], texts: list[str]) -> CrossRankMismatchError:
+    """What every rank but the rejecting ones raises when ranks ``rejected`` rejected their arguments."""
+    said = "; ".join(f"rank {r} rejected its arguments ({text})" for r, text in zip(rejected, texts))
+    return CrossRankMismatchError(f"{op}: {said}; every rank fails this call, and the Buffer stays usable")

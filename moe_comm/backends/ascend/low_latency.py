@@ -46,6 +46,8 @@ _ROUTING = RecordLayout.build([("x", torch.uint8, 0), ("src", torch.int32, 1), (
 class Mc2LowLatencyMode(LowLatencyMode):
     """``LowLatencyMode`` whose payload moves through MC2."""
 
+    agrees_in_data_path = False  # the vendor's all-to-all needs every rank's counts first: handshake first
+
     def __init__(self, transport: Transport, agreement: CallAgreement, mc2: Mc2) -> None:
         super().__init__(transport, agreement)
         self.mc2 = mc2

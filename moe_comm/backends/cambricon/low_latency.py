@@ -41,6 +41,8 @@ class _Received:
 class TmoLowLatencyMode(LowLatencyMode):
     """``LowLatencyMode`` whose payload moves through ``moe_all2all``."""
 
+    agrees_in_data_path = False  # the vendor's all-to-all needs every rank's counts first: handshake first
+
     def __init__(self, transport: Transport, agreement: CallAgreement, all2all: TmoAll2All) -> None:
         super().__init__(transport, agreement)
         self.all2all = all2all

@@ -40,6 +40,8 @@ class KernelLowLatencyMode(LowLatencyMode):
     """Low-latency operations of one Buffer on the kernels of ``kernels`` (moe_comm._cuda_host, or the
     device build's adapter ``device_kernels.DeviceKernels``)."""
 
+    agrees_in_data_path = False  # NOTES: the kernels' signals carry no call header yet: handshake first
+
     def __init__(self, transport: Transport, agreement: CallAgreement, kernels: Any,
                  buffers: SharedBuffers, stream: HostStream, timeout_s: float, node_ranks: int = 0) -> None:
         super().__init__(transport, agreement)

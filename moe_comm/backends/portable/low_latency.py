@@ -1,13 +1,15 @@
 """Low-latency mode: DeepEP's decode-time dispatch and combine with fixed shapes, over any transport.
 
-    dispatch:  handshake (args, message counts) -> FP8 cast -> pack one record per (token, expert)
-               -> start the all-to-all   ...   receive: wait -> scatter into [E_loc, R * M, H]
-    combine:   handshake (row counts) -> pack the valid rows -> start the all-to-all
-               ...   receive: wait -> weighted fixed-order reduce per token
+    dispatch:  checks -> send order -> FP8 cast -> post the records and this call's header to every rank
+               ...   receive: every rank's header -> verdict -> scatter into [E_loc, R * M, H]
+    combine:   checks -> routing digests -> post the valid rows and the header
+               ...   receive: headers -> verdict -> weighted fixed-order reduce per token
 
-The call blocks the host only for the handshake, which every rank must reach because it carries
-the message counts that size the exchange. The payload then moves in the background while the
-caller computes; the receive half runs in ``hook()``, in ``event.current_stream_wait()`` or at once.
+The send half waits for no peer: the call agreement travels with the data (``Transport.post``,
+``protocol/call_header.py``), and the receive half, in ``hook()``, in ``event.current_stream_wait()`` or
+at once, judges every rank's header before it reads a row, so a mismatch fails the same way on every
+rank and a rank that rejected its arguments (it still posts its header, with its reason) fails every
+rank's call. A shrinking buffer (``enable_shrink``) keeps the handshake first: it masks late ranks there.
 
 Row order is deterministic (DeepEP's is arrival order): inside local expert e, rows come in blocks
 by source rank ascending and, inside a block, by source token ascending. Rows past ``recv_count[e]``
@@ -26,19 +28,21 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ...core.errors import CommTimeoutError
 from ...core.memory import empty
 from ...ops import quantize
 from ...ops.combine_reduce import combine_reduce
 from ...ops.logfmt import logfmt_encode, logfmt_row_bytes
 from ...ops.records import RecordLayout, pack_rows
-from ...protocol.agreement import CallAgreement
+from ...protocol.agreement import CallAgreement, is_agreed, no_rows
+from ...protocol.call_header import decode, header_bytes
 from ...protocol.codes import Field, Fp8Format, Op
 from ...protocol.digest import low_latency_combine_digests
 from ...protocol.handle import LowLatencyHandle
-from ...protocol.handshake import Handshake
+from ...protocol.handshake import Handshake, show
 from ...protocol.low_latency_layout import add_stats, combine_rows, dispatch_outputs, low_latency_unpack, send_order
 from ...transport import Transport
-from ...transport.base import Exchange, Rows
+from ...transport.base import Exchange, Posted, Rows, prefix_sums
 from ..base import LowLatencyDispatch, Receive
 
 __all__ = ["LowLatencyMode"]
@@ -58,12 +62,22 @@ class _Slot:
 class LowLatencyMode:
     """Low-latency operations of one ``Buffer`` over its transport."""
 
+    #: calls post their rows with their headers and are judged at the receive (else: the handshake
+    #: first, and the payload through ``dispatch_exchange`` / ``combine_exchange``, which subclasses
+    #: whose payload moves through a vendor's all-to-all override)
+    agrees_in_data_path = True
+
     def __init__(self, transport: Transport, agreement: CallAgreement) -> None:
         self.transport, self.agreement = transport, agreement
         self.rank, self.num_ranks = transport.rank, transport.num_ranks
         self._slots = [_Slot(), _Slot()]
         self._idx = 0
         self._lent: Optional[int] = None  # slot whose combine buffer was lent for a zero-copy combine
+        self._unsettled: list[_PostedCall] = []  # posted calls whose headers are not judged yet, in post order
+        if self.agrees_in_data_path:
+            for op in ("low_latency_dispatch", "low_latency_combine"):
+                agreement.rejecters[op] = self._reject
+        agreement.before_handshake.append(self._settle_all)
 
     # ------------------------------------------------------------------ double buffering
     def _acquire(self, op: str, zero_copy: bool = False) -> _Slot:
@@ -110,6 +124,37 @@ class LowLatencyMode:
         self._idx ^= 1
         return receive
 
+    # ------------------------------------------------------------------ calls posted with their headers
+    def _check_room(self, op: str, record_bytes: int, counts: list[int]) -> None:
+        """Rows to one rank must fit where the transport posts them (a rejection, before anything moves)."""
+        room = self.transport.post_room(header_bytes(len(Field) + 4 * self.num_ranks), record_bytes)
+        if room is not None and max(counts, default=0) > room:
+            rank = max(range(len(counts)), key=lambda r: counts[r])
+            raise ValueError(f"{op}: {counts[rank]} rows of {record_bytes} bytes go to rank {rank}, more than the "
+                             f"{room} the {self.transport.name} transport's buffer holds per rank; create the Buffer "
+                             f"with a larger num_rdma_bytes (Buffer.get_low_latency_rdma_size_hint)")
+
+    def _post(self, op: str, header: torch.Tensor, counts: list[int], record_bytes: int, pack: Rows,
+              device: torch.device, compare: tuple[Field, ...]) -> "_PostedCall":
+        posted = self.transport.post(header, counts, record_bytes, pack, op=op, device=device)
+        call = _PostedCall(self, op, posted, compare, self.agreement.number)
+        self._unsettled.append(call)
+        return call
+
+    def _reject(self, op: str, number: int, message: str) -> None:
+        """Call ``number`` of ``op`` rejected here: a header with the rejected bit goes to every rank,
+        so that they fail it alike; nothing is received (the peers' rows of it are dropped unread)."""
+        header = self.agreement.rejection_header(Op.of_method(op), number, message)
+        posted = self.transport.post(header, [0] * self.num_ranks, 0, no_rows, op=op, device=self.transport.device)
+        posted.release()
+        self._idx ^= 1  # the peers' calls took a buffer half too
+        self._lent = None
+
+    def _settle_all(self) -> None:
+        """Settles every posted call in post order (before any other collective of the transport)."""
+        while self._unsettled:
+            self._unsettled[0].settle(raise_error=False)
+
     # ------------------------------------------------------------------ payload
     def dispatch_exchange(self, shake: Handshake, record_bytes: int, pack: Rows, device: torch.device) -> Exchange:
         """Starts a dispatch's records on their way (``Transport.exchange`` of ``shake.matrix``; ``pack(dest,
@@ -146,34 +191,77 @@ class LowLatencyMode:
                                          propose=propose)
         return shake, routing["msg"], routing["experts"], time.perf_counter_ns() - start
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int, fp8_format: Fp8Format,
-                 recv_stats: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
-                 hook: bool) -> LowLatencyDispatch:
-        """Checked ``low_latency_dispatch`` (see ``Buffer``); returns outputs filled by ``receive``."""
-        op = "low_latency_dispatch"
-        R, device, hidden = self.num_ranks, x.device, x.shape[1]
-        local = num_experts // R
-        slot = self._acquire(op)
-        shake, msg, experts, waited = self.agree_dispatch(x, topk_idx, m, num_experts, fp8_format, self.skip())
-        recv_counts = shake.recv_counts(self.rank)
-
-        scales = None
-        data = x
+    def _dispatch_records(self, x: torch.Tensor, fp8_format: Fp8Format, msg: torch.Tensor, experts: torch.Tensor,
+                          num_topk: int, local: int) -> tuple[RecordLayout, Rows, Optional[torch.Tensor]]:
+        """A dispatch's records (x cast to ``fp8_format``, scales, source token, local expert), what packs
+        them in send order (``msg``, ``experts``: ``send_order``), and the scales (None in bf16)."""
+        scales, data = None, x
         if fp8_format is not Fp8Format.BF16:
             data, scales = quantize(x, "e4m3", round_scale=fp8_format.round_scale, use_ue8m0=fp8_format.ue8m0)
             data = data.view(torch.uint8)
-        specs = [("x", data.dtype, hidden)]
+        specs = [("x", data.dtype, x.shape[1])]
         specs += [] if scales is None else [("scales", scales.dtype, scales.shape[1])]
         records = RecordLayout.build(specs + [("src", torch.int32, 1), ("expert", torch.int32, 1)])
-        src_index = torch.arange(x.shape[0], dtype=torch.int32, device=device).unsqueeze(1)
+        src_index = torch.arange(x.shape[0], dtype=torch.int32, device=x.device).unsqueeze(1)
         fields = [data] + ([] if scales is None else [scales]) + [src_index, None]
-        tokens, local_expert = msg // max(topk_idx.shape[1], 1), (experts % local).to(torch.int32).unsqueeze(1)
+        tokens, local_expert = msg // max(num_topk, 1), (experts % local).to(torch.int32).unsqueeze(1)
 
         def pack(dest: int, first: int, out: torch.Tensor) -> None:
             part = slice(first, first + out.shape[0])
             pack_rows(records, fields, tokens[part], out=out)
             records.view(out, "expert").copy_(local_expert[part])
 
+        return records, pack, scales
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int, fp8_format: Fp8Format,
+                 recv_stats: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
+                 hook: bool) -> LowLatencyDispatch:
+        """Checked ``low_latency_dispatch`` (see ``Buffer``); returns outputs filled by ``receive``. The
+        rows and this call's header leave at once (``Transport.post``); the receive judges every rank's
+        header before it reads a row."""
+        if self.agreement.shrink or not self.agrees_in_data_path:
+            return self._handshake_dispatch(x, topk_idx, m, num_experts, fp8_format, recv_stats, wait_stats, hook)
+        op = "low_latency_dispatch"
+        R, device, hidden = self.num_ranks, x.device, x.shape[1]
+        local = num_experts // R
+        slot = self._acquire(op)
+        msg, experts, send_counts = send_order(topk_idx, num_experts, R)
+        records, pack, scales = self._dispatch_records(x, fp8_format, msg, experts, topk_idx.shape[1], local)
+        self._check_room(op, records.record_bytes, send_counts)
+        fields = {Field.HIDDEN: hidden, Field.NUM_EXPERTS: num_experts, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: m,
+                  Field.FP8_FORMAT: fp8_format}
+        header = self.agreement.header(Op.LOW_LATENCY_DISPATCH, fields, send_counts)
+        call = self._post(op, header, send_counts, records.record_bytes, pack, device,
+                          _COMPARED + (Field.FP8_FORMAT,))
+        recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(
+            local, R, m, hidden, None if scales is None else (scales.dtype, scales.shape[1]), device)
+
+        @self.agreement.deferred(op)
+        def finish() -> None:
+            begin = time.perf_counter_ns()
+            try:
+                shake, received, firsts = call.settle()
+                low_latency_unpack(records, received, shake.recv_counts(self.rank), recv_x, recv_scales, src_info,
+                                   layout_range, recv_count, firsts)
+            finally:
+                call.release()
+            add_stats(recv_stats, recv_count, wait_stats, time.perf_counter_ns() - begin)
+
+        receive = self._launch(slot, op, finish, hook)
+        handle = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts)
+        return LowLatencyDispatch(recv_x, recv_scales, recv_count, handle, receive)
+
+    def _handshake_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, m: int, num_experts: int,
+                            fp8_format: Fp8Format, recv_stats: Optional[torch.Tensor],
+                            wait_stats: Optional[torch.Tensor], hook: bool) -> LowLatencyDispatch:
+        """``dispatch`` with the handshake first (a shrinking buffer masks late ranks there), then the rows."""
+        op = "low_latency_dispatch"
+        R, device, hidden = self.num_ranks, x.device, x.shape[1]
+        local = num_experts // R
+        slot = self._acquire(op)
+        shake, msg, experts, waited = self.agree_dispatch(x, topk_idx, m, num_experts, fp8_format, self.skip())
+        recv_counts = shake.recv_counts(self.rank)
+        records, pack, scales = self._dispatch_records(x, fp8_format, msg, experts, topk_idx.shape[1], local)
         exchange = self.dispatch_exchange(shake, records.record_bytes, pack, device)
 
         recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(
@@ -237,18 +325,11 @@ class LowLatencyMode:
                                          expected_digests=first["expected_digests"], propose=propose)
         return shake, state["msg"], state["handle"], time.perf_counter_ns() - start
 
-    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
-                zero_copy: bool, out: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
-                hook: bool, use_logfmt: bool = False) -> tuple[torch.Tensor, Receive]:
-        """Checked ``low_latency_combine`` (see ``Buffer``); returns (out, receive that fills it). With
-        ``use_logfmt`` each row travels LogFMT-encoded (``ops.logfmt``) and is decoded in the reduction."""
-        op = "low_latency_combine"
-        device = x.device
+    def _combine_records(self, slot: _Slot, x: torch.Tensor, zero_copy: bool, send_rows: torch.Tensor,
+                         use_logfmt: bool) -> tuple[RecordLayout, Rows]:
+        """A combine's records (bf16 rows, or LogFMT-10) and what packs rows ``send_rows`` of x (or of the
+        lent zero-copy buffer) in send order."""
         local, rows, hidden = x.shape
-        slot = self._acquire(op, zero_copy)
-        shake, msg, handle, waited = self.agree_combine(x, topk_idx, handle, self.skip(), use_logfmt)
-        send_rows = combine_rows(handle.layout_range, rows)  # by source rank, then local expert, then row
-
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
         source = [source.reshape(local * rows, hidden)]
         if use_logfmt:
@@ -261,7 +342,69 @@ class LowLatencyMode:
 
             def pack(dest: int, first: int, out: torch.Tensor) -> None:
                 pack_rows(records, source, send_rows[first:first + out.shape[0]], out=out)
+        return records, pack
 
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
+                zero_copy: bool, out: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
+                hook: bool, use_logfmt: bool = False) -> tuple[torch.Tensor, Receive]:
+        """Checked ``low_latency_combine`` (see ``Buffer``); returns (out, receive that fills it). With
+        ``use_logfmt`` each row travels LogFMT-encoded (``ops.logfmt``) and is decoded in the reduction.
+        The rows and the header (with the digests of the handle's routing) leave at once, as in ``dispatch``."""
+        if self.agreement.shrink or not self.agrees_in_data_path:
+            return self._handshake_combine(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, hook,
+                                           use_logfmt)
+        op = "low_latency_combine"
+        R, device = self.num_ranks, x.device
+        local, rows, hidden = x.shape
+        slot = self._acquire(op, zero_copy)
+        msg, experts, expected = send_order(topk_idx, handle.num_experts, R)
+        returned, asked = low_latency_combine_digests(handle.layout_range, handle.src_info, msg, experts, expected,
+                                                      topk_idx.shape[1])
+        send_counts = handle.counts().sum(0).tolist()  # rows going back to each source rank
+        send_rows = combine_rows(handle.layout_range, rows)  # by source rank, then local expert, then row
+        records, pack = self._combine_records(slot, x, zero_copy, send_rows, use_logfmt)
+        self._check_room(op, records.record_bytes, send_counts)
+        fields = {Field.HIDDEN: hidden, Field.NUM_EXPERTS: handle.num_experts,
+                  Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: handle.num_max_dispatch_tokens_per_rank,
+                  Field.USE_LOGFMT: int(use_logfmt)}
+        header = self.agreement.header(Op.LOW_LATENCY_COMBINE, fields, send_counts, expected, returned, asked)
+        call = self._post(op, header, send_counts, records.record_bytes, pack, device,
+                          _COMPARED + (Field.USE_LOGFMT,))
+        num_tokens, num_topk = topk_idx.shape
+        # message i of the send order went to rank experts[i] // local, as its (i - before[rank])-th row
+        before = torch.tensor(prefix_sums(expected)[:-1], dtype=torch.int64, device=device)
+        dest = experts // local
+        if out is None:
+            out = empty((num_tokens, hidden), torch.bfloat16, device)
+
+        @self.agreement.deferred(op)
+        def finish() -> None:
+            begin = time.perf_counter_ns()
+            try:
+                _, received, firsts = call.settle()
+                at = torch.arange(msg.shape[0], dtype=torch.int64, device=device) - before[dest]
+                at += torch.tensor(firsts, dtype=torch.int64, device=device)[dest]
+                pos = torch.full((num_tokens * num_topk,), -1, dtype=torch.int32, device=device)
+                pos[msg] = at.to(torch.int32)
+                combine_reduce(records, received, pos.view(num_tokens, num_topk), None, None, out, None,
+                               scale=topk_weights, x_format="logfmt" if use_logfmt else "plain")
+            finally:
+                call.release()
+            add_stats(None, None, wait_stats, time.perf_counter_ns() - begin)
+
+        return out, self._launch(slot, op, finish, hook)
+
+    def _handshake_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                           handle: LowLatencyHandle, zero_copy: bool, out: Optional[torch.Tensor],
+                           wait_stats: Optional[torch.Tensor], hook: bool,
+                           use_logfmt: bool = False) -> tuple[torch.Tensor, Receive]:
+        """``combine`` with the handshake first (a shrinking buffer masks late ranks there), then the rows."""
+        op = "low_latency_combine"
+        device = x.device
+        slot = self._acquire(op, zero_copy)
+        shake, msg, handle, waited = self.agree_combine(x, topk_idx, handle, self.skip(), use_logfmt)
+        send_rows = combine_rows(handle.layout_range, x.shape[1])  # by source rank, then local expert, then row
+        records, pack = self._combine_records(slot, x, zero_copy, send_rows, use_logfmt)
         exchange = self.combine_exchange(shake, handle, records.record_bytes, pack, device)
 
         num_tokens, num_topk = topk_idx.shape
@@ -269,7 +412,7 @@ class LowLatencyMode:
         pos[msg] = torch.arange(msg.shape[0], dtype=torch.int32, device=device)
         pos = pos.view(num_tokens, num_topk)
         if out is None:
-            out = empty((num_tokens, hidden), torch.bfloat16, device)
+            out = empty((num_tokens, x.shape[2]), torch.bfloat16, device)
 
         @self.agreement.deferred(op)
         def finish() -> None:
@@ -294,3 +437,62 @@ class LowLatencyMode:
         zeros = [0] * self.num_ranks
         fields = {Field.HIDDEN: hidden, Field.NUM_EXPERTS: num_experts, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: m}
         self.agreement.handshake(op, Op.CLEAN_LOW_LATENCY_BUFFER, fields, zeros, zeros, _COMPARED, device, self.skip())
+
+
+class _PostedCall:
+    """One low-latency call's receive side: its headers judged, then its rows, once, in post order."""
+
+    def __init__(self, mode: LowLatencyMode, op: str, posted: Posted, compare: tuple[Field, ...], number: int) -> None:
+        self._mode, self._op, self._posted, self._compare, self._number = mode, op, posted, compare, number
+        self._result: Optional[tuple[Handshake, torch.Tensor, list[int]]] = None
+        self._error: Optional[BaseException] = None
+
+    def settle(self, raise_error: bool = True) -> tuple[Handshake, torch.Tensor, list[int]]:
+        """(verdict, rows, where each source's rows start); the calls posted before it settle first.
+        A failure is kept and raised here and at every later settle; one that is not an agreed verdict
+        breaks the buffer."""
+        pending = self._mode._unsettled
+        while self in pending:
+            first = pending.pop(0)
+            first._run()
+        if self._error is not None and raise_error:
+            raise self._error
+        return self._result  # type: ignore[return-value]
+
+    def _run(self) -> None:
+        agreement = self._mode.agreement
+        try:
+            headers = self._headers()
+            shake = agreement.judge(self._op, headers, self._compare)
+            self._result = (shake,) + tuple(self._posted.rows())  # type: ignore[assignment]
+        except BaseException as exc:
+            self._error = exc
+            self._posted.release()
+            if not is_agreed(exc):
+                agreement.breaks(f"{type(exc).__name__} while receiving {self._op} (call {self._number}) on rank "
+                                 f"{agreement.rank}: {exc}")
+            if not isinstance(exc, Exception):
+                raise
+
+    def _headers(self) -> torch.Tensor:
+        try:
+            return self._posted.headers()
+        except CommTimeoutError as exc:
+            heard = []
+            for rank in exc.missing_ranks or []:
+                last = self._posted.last_call_header(rank)
+                if last is None:  # the transport keeps no header
+                    continue
+                if not last.numel():
+                    heard.append(f"rank {rank} has sent no call here yet")
+                else:
+                    row = decode(last.reshape(1, -1), len(Field))[0]
+                    heard.append(f"rank {rank} last sent call {row[Field.CALL]} ({show(Field.OP, row[Field.OP])})")
+            if not heard:
+                raise
+            detail = f"this rank waits for call {self._number} ({self._op}); " + "; ".join(heard)
+            raise CommTimeoutError(exc.op, exc.rank, exc.timeout_s, exc.missing_ranks,
+                                   detail + (f"; {exc.detail}" if exc.detail else "")) from exc
+
+    def release(self) -> None:
+        self._posted.release()
