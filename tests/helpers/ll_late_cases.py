@@ -1,0 +1,122 @@
+"""Low-latency calls with a late rank, run inside ranks: the agreement travels with the data, so the
+send half returns at once and the receive judges every rank's header."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from helpers.ll_hook_cases import H, T, _bits, _inputs, _raises, E
+from helpers.low_latency_cases import ll_buffer
+
+
+def _combine_input(rank: int, recv_x: Any) -> torch.Tensor:
+    shape = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape
+    torch.manual_seed(1000 + rank)
+    return torch.randn(shape).to(torch.bfloat16)
+
+
+def late_rank(group: dist.ProcessGroup, late_s: float, use_fp8: bool) -> dict[str, Any]:
+    """The last rank calls each send half ``late_s`` late: a correct dispatch + combine, then a
+    dispatch with another hidden size, then a correct call again. Returns the others' send-half
+    times, whether hooked outputs equal the blocking form's, and every rank's error."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    experts = E * R
+    buf = ll_buffer(group, T, H, experts)
+    x, idx, w = _inputs(rank, 7)
+    ref_x, ref_count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=use_fp8)
+    y = _combine_input(rank, ref_x)
+    ref_out = buf.low_latency_combine(y, idx, w, handle)[0].clone()
+    late = rank == R - 1
+    out: dict[str, Any] = {"rank": rank}
+
+    dist.barrier(group)
+    if late:
+        time.sleep(late_s)
+    start = time.monotonic()
+    got_x, got_count, got_handle, _, hook = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=use_fp8,
+                                                                     return_recv_hook=True)
+    out["dispatch_send_s"] = time.monotonic() - start
+    hook()
+    dist.barrier(group)
+    if late:
+        time.sleep(late_s)
+    start = time.monotonic()
+    got_out, _, hook = buf.low_latency_combine(y, idx, w, got_handle, return_recv_hook=True)
+    out["combine_send_s"] = time.monotonic() - start
+    hook()
+    out["equal"] = (all(torch.equal(p, q) for p, q in zip(_bits(got_x), _bits(ref_x)))
+                    and torch.equal(got_count, ref_count) and torch.equal(got_out.view(torch.int16),
+                                                                           ref_out.view(torch.int16)))
+
+    dist.barrier(group)
+    if late:
+        time.sleep(late_s)
+        x_odd = torch.randn(x.shape[0], H // 2).to(torch.bfloat16)
+        start = time.monotonic()
+        hook = buf.low_latency_dispatch(x_odd, idx, T, experts, use_fp8=use_fp8, return_recv_hook=True)[4]
+    else:
+        start = time.monotonic()
+        hook = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=use_fp8, return_recv_hook=True)[4]
+    out["mismatch_send_s"] = time.monotonic() - start
+    out["mismatch"] = _raises(hook)
+
+    again = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=use_fp8)[0]
+    out["next_call_equal"] = all(torch.equal(p, q) for p, q in zip(_bits(again), _bits(ref_x)))
+    dist.barrier(group)
+    buf.destroy()
+    return out
+
+
+def silent_rank(group: dist.ProcessGroup, timeout_s: float) -> dict[str, Any]:
+    """The last rank never makes a low-latency dispatch that the others make (hooked): their hooks
+    raise CommTimeoutError naming it and the call it last sent; a new Buffer then works on every rank."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    experts = E * R
+    x, idx, _ = _inputs(rank, 9)
+    buf = ll_buffer(group, T, H, experts, timeout_s=timeout_s)
+    ref = _bits(buf.low_latency_dispatch(x, idx, T, experts)[0])
+    out: dict[str, Any] = {"rank": rank}
+    if rank != R - 1:
+        start = time.monotonic()
+        hook = buf.low_latency_dispatch(x, idx, T, experts, return_recv_hook=True)[4]
+        out["send_s"] = time.monotonic() - start
+        start = time.monotonic()
+        out["error"] = _raises(hook)
+        out["error_s"] = time.monotonic() - start
+        out["after"] = _raises(lambda: buf.low_latency_dispatch(x, idx, T, experts))
+    dist.barrier(group)
+    buf.destroy()
+    fresh = ll_buffer(group, T, H, experts)
+    out["fresh_equal"] = all(torch.equal(p, q) for p, q in zip(_bits(fresh.low_latency_dispatch(x, idx, T, experts)[0]),
+                                                                ref))
+    dist.barrier(group)
+    fresh.destroy()
+    return out
+
+
+def stopped_mid_call(group: dist.ProcessGroup, timeout_s: float) -> dict[str, Any]:
+    """The last rank posts a hooked low-latency dispatch, then stops (SIGSTOP) inside the call; the
+    others' hooks fail at their deadline naming it; then rank 0 continues it."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    experts = E * R
+    pids = [None] * R
+    dist.all_gather_object(pids, os.getpid(), group=group)
+    x, idx, _ = _inputs(rank, 11)
+    buf = ll_buffer(group, T, H, experts, timeout_s=timeout_s)
+    buf.low_latency_dispatch(x, idx, T, experts)
+    out: dict[str, Any] = {"rank": rank}
+    hook = buf.low_latency_dispatch(x, idx, T, experts, return_recv_hook=True)[4]
+    if rank == R - 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # inside the call: its header went, its rows not yet received
+        out["error"] = _raises(hook)
+    else:
+        out["error"] = _raises(hook)
+        if rank == 0:
+            os.kill(pids[R - 1], signal.SIGCONT)
+    buf.destroy()
+    return out
