@@ -295,6 +295,15 @@ MC_NUM uint32_t block_code(const uint32_t* w, int j) {
     return ((w[word] >> shift) | spill) & kMaxCode;
 }
 
+// Channel j of a cast block (words w) of division dv, decoded: code 0 is 0, code k is
+// 2^((k - 1) * step + log_amin), negated when its sign bit is set.
+MC_NUM float block_value(const uint32_t* w, int j, const Division& dv) {
+    const uint32_t code = block_code(w, j);
+    const float mag = exp2(add_rn(mul_rn(add_rn(static_cast<float>(code), -1.0f), dv.step), dv.log_amin));
+    const float v = code == 0 ? 0.0f : mag;
+    return ((w[4] >> (16 + j)) & 1u) != 0 ? -v : v;
+}
+
 // Writes chunk c's payload at row + offset (metadata already written; offset = chunk_offset(row,
 // hidden, c)); returns its bytes.
 MC_NUM int64_t encode_chunk(uint8_t* row, const uint16_t* x, int64_t hidden, int64_t c, int64_t offset) {
@@ -353,15 +362,34 @@ MC_NUM int64_t decode_accumulate_chunk(const uint8_t* row, int64_t hidden, int64
         const Division& dv = divs[b * kBlock / kGroup];
         uint32_t w[5];
         for (int i = 0; i < 5; ++i) w[i] = load_u32(in + b * kBlockBytes + 4 * i);
-        for (int j = 0; j < kBlock; ++j) {
-            const uint32_t code = block_code(w, j);
-            const float mag = exp2(add_rn(mul_rn(add_rn(static_cast<float>(code), -1.0f), dv.step), dv.log_amin));
-            const float v = code == 0 ? 0.0f : mag;
-            const float signed_v = ((w[4] >> (16 + j)) & 1u) != 0 ? -v : v;
-            ac[b * kBlock + j] = add_rn(ac[b * kBlock + j], mul_rn(signed_v, weight));
-        }
+        for (int j = 0; j < kBlock; ++j)
+            ac[b * kBlock + j] = add_rn(ac[b * kBlock + j], mul_rn(block_value(w, j, dv), weight));
     }
     return chunk_bytes(count * kGroup, true);
+}
+
+// Channel i of an encoded row, decoded: the value decode_accumulate_chunk multiplies by the weight (so a
+// sum of decode_channel(row_j, hidden, i) * w_j, rounded per step, is bitwise decode_accumulate_row's).
+// For kernels that reduce channel by channel without a row of scratch: it finds the chunk's payload
+// from the metadata each time.
+MC_NUM float decode_channel(const uint8_t* row, int64_t hidden, int64_t i) {
+    const int64_t c = i / chunk_channels(hidden);
+    Division divs[kMaxDivisionsPerChunk];
+    int64_t first, count;
+    const bool cast = chunk_divisions(divs, &first, &count, row, hidden, c);
+    const uint8_t* in = row + chunk_offset(row, hidden, c);
+    const int64_t k = i - first * kGroup;  // the channel within its chunk
+    if (!cast) {
+        uint16_t v;
+        memcpy(&v, in + 2 * k, sizeof(v));
+        return bf16_to_float(v);
+    }
+    const int64_t b = k / kBlock;
+    const int j = static_cast<int>(k % kBlock);
+    const Division& dv = divs[b * kBlock / kGroup];
+    uint32_t w[5];
+    for (int q = 0; q < 5; ++q) w[q] = load_u32(in + b * kBlockBytes + 4 * q);
+    return block_value(w, j, dv);
 }
 
 // acc[i] += decoded[i] * weight for the hidden channels of an encoded row (valid_hidden(hidden)).

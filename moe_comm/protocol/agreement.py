@@ -186,7 +186,7 @@ class CallAgreement:
         rows = call_header.decode(headers, len(Field) + 4 * R)
         shake = Handshake(rows)
         self._same_call(shake, op)
-        rejected = [r for r, flag in enumerate(shake.field(Field.REJECTED)) if flag > 0]
+        rejected = _rejecting(shake)
         try:
             if rejected:
                 texts = call_header.messages(headers, len(Field) + 4 * R, rejected)
@@ -270,7 +270,7 @@ class CallAgreement:
         try:
             headers = posted.headers()
             rows = call_header.decode(headers, len(row))
-            rejected = [r for r in range(R) if rows[r][Field.REJECTED] > 0]
+            rejected = _rejecting(Handshake(rows))
             texts = dict(zip(rejected, call_header.messages(headers, len(row), rejected))) if rejected else {}
         finally:
             posted.release()
@@ -322,7 +322,7 @@ class CallAgreement:
         """``texts``: the rejecting ranks' messages, or None to exchange them (``_rejected``)."""
         self._same_call(shake, op)
         try:
-            rejected = [r for r, flag in enumerate(shake.field(Field.REJECTED)) if flag > 0]
+            rejected = _rejecting(shake)
             if rejected and texts is not None:
                 if call.rejection is None:
                     raise _rejected_error(op, rejected, [texts[r] for r in rejected])
@@ -351,6 +351,11 @@ class CallAgreement:
         texts = got.cpu()
         raise _rejected_error(op, rejected, [bytes(texts[r].tolist()).rstrip(bytes(1)).decode(errors="replace")
                                              for r in rejected])
+
+
+def _rejecting(shake: Handshake) -> list[int]:
+    """The ranks whose vector carries the rejected bit."""
+    return [r for r, flag in enumerate(shake.field(Field.REJECTED)) if flag > 0]
 
 
 def no_rows(dest: int, first: int, out: torch.Tensor) -> None:

@@ -96,7 +96,7 @@ def test_emulated_host_reference(tmp_path):
     proc = _run(GC / "emulated.py", "--ranks", 2, 3, 8, "--host-only", "--json", out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     rec = json.loads(out.read_text())
-    assert rec["ok"] and len(rec["checks"]) == 3 * 7
+    assert rec["ok"] and len(rec["checks"]) == 3 * 8  # ranks x cases (emulated.CASES)
     proc = _run(GC / "emulated.py", "--ranks", 2, "--small", "--host-only")
     assert proc.returncode == 0, proc.stdout[-3000:]
 
@@ -123,7 +123,7 @@ def test_ipc_harness_on_the_host_build(tmp_path):
     assert rec["ok"] and set(rec["checks"]) == {"R2", "R3"}
     for R, check in (("R2", rec["checks"]["R2"]), ("R3", rec["checks"]["R3"])):
         assert set(check["cases"]) == {"normal_bf16", "normal_fp8", "internode_bf16", "internode_fp8", "ll_bf16",
-                                       "ll_fp8", "ll_fp8_ue8m0"}
+                                       "ll_fp8", "ll_fp8_ue8m0", "ll_bf16_logfmt"}
         assert all(len(c["ranks"]) == int(R[1:]) for c in check["cases"].values())
     left = {p for p in (set(Path("/dev/shm").iterdir()) - before) if "gpu_check" in p.name}
     assert not left, f"ipc_ranks.py left {left}"

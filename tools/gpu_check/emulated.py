@@ -17,7 +17,8 @@ from harness import (EmulatedSide, HostSide, InternodeCase, InternodeShape, LowL
                      NormalCase, NormalShape, compare, internode_inputs, ll_semantics, low_latency_inputs,
                      normal_inputs, sanity)
 
-CASES = ("normal_bf16", "normal_fp8", "internode_bf16", "internode_fp8", "ll_bf16", "ll_fp8", "ll_fp8_ue8m0")
+CASES = ("normal_bf16", "normal_fp8", "internode_bf16", "internode_fp8", "ll_bf16", "ll_fp8", "ll_fp8_ue8m0",
+         "ll_bf16_logfmt")
 
 
 def shapes(case: str, R: int, small: bool):
@@ -29,9 +30,9 @@ def shapes(case: str, R: int, small: bool):
         s = NormalShape(R=R, C=2, L=2, H=256, T=12, K=2, chunk=2, combine_chunk=2, slots=8) if small else \
             NormalShape(R=R)
         return NormalShape(**{**s.__dict__, "fp8": case.endswith("fp8")})
-    fmt = case[len("ll_"):]
+    fmt, logfmt = case[len("ll_"):].removesuffix("_logfmt"), case.endswith("_logfmt")
     s = LowLatencyShape(R=R, L=2, M=4, H=512, T=3, K=2) if small else LowLatencyShape(R=R)
-    return LowLatencyShape(**{**s.__dict__, "fmt": fmt})
+    return LowLatencyShape(**{**s.__dict__, "fmt": fmt, "logfmt": logfmt})
 
 
 def run_case(case: str, R: int, small: bool, host_only: bool, timeout_s: float) -> dict:

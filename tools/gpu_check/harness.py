@@ -82,6 +82,7 @@ class LowLatencyShape:
     K: int = 3
     fmt: str = "bf16"
     seed: int = 12
+    logfmt: bool = False    # the combine's rows travel LogFMT-10 encoded
 
     @property
     def num_scales(self) -> int:
@@ -598,7 +599,7 @@ class LowLatencyCase:
             for r, i, o in self._each()}) for receive in (False, True)}
         self.combine_args = {receive: side.prepare({
             r: (receive, 1, ptr(self.skip[r]), s.T, s.K, ptr(i["y"]), ptr(o["src_info"]), ptr(o["layout_range"]),
-                ptr(i["topk"]), ptr(i["w"]), ptr(o["out"]))
+                ptr(i["topk"]), ptr(i["w"]), ptr(o["out"]), s.logfmt)
             for r, i, o in self._each()}) for receive in (False, True)}
 
     def _each(self):

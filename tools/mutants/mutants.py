@@ -113,11 +113,42 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         id="agreement-peer-rejection-ignored",
         file="moe_comm/protocol/agreement.py",
-        old="rejected = [r for r, flag in enumerate(shake.field(Field.REJECTED)) if flag > 0]",
-        new="rejected = [r for r, flag in enumerate(shake.field(Field.REJECTED)) if flag > 0 and r == self.rank]",
-        description="the verdict only looks at this rank's own rejection: a peer's rejection is ignored, so "
-                    "the other ranks go on with the call",
+        old="return [r for r, flag in enumerate(shake.field(Field.REJECTED)) if flag > 0]",
+        new="return [r for r, flag in enumerate(shake.field(Field.REJECTED)) if flag > 0 and r < 0]",
+        description="the verdict ignores the rejected bit: the other ranks judge the rejecting rank's empty "
+                    "vector as arguments, and fail with a wrong message instead of its reason",
         hints=("tests/protocol/test_agreement.py",),
+    ),
+    Mutant(
+        id="posted-headers-not-compared",
+        file="moe_comm/protocol/agreement.py",
+        old="            check(shake, op, compare)\n            if verdict is not None:\n                verdict(shake)\n"
+            "        except CrossRankMismatchError as exc:\n            raise _mark_agreed(exc)",
+        new="            if verdict is not None:\n                verdict(shake)\n"
+            "        except CrossRankMismatchError as exc:\n            raise _mark_agreed(exc)",
+        description="the receive of a low-latency call judges call numbers and rejections but not the "
+                    "headers' fields and counts: a rank with another hidden size or M goes unnoticed",
+        hints=("tests/buffer/test_faults.py", "tests/buffer/test_ll_no_round_trip.py"),
+    ),
+    # ------------------------------------------------------------------ shm posts (moe_comm/transport/shm.py)
+    Mutant(
+        id="shm-post-regions-overlap",
+        file="moe_comm/transport/shm.py",
+        old="rows_at = _post_rows_offset(len(self.local), header_bytes) + me * room * record_bytes",
+        new="rows_at = _post_rows_offset(len(self.local), header_bytes) + me * room",
+        description="a source's region in the receiver's slot is placed in rows, not bytes: sources' rows "
+                    "overlap and overwrite each other",
+        hints=("tests/buffer/test_low_latency.py",),
+    ),
+    # ------------------------------------------------------------------ kernels' LogFMT combine (csrc/cuda/kernels/low_latency.h)
+    Mutant(
+        id="kernel-logfmt-row-truncated",
+        file="csrc/cuda/kernels/low_latency.h",
+        old="const int64_t row_bytes = a.logfmt ? logfmt::max_row_bytes(l.hidden) : 2 * l.hidden;",
+        new="const int64_t row_bytes = 2 * l.hidden;",
+        description="the kernels' LogFMT combine puts 2 * hidden bytes of each encoded row: a row with raw "
+                    "chunks (larger than that) arrives cut short",
+        hints=("tests/buffer/test_logfmt_combine.py",),
     ),
     # ------------------------------------------------------------------ handle validation (moe_comm/protocol/handle.py)
     Mutant(

@@ -42,12 +42,13 @@ void def_low_latency_launches(py::class_<LL>& cls) {
            "at once (check() reads the error record).")
         .def("combine", [](LL& l, bool receive, int half, const PerRank& skip, const PerRank& num_tokens,
                            int num_topk, const PerRank& x, const PerRank& src_info, const PerRank& layout_range,
-                           const PerRank& topk_idx, const PerRank& topk_weights, const PerRank& out, int64_t stream) {
+                           const PerRank& topk_idx, const PerRank& topk_weights, const PerRank& out, bool logfmt,
+                           int64_t stream) {
             auto make = [&](size_t i) {
                 return LowLatencyCombineArgs{num_tokens.at(i), num_topk, x.ptr<const uint16_t>(i),
                                              src_info.ptr<const int32_t>(i), layout_range.ptr<const int64_t>(i),
                                              topk_idx.ptr<const int64_t>(i), topk_weights.ptr<const float>(i),
-                                             out.ptr<uint16_t>(i)};
+                                             out.ptr<uint16_t>(i), logfmt};
             };
             if (receive)
                 l.template launch<LowLatencyCombineArgs>("low-latency combine (receive)", half, skip, stream, make,
@@ -57,8 +58,9 @@ void def_low_latency_launches(py::class_<LL>& cls) {
                                                 LL::combine_send);
         }, py::arg("receive"), py::arg("half"), py::arg("skip"), py::arg("num_tokens"), py::arg("num_topk"),
            py::arg("x"), py::arg("src_info"), py::arg("layout_range"), py::arg("topk_idx"), py::arg("topk_weights"),
-           py::arg("out"), py::arg("stream") = 0,
-           "Enqueues the send half (receive=False) or the receive half of a low-latency combine; returns None at "
+           py::arg("out"), py::arg("logfmt") = false, py::arg("stream") = 0,
+           "Enqueues the send half (receive=False) or the receive half of a low-latency combine (logfmt: rows "
+           "travel LogFMT-10 encoded); returns None at "
            "once (check() reads the error record).")
         .def("check", [](const LL& l) { return l.r.results(); },
              "None or the error record of this object's launches so far (a list per rank, emulated); read it "

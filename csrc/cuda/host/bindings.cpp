@@ -241,12 +241,12 @@ PYBIND11_MODULE(_cuda_host, m) {
         .def(py::init([](const std::vector<int64_t>& bases, const std::vector<int64_t>& pids, int rank,
                          double timeout_s, int L, int64_t M, int64_t H, int node_ranks) {
                  const int R = static_cast<int>(bases.size());
-                 return LowLatency{peers(bases, pids, rank, timeout_s), LowLatencyLayout(R, L, M, H, node_ranks > 0),
+                 return LowLatency{peers(bases, pids, rank, timeout_s), LowLatencyLayout(R, L, M, H),
                                    remote_peers(R, rank, node_ranks)};
              }), py::arg("bases"), py::arg("pids"), py::arg("rank"), py::arg("timeout_s"), py::arg("L"), py::arg("M"),
              py::arg("H"), py::arg("node_ranks") = 0,
              "node_ranks > 0: ranks form nodes of that many; sends to other nodes put from this rank's staging "
-             "(the RDMA path), the buffers laid out `staged`.")
+             "(the RDMA path).")
         .def("dispatch", [](LowLatency& l, bool receive, int half, int64_t skip, int64_t num_tokens,
                             int64_t scale_bytes, int num_topk, bool fp8, bool round_scale, bool ue8m0, int64_t x,
                             int64_t topk_idx, int64_t recv_x, int64_t recv_scales, int64_t src_info,
@@ -261,12 +261,13 @@ PYBIND11_MODULE(_cuda_host, m) {
         }, "The send half (receive=False) or the receive half of a low-latency dispatch.")
         .def("combine", [](LowLatency& l, bool receive, int half, int64_t skip, int64_t num_tokens, int num_topk,
                            int64_t x, int64_t src_info, int64_t layout_range, int64_t topk_idx, int64_t topk_weights,
-                           int64_t out) {
+                           int64_t out, bool logfmt) {
             LowLatencyCombineArgs a{num_tokens, num_topk, ptr<const uint16_t>(x), ptr<const int32_t>(src_info),
                                     ptr<const int64_t>(layout_range), ptr<const int64_t>(topk_idx),
-                                    ptr<const float>(topk_weights), ptr<uint16_t>(out)};
+                                    ptr<const float>(topk_weights), ptr<uint16_t>(out), logfmt};
             return l.launch(half, skip, [&](const LowLatencyContext& k, const uint8_t* remote) {
                 receive ? host::ll_combine_recv(k, a) : host::ll_combine_send(k, a, remote);
             });
-        }, "The send half (receive=False) or the receive half of a low-latency combine.");
+        }, "The send half (receive=False) or the receive half of a low-latency combine (logfmt: rows travel "
+           "LogFMT-10 encoded).");
 }

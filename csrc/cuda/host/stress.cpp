@@ -780,7 +780,7 @@ void run_low_latency(Round& rd, int me, Rendezvous& shake) {
         } else {
             out.out.assign(static_cast<size_t>(rt.T * H), 0xeeee);
             LowLatencyCombineArgs a{rt.T, rt.K, in.cx.data(), handle->src_info.data(), handle->layout_range.data(),
-                                    rt.topk.data(), in.cw.data(), out.out.data()};
+                                    rt.topk.data(), in.cw.data(), out.out.data(), false};
             ErrorRecord err{};
             host::ll_combine_send(host::low_latency_context(peers, half, layout, skip.data(), &err), a);
             check_launch(err, "low-latency combine send", me);

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "../../common/logfmt.h"
 #include "../platform/platform.h"
 #include "../protocol/rdma_ring.h"
 #include "../protocol/ring.h"
@@ -118,29 +119,31 @@ struct InternodeLayout {
 
 // Low-latency mode: two halves, used by alternate calls. A half holds the dispatch count signals
 // [E_loc][R], the combine arrival flags [E], the dispatch receive slots [E_loc][R][M][message], the
-// combine receive rows [E][M][hidden] bf16, this rank's send staging (its FP8 cast of each token, [M]
-// messages) and, when some peers are reached through staging (`staged`: across nodes, where puts go
-// from registered memory), the combine rows it returns [E_loc][R * M][hidden]. Staging sits in the
+// combine receive rows [E][M][row] (a row: bf16 [hidden], or LogFMT-10 in at most row_bytes), this
+// rank's send staging (its FP8 cast of each token, [M] messages) and the combine rows it returns
+// [E_loc][R * M][row], staged when they are LogFMT-encoded or some peers are reached through staging
+// (`staged`: across nodes, where puts go from registered memory). Staging sits in the
 // halves so a call's outgoing puts may still be in flight while the next call stages (double buffering,
 // as for the signals). Every place is an offset from the buffer's base, the same in every rank's buffer.
 struct LowLatencyLayout {
     int32_t num_ranks, experts_per_rank;
-    int64_t max_tokens, hidden, message_bytes;
+    int64_t max_tokens, hidden, message_bytes, row_bytes;
     int64_t counts, flags, dispatch_slots, combine_rows, staging, send_rows, half_bytes, total;
 
     LowLatencyLayout() = default;  // as NormalLayout's
     // A message slot holds the largest message of any format: bf16 x, fp32 scales, the source token.
-    MC_HD LowLatencyLayout(int32_t ranks, int32_t local_experts, int64_t m, int64_t h, bool staged = false)
+    MC_HD LowLatencyLayout(int32_t ranks, int32_t local_experts, int64_t m, int64_t h)
         : num_ranks(ranks), experts_per_rank(local_experts), max_tokens(m), hidden(h) {
         message_bytes = align_up(2 * hidden + 4 * (hidden / 128) + 4, 16);
+        row_bytes = align_up(logfmt::max_row_bytes(hidden), 16);  // >= 2 * hidden: a bf16 row fits
         const int64_t experts = static_cast<int64_t>(num_ranks) * experts_per_rank;
         counts = 0;
         flags = align_up(8 * experts_per_rank * num_ranks, 128);
         dispatch_slots = align_up(flags + 8 * experts, 128);
         combine_rows = dispatch_slots + message_bytes * max_tokens * experts;
-        staging = align_up(combine_rows + 2 * hidden * max_tokens * experts, 128);
+        staging = align_up(combine_rows + row_bytes * max_tokens * experts, 128);
         send_rows = staging + message_bytes * max_tokens;
-        half_bytes = align_up(send_rows + (staged ? 2 * hidden * max_tokens * experts : 0), 4096);
+        half_bytes = align_up(send_rows + row_bytes * max_tokens * experts, 4096);
         total = 2 * half_bytes;
     }
     MC_HD int64_t half(int h) const { return h * half_bytes; }
@@ -153,11 +156,11 @@ struct LowLatencyLayout {
                ((static_cast<int64_t>(local_expert) * num_ranks + source) * max_tokens + i) * message_bytes;
     }
     MC_HD int64_t combine_row(int h, int expert, int64_t token) const {
-        return half(h) + combine_rows + (expert * max_tokens + token) * 2 * hidden;
+        return half(h) + combine_rows + (expert * max_tokens + token) * row_bytes;
     }
     MC_HD int64_t staged_message(int h, int64_t token) const { return half(h) + staging + token * message_bytes; }
     // Row r of the combine input [E_loc * R * M] staged for a put.
-    MC_HD int64_t send_row(int h, int64_t r) const { return half(h) + send_rows + r * 2 * hidden; }
+    MC_HD int64_t send_row(int h, int64_t r) const { return half(h) + send_rows + r * row_bytes; }
 };
 
 }  // namespace moe_comm::cuda

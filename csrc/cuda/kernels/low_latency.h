@@ -24,6 +24,7 @@
 
 #include <cstdint>
 
+#include "../../common/logfmt.h"
 #include "../../common/numeric.h"
 #include "../protocol/link.h"
 #include "../protocol/wait.h"
@@ -176,21 +177,30 @@ struct LowLatencyCombineArgs {
     const int64_t* topk_idx;      // [T][K] this rank's, masked ranks' experts -1
     const float* topk_weights;    // [T][K]
     uint16_t* out;                // [T][H] bf16
+    bool logfmt;                  // rows travel LogFMT-10 encoded (common/logfmt.h), decoded in the sum
 };
 
-// Each row returned to a staged peer (across nodes) is first copied into this rank's buffer, from where
-// the put reads it; a direct peer's rows go from x at once.
+// Each row is first written into this rank's buffer (from where the put reads it) when it travels
+// LogFMT-encoded (one lane encodes a row) or goes to a staged peer (across nodes); a direct peer's bf16
+// rows go from x at once.
 template <class P, class L>
 MC_HD void ll_combine_send(const LowLatencyContext& k, const L& link, const LowLatencyCombineArgs& a, int e_loc) {
     using G = typename P::Group;
     const LowLatencyLayout& l = k.layout;
     const int expert = k.rank * l.experts_per_rank + e_loc;
-    const int64_t rows = static_cast<int64_t>(k.num_ranks) * l.max_tokens, row_bytes = 2 * l.hidden;
+    const int64_t rows = static_cast<int64_t>(k.num_ranks) * l.max_tokens;
+    const int64_t row_bytes = a.logfmt ? logfmt::max_row_bytes(l.hidden) : 2 * l.hidden;
     for (int s = 0; s < k.num_ranks; ++s) {
         if (k.skip[s]) continue;
-        const bool staged = link.staged(s);
+        const bool staged = link.staged(s) || a.logfmt;
         const int64_t range = a.layout_range[e_loc * k.num_ranks + s], begin = range >> 32, n = range & 0xffffffff;
-        if (staged) {
+        if (a.logfmt) {
+            for (int64_t i = G::lane(); i < n; i += G::lanes()) {
+                const int64_t r = e_loc * rows + begin + i;
+                logfmt::encode_row(link.local(l.send_row(k.half, r)), a.x + r * l.hidden, l.hidden);
+            }
+            G::sync();
+        } else if (staged) {
             for (int64_t i = 0; i < n; ++i) {
                 const int64_t r = e_loc * rows + begin + i;
                 copy_bytes<G>(link.local(l.send_row(k.half, r)), a.x + r * l.hidden, row_bytes);
@@ -229,8 +239,16 @@ MC_HD void ll_combine_reduce(const LowLatencyContext& k, const L& link, const Lo
         for (int32_t j = 0; j < a.num_topk; ++j) {
             const int64_t e = a.topk_idx[t * a.num_topk + j];
             if (e < 0) continue;
-            const uint16_t* row = reinterpret_cast<const uint16_t*>(link.local(l.combine_row(k.half, static_cast<int>(e), t)));
-            acc = numeric::add_rn(acc, numeric::mul_rn(a.topk_weights[t * a.num_topk + j], numeric::bf16_to_float(row[h])));
+            const uint8_t* row = link.local(l.combine_row(k.half, static_cast<int>(e), t));
+            float y;
+            if (a.logfmt) {
+                y = logfmt::decode_channel(row, l.hidden, h);
+            } else {
+                uint16_t v;
+                copy_one(&v, row + 2 * h, 2);
+                y = numeric::bf16_to_float(v);
+            }
+            acc = numeric::add_rn(acc, numeric::mul_rn(a.topk_weights[t * a.num_topk + j], y));
         }
         a.out[t * l.hidden + h] = numeric::float_to_bf16(acc);
     }

@@ -7,7 +7,7 @@
 //             NVL buffers (CUDA IPC), rail = (this rank's symmetric RDMA buffer, [Rn] each rail peer's
 //             buffer mapped here or 0, [Rn] each one's PE)
 //   LowLatency(peers, pids, rank, timeout_s, L, M, H, node_ranks)   peers = (this rank's symmetric
-//             low-latency buffer, [R] mappings or 0, [R] PEs); node_ranks > 0: laid out `staged`
+//             low-latency buffer, [R] mappings or 0, [R] PEs); node_ranks: unused (the layout stages rows for every peer)
 //
 // Every launch needs NVSHMEM initialized in this process (init()); one real rank per launch.
 #include <pybind11/pybind11.h>
@@ -119,9 +119,10 @@ struct LowLatency {
     LowLatencyLayout layout;
     SymmetricTables peers;  // [R]
 
-    LowLatency(const Symmetric& all, int rank, double timeout_s, int L, int64_t M, int64_t H, int node_ranks)
+    LowLatency(const Symmetric& all, int rank, double timeout_s, int L, int64_t M, int64_t H,
+               int /*node_ranks: the host build's interface; every layout has the staging rows now*/)
         : r(static_cast<int32_t>(std::get<1>(all).size()), {static_cast<int32_t>(rank)}, false, timeout_s),
-          layout(static_cast<int32_t>(std::get<1>(all).size()), L, M, H, node_ranks > 0),
+          layout(static_cast<int32_t>(std::get<1>(all).size()), L, M, H),
           peers(all, rank, "LowLatency") {}
 
     template <class Args, class Make>

@@ -48,11 +48,10 @@ inline void def_layouts(py::module_& m) {
        "Bytes of one rank's normal-mode buffer.");
     m.def("dispatch_slot_bytes", &dispatch_slot_bytes, py::arg("x_bytes"), py::arg("scale_bytes"),
           py::arg("num_topk"), "Bytes of a dispatch ring slot (before alignment).");
-    m.def("low_latency_bytes", [](int R, int L, int64_t M, int64_t H, bool staged) {
-        return LowLatencyLayout(R, L, M, H, staged).total;
-    }, py::arg("R"), py::arg("L"), py::arg("M"), py::arg("H"), py::arg("staged") = false,
-       "Bytes of one rank's low-latency buffer (both halves, staging included; `staged`: with the combine "
-       "rows staged for peers across nodes).");
+    m.def("low_latency_bytes", [](int R, int L, int64_t M, int64_t H) {
+        return LowLatencyLayout(R, L, M, H).total;
+    }, py::arg("R"), py::arg("L"), py::arg("M"), py::arg("H"),
+       "Bytes of one rank's low-latency buffer (both halves, staging included).");
     m.def("internode_bytes", [](int Rn, int NL, int C, int L, int64_t nvl_slots, int64_t nvl_slot_bytes,
                                 int64_t rdma_slots, int64_t rdma_slot_bytes) {
         const InternodeLayout l(Rn, NL, C, L, nvl_slots, nvl_slot_bytes, rdma_slots, rdma_slot_bytes);

@@ -51,7 +51,7 @@ class KernelLowLatencyMode(LowLatencyMode):
         self.node_ranks = node_ranks
 
     def _launcher(self, local: int, m: int, hidden: int, skip: frozenset[int]) -> Any:
-        need = self.kernels.low_latency_bytes(self.num_ranks, local, m, hidden, self.node_ranks > 0)
+        need = self.kernels.low_latency_bytes(self.num_ranks, local, m, hidden)
         if need > self.buffers.nbytes:  # the same on every rank: the sizes follow from agreed fields
             self.stream.synchronize()  # no launch may run on buffers being replaced
             self.buffers.ensure(need, skip)
@@ -108,18 +108,15 @@ class KernelLowLatencyMode(LowLatencyMode):
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                 zero_copy: bool, out: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
                 hook: bool, use_logfmt: bool = False) -> tuple[torch.Tensor, Receive]:
-        """Checked ``low_latency_combine`` (see ``Buffer``); returns (out, receive that fills it). A
-        LogFMT combine runs the portable mode's (the kernels have no LogFMT yet): the same bits, over
-        the transport; the kernels' halves stay clean, since their readers zero every signal they read."""
-        if use_logfmt:
-            self.stream.synchronize()  # stream order: launches queued before this combine finish first
-            return super().combine(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, hook, True)
+        """Checked ``low_latency_combine`` (see ``Buffer``); returns (out, receive that fills it). With
+        ``use_logfmt`` the kernels encode each row to LogFMT-10 and decode it in the sum (the bits of the
+        portable mode's)."""
         op = "low_latency_combine"
         local, _, hidden = x.shape
         pin = Pins()
         slot = self._acquire(op, zero_copy)
         half = self._idx
-        shake, _, handle, waited = self.agree_combine(x, topk_idx, handle, self.skip())
+        shake, _, handle, waited = self.agree_combine(x, topk_idx, handle, self.skip(), use_logfmt)
         skip = shake.skip
         source = slot.combine_buffer[:x.numel() * 2].view(torch.bfloat16).view(x.shape) if zero_copy else x
         num_tokens, num_topk = topk_idx.shape
@@ -129,7 +126,7 @@ class KernelLowLatencyMode(LowLatencyMode):
         routable = self._routable(topk_idx, handle.num_experts, skip).to(torch.int64)
         args = (half, pin(self._skip_mask(skip, x.device)), num_tokens, num_topk, pin(source.contiguous()),
                 pin(handle.src_info.contiguous()), pin(handle.layout_range.contiguous()), pin(routable.contiguous()),
-                pin(topk_weights.to(torch.float32).contiguous()), pin(out))
+                pin(topk_weights.to(torch.float32).contiguous()), pin(out), use_logfmt)
         self.stream.submit(op, lambda: pin.launch(kernel.combine, False, *args))
 
         @self.agreement.deferred(op)
