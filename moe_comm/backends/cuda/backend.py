@@ -80,6 +80,7 @@ class CudaHostBackend(PortableBackend):
                 self.stream.synchronize()  # the last launch may still use the buffers
             except Exception:  # a failed launch: its error was the buffer's to raise, the memory goes anyway
                 pass
+            self.stream.close()
             for buffers in (self._normal_buffers, self._rdma_buffers, self._low_latency_buffers):
                 if buffers is not None:
                     buffers.close()

@@ -1,12 +1,14 @@
-"""The cuda_host backend's communication stream: host launches run in order on a background thread,
-so a call returns while its kernel still moves bytes (``async_finish=True``), as a CUDA launch does.
+"""The cuda_host backend's communication stream: host launches run in order on one background thread
+of the stream, so a call returns while its kernel still moves bytes (``async_finish=True``), as a CUDA
+launch does, and no launch pays for starting a thread.
 
 ``submit(op, launch)`` first waits for the previous launch (stream order), raising its error if
-nobody has seen it yet, then starts ``launch`` (a kernel call that releases the GIL and returns its
-error record). ``Job.wait()`` joins it and raises the record's error.
+nobody has seen it yet, then hands ``launch`` (a kernel call that releases the GIL and returns its
+error record) to the stream's thread. ``Job.wait()`` waits for it and raises the record's error.
 """
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Any, Callable, Optional
 
@@ -16,38 +18,51 @@ Check = Callable[[str, Any], None]
 
 
 class Job:
-    """One launch on a ``HostStream``: on its own thread, or (``threaded=False``) run at once on the
-    caller's, where a launch that fails to start raises from here."""
+    """One launch on a ``HostStream``: run by the stream's thread (``worker``), or, without one, at once
+    on the caller's, where a launch that fails to start raises from here."""
 
-    def __init__(self, op: str, launch: Callable[[], Any], check: Check, threaded: bool = True) -> None:
+    def __init__(self, op: str, launch: Callable[[], Any], check: Check,
+                 worker: Optional["queue.SimpleQueue[Optional[Job]]"] = None) -> None:
         self.op, self._check = op, check
         self._record: Any = None
         self._failure: Optional[BaseException] = None
         self._seen = False
-        self._thread: Optional[threading.Thread] = None
-        if not threaded:
+        self._done = threading.Event()
+        self._launch: Optional[Callable[[], Any]] = launch
+        if worker is None:
+            self._launch = None
             self._record = launch()
+            self._done.set()
             return
-        self._thread = threading.Thread(target=self._run, args=(launch,), name=f"moe_comm cuda_host {op}",
-                                        daemon=True)
-        self._thread.start()
+        worker.put(self)
 
-    def _run(self, launch: Callable[[], Any]) -> None:
+    def run(self) -> None:
+        """The launch, on the stream's thread."""
         try:
-            self._record = launch()
+            self._record = self._launch()
         except BaseException as exc:  # raised again by wait()
             self._failure = exc
+        finally:
+            self._launch = None
+            self._done.set()
 
     def wait(self) -> None:
-        """Joins the launch; raises its failure (once, to the first caller that waits)."""
-        if self._thread is not None:
-            self._thread.join()
+        """Waits for the launch; raises its failure (once, to the first caller that waits)."""
+        self._done.wait()
         if self._seen:
             return
         self._seen = True
         if self._failure is not None:
             raise self._failure
         self._check(self.op, self._record)
+
+
+def _serve(jobs: "queue.SimpleQueue[Optional[Job]]") -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        job.run()
 
 
 class HostStream:
@@ -59,11 +74,21 @@ class HostStream:
     def __init__(self, check: Check) -> None:
         self._check = check
         self._last: Optional[Job] = None
+        self._jobs: Optional["queue.SimpleQueue[Optional[Job]]"] = None  # the thread's, once started
 
     def submit(self, op: str, launch: Callable[[], Any]) -> Job:
         self._wait_last()  # stream order: only the previous launch, never a device-wide wait
-        self._last = Job(op, launch, self._check, self.threaded)
+        if self.threaded and self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(self._jobs,), name="moe_comm cuda_host stream", daemon=True).start()
+        self._last = Job(op, launch, self._check, self._jobs)
         return self._last
+
+    def close(self) -> None:
+        """Ends the stream's thread once its launches are done. Idempotent."""
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._jobs = None
 
     def run(self, op: str, launch: Callable[[], Any]) -> None:
         """A launch the caller waits for (what needs its results on the host: notify, a receive)."""
