@@ -216,3 +216,22 @@ def test_forward_combine_early_nvl_head_is_caught(tmp_path: Path) -> None:
                                             "RDMA_SLOTS": 2, "RDMA_CHUNK": 1, "NVL_SLOTS": 2, "NVL_CHUNK": 1,
                                             "EARLY_NVL_HEAD": None}, tmp_path)
     assert_found(result, "assertion violated")
+
+
+@pytest.mark.parametrize("ranks,calls", [(2, 3), exhaustive(2, 4), (3, 3)])
+def test_ll_posts_verify(ranks: int, calls: int, tmp_path: Path,
+                         record_property: Callable[[str, object], None]) -> None:
+    """The shm transport's posts (the call header in the data path), two calls in flight: every
+    receiver judges the header and reads the rows of the call it receives, from every sender, and no
+    rank is left waiting."""
+    assert_verified(search("ll_posts.pml", {"R": ranks, "N": calls}, tmp_path), record_property)
+
+
+@pytest.mark.parametrize("bug,kind", [("HEADER_AFTER_PUBLISH", "assertion violated"),
+                                      ("NO_FLOW_CONTROL", "invalid end state"),
+                                      ("STALE_ACCEPTED", "assertion violated")])
+def test_ll_posts_planted_bugs_are_caught(bug: str, kind: str, tmp_path: Path) -> None:
+    """A header published before it is written (a stale header judged), a post that does not wait for
+    its slot to be consumed (the call two back overwritten: the receiver's exact wait never ends), and a
+    receiver that accepts a stale call's signal are each found."""
+    assert_found(search("ll_posts.pml", {"R": 2, "N": 3, bug: None}, tmp_path), kind)
