@@ -140,6 +140,51 @@ class _ArrivalBook:
         return sorted(r for r, n in counts.items() if n < self.entered), note
 
 
+class _Meeting:
+    """A buffer's construction in the rendezvous store: each rank writes (host, pid) on arrival, so that
+    a failed meeting names the ranks that never came, and those of this host that have exited."""
+
+    def __init__(self, store: Optional[dist.Store], prefix: str, rank: int, num_ranks: int, host: int) -> None:
+        self._store, self._prefix, self._num_ranks, self._host = store, prefix, num_ranks, host
+        if store is not None:
+            try:
+                bounded(lambda: store.set(f"{prefix}/{rank}", f"{host}:{os.getpid()}"), STORE_WAIT_S,
+                        "Buffer(): arriving")
+            except (TimeoutError, RuntimeError):
+                self._store = None  # the meeting itself will fail and say so
+
+    def missing(self) -> tuple[Optional[list[int]], str]:
+        """(ranks that have not come within STORE_WAIT_S or whose process on this host has exited, a
+        note), or (None, why not). A peer's failure may end the meeting before slower ranks arrive:
+        they get until STORE_WAIT_S to write."""
+        store = self._store
+        if store is None:
+            return None, "no rendezvous store to tell who came"
+        keys = [f"{self._prefix}/{r}" for r in range(self._num_ranks)]
+
+        def read() -> list[Optional[str]]:
+            deadline = time.monotonic() + STORE_WAIT_S / 2
+            while True:
+                seen = [store.get(k).decode() if store.check([k]) else None for k in keys]
+                if all(v is not None for v in seen) or time.monotonic() >= deadline:
+                    return seen
+                time.sleep(0.02)
+        try:
+            seen = bounded(read, STORE_WAIT_S, "counting the ranks that came")
+        except (TimeoutError, RuntimeError) as exc:
+            return None, f"the rendezvous store could not tell who came ({exc})"
+        late, exited = [], []
+        for r, value in enumerate(seen):
+            if value is None:
+                late.append(r)
+                continue
+            host, pid = (int(v) for v in value.split(":"))
+            if host == self._host and not _process_alive(pid):
+                late.append(r)
+                exited.append(f"rank {r} (pid {pid}) has exited")
+        return late, ", ".join(exited)
+
+
 class _CollectivePending:
     def __init__(self, transport: "CollectiveTransport", works: list[dist.Work], op: str) -> None:
         self._transport, self._works, self._op = transport, works, op
@@ -193,7 +238,10 @@ class CollectiveTransport(Transport):
         self._peers = [(self._host, os.getpid())] * self.num_ranks
         self._metadata: Optional[dist.ProcessGroup] = None  # _meet runs on the group itself
         self._posts: Optional[dist.ProcessGroup] = None
+        # who has come to this meeting, for its errors: ranks that never write here are the late ones
+        self._meeting = _Meeting(store, f"{scope}/meeting/{instance}", self.rank, self.num_ranks, self._host)
         self._peers = self._meet(instance, store, f"{scope}/arrivals/{instance}")
+        self._meeting = None
         whole = dist.get_world_size(group) == dist.get_world_size()  # LOCAL_WORLD_SIZE blocks count world ranks
         self.nodes = split_nodes([host for host, _ in self._peers],
                                  [dist.get_global_rank(group, r) for r in range(self.num_ranks)] if whole else None)
@@ -302,6 +350,8 @@ class CollectiveTransport(Transport):
         """Re-raises a backend error as CommTimeoutError (deadline) or RuntimeError naming ranks;
         blocks at most STORE_WAIT_S."""
         missing, note = self._book.missing()
+        if missing is None and self._meeting is not None:  # still meeting: the store says who came
+            missing, note = self._meeting.missing()
         peers = [r for r in range(self.num_ranks) if r != self.rank]
         stopped = self._stopped(peers)
         if not missing and stopped:  # every rank entered the exchange: name the ones that stopped inside it

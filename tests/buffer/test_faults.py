@@ -4,7 +4,8 @@ import re
 import pytest
 
 from helpers.deadlines import before, found_within
-from helpers.fault_cases import die_before_dispatch, ll_mismatch, mismatch, skip_dispatch, skip_ll_dispatch
+from helpers.fault_cases import (die_before_buffer, die_before_dispatch, ll_mismatch, mismatch, skip_dispatch,
+                                 skip_ll_dispatch)
 from helpers.transports import WORLD_KINDS, local_world
 
 TIMEOUT_S = 2.0  # the deadline of the buffers whose peer skips a call
@@ -56,6 +57,18 @@ def test_dead_rank_is_reported_not_waited_on(transport):
     elapsed, kind, message = info.value.results[0]
     assert elapsed < before(DEAD_TIMEOUT_S), elapsed  # found out at once, well before the deadline
     assert "rank 1" in message and "has exited" in message, message
+
+
+@pytest.mark.parametrize("transport", ["collective"], indirect=True)
+def test_dead_rank_is_named_by_a_new_buffer(transport):
+    """Building a Buffer after a rank has exited fails soon, naming that rank (not the caller)."""
+    with local_world(3, transport, timeout_s=60, threads_per_rank=1) as world:
+        with pytest.raises(TimeoutError, match=r"ranks \[2\] exited") as info:
+            world.run(die_before_buffer, DEAD_TIMEOUT_S)
+    for rank in (0, 1):
+        elapsed, kind, message = info.value.results[rank]
+        assert elapsed < before(DEAD_TIMEOUT_S), elapsed
+        assert "ranks not heard from: [2]" in message, message
 
 
 LL_MISMATCH = {

@@ -97,6 +97,20 @@ def die_before_dispatch(group: dist.ProcessGroup, timeout_s: float) -> Any:
     return "no error"
 
 
+def die_before_buffer(group: dist.ProcessGroup, timeout_s: float) -> Any:
+    """The last rank's process exits after one Buffer; the others build another: they must name it."""
+    moe_comm.Buffer(group, timeout_s=timeout_s, explicitly_destroy=True).destroy()
+    if dist.get_rank(group) == dist.get_world_size(group) - 1:
+        os._exit(3)
+    time.sleep(0.5)  # it has exited by now
+    start = time.monotonic()
+    try:
+        moe_comm.Buffer(group, timeout_s=timeout_s)
+    except (moe_comm.CommTimeoutError, RuntimeError) as exc:
+        return time.monotonic() - start, type(exc).__name__, str(exc)
+    return "no error"
+
+
 def _ll_buffer(group: dist.ProcessGroup, timeout_s: float = 20, m: int = 8, hidden: int = 256,
                experts: int = 12) -> moe_comm.Buffer:
     size = moe_comm.Buffer.get_low_latency_rdma_size_hint(2 * m, 2 * hidden, 1, 2 * experts)  # room for every variant
