@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -80,6 +81,8 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     ok &= same
     require_all_ranks(ok, "low_latency", rank, checks, group)
     recv_bf16, handle_bf16 = first[0], first[4]
+    python_calls = {name: _python_calls(buf, group, x, topk_idx, topk_weights, T, E, recv_bf16, handle_bf16)
+                    for name, buf in bufs.items()}
 
     # raw all-to-all of exactly the FP8 message bytes, preallocated (the transport's ceiling)
     fp8_msg = H + H // 128 * 4 + 16
@@ -133,8 +136,40 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     res = gather_results(times, mine_bytes, checks, group)
     if res is None:
         return None
-    return {**res, "selections_rank0": selections, "threads_per_rank": torch.get_num_threads(),
+    return {**res, "python_calls_rank0": python_calls, "selections_rank0": selections,
+            "threads_per_rank": torch.get_num_threads(),
             "kernel_threads_per_rank": cpu_threads(), "memcpy_GBps": bandwidth}
+
+
+def _counted(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """``fn()`` and the Python function calls it made on this thread (``sys.setprofile`` call events)."""
+    calls = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, calls
+
+
+def _python_calls(buf: moe_comm.Buffer, group: dist.ProcessGroup, x: torch.Tensor, topk_idx: torch.Tensor,
+                  topk_weights: torch.Tensor, T: int, E: int, recv: torch.Tensor, handle: tuple) -> dict[str, int]:
+    """Python calls of each op half of one hooked FP8 dispatch and BF16 combine on this rank's thread (a
+    transport's own threads not counted), each half after a barrier."""
+    calls = {}
+    for op, call in (("dispatch", lambda: buf.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True)),
+                     ("combine", lambda: buf.low_latency_combine(recv, topk_idx, topk_weights, handle,
+                                                                 return_recv_hook=True))):
+        dist.barrier(group)
+        result, calls[f"{op}_send"] = _counted(call)
+        dist.barrier(group)
+        _, calls[f"{op}_recv"] = _counted(result[-1])
+    return calls
 
 
 def _overlapped(result: tuple, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -177,6 +212,9 @@ def _notes(res: dict[str, Any], cfg: dict[str, Any], by: dict[str, dict[str, Any
         "hooked send/recv halves are timed separately, each after a barrier, so the recv half finds the payload "
         "already arrived (as DeepEP's per-kernel send/recv timings)",
         "low-latency outputs are fixed [E_loc, R*M, H]; rows past recv_count are zero pages never written",
+        "Python calls per op half, rank 0's thread: " + "; ".join(
+            f"{name}: dispatch send {c['dispatch_send']} / recv {c['dispatch_recv']}, combine send "
+            f"{c['combine_send']} / recv {c['combine_recv']}" for name, c in res["python_calls_rank0"].items()),
         f"{cfg['ranks']} ranks share {os.cpu_count()} CPU cores ({res['threads_per_rank']} torch / "
         f"{res['kernel_threads_per_rank']} moe_comm._C thread(s) per rank); shared, noisy VM",
     ]
