@@ -173,7 +173,7 @@ class Transport(abc.ABC):
     posts_in_background = False
 
     def post(self, header: torch.Tensor, counts: Sequence[int], record_bytes: int, rows: Rows, *, op: str,
-             device: torch.device) -> Posted:
+             device: torch.device, background: bool = False) -> Posted:
         """Sends a low-latency call: ``header`` (`[header_bytes]` uint8, the same size on every rank) to
         every rank, and ``counts[j]`` rows (``rows(dest, first, out)``, as in ``exchange``) to each rank j,
         without waiting for any peer to arrive. Collective in order: every rank posts its calls in the
@@ -183,19 +183,21 @@ class Transport(abc.ABC):
         This implementation packs the rows into private memory and posts the headers, led by the
         record size and counts, as an ``all_to_all``; once they arrive, the rows follow as a
         ``bulk_all_to_all`` (none when ranks disagree on the record size: their verdict fails anyway).
-        With ``posts_in_background`` a thread of the transport does that, in post order; otherwise
-        ``Posted.rows`` does, and the caller must settle the posts it holds in post order before any
-        other collective."""
+        With ``background`` (the caller returns before it receives: a hook) and ``posts_in_background``
+        a thread of the transport does that, in post order, unless the caller asks for the headers or
+        rows first (then its own thread does); otherwise ``Posted.rows`` does (a caller that receives at
+        once pays no hand-off between threads). Either way the caller must ask for the posts it holds in post order, and settle them
+        before any other collective."""
         firsts = prefix_sums(counts)
         packed = torch.empty(firsts[-1], record_bytes, dtype=torch.uint8, device=device)
         for dest, count in enumerate(counts):
             if count:
                 rows(dest, firsts[dest], packed[firsts[dest]:firsts[dest + 1]])
         posted = _DeferredPost(self, header, counts, record_bytes, packed, op, device)
-        if self.posts_in_background:
+        if background and self.posts_in_background:
             if self._poster is None:
                 self._poster = _Poster(f"moe-comm {self.name} rank {self.rank}")
-            self._poster.submit(posted.move)
+            self._poster.submit(posted.move_in_order)
         return posted
 
     _poster: Optional["_Poster"] = None
@@ -316,10 +318,15 @@ class _DeferredPost:
         self._received: Optional[torch.Tensor] = None
         self._firsts: list[int] = []
         self._started = False
+        self._claim = threading.Lock()
 
     def move(self) -> None:
-        """Waits for the headers, then moves the rows (on the transport's thread, or the caller's)."""
-        self._started = True
+        """Waits for the headers, then moves the rows: on the transport's thread, or on the caller's when
+        it asks first (a blocking call asks at once: no hand-off between threads). Runs once."""
+        with self._claim:
+            if self._started:
+                return
+            self._started = True
         try:
             try:
                 self._pending.wait()
@@ -343,9 +350,16 @@ class _DeferredPost:
             self._arrived.set()
             self._moved.set()
 
+    def move_in_order(self) -> None:
+        """``move`` on the transport's thread: when the caller took this post over, its next post waits
+        until the rows of this one have moved (posts of one channel never overlap)."""
+        self.move()
+        self._moved.wait()
+
     def _wait(self, event: threading.Event) -> None:
-        if not self._t.posts_in_background and not self._started:
-            self.move()
+        # NOTES: callers ask for posts in post order (the receive settles earlier calls first), so a post
+        # taken over here never overtakes one still on the transport's thread
+        self.move()
         # the thread's own waits have the deadline; this bound only guards against a lost thread
         if not event.wait(3 * self._t.timeout_s + 10):
             raise CommTimeoutError(self._op, self._t.rank, self._t.timeout_s, None,

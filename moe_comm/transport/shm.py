@@ -416,13 +416,13 @@ class ShmTransport(Transport):
         return max(self.capacity - _post_rows_offset(L, header_bytes), 0) // L // max(record_bytes, 1)
 
     def post(self, header: torch.Tensor, counts: Sequence[int], record_bytes: int, rows: Rows, *, op: str,
-             device: torch.device) -> Posted:
+             device: torch.device, background: bool = False) -> Posted:
         """With every rank on this host: the header and rows go straight into each receiver's data slot,
         source s's at fixed places (its header cell, its region of ``post_room`` rows) that do not depend
         on any rank's arguments, so a receiver reads every header before it trusts any count. The only
         wait is for the slot to be free (the receiver consumed the post two exchanges back)."""
         if self.remote:
-            return super().post(header, counts, record_bytes, rows, op=op, device=device)
+            return super().post(header, counts, record_bytes, rows, op=op, device=device, background=background)
         _require_cpu(op, device)
         header_bytes = header.numel()
         room = self.post_room(header_bytes, record_bytes)

@@ -135,8 +135,9 @@ class LowLatencyMode:
                              f"with a larger num_rdma_bytes (Buffer.get_low_latency_rdma_size_hint)")
 
     def _post(self, op: str, header: torch.Tensor, counts: list[int], record_bytes: int, pack: Rows,
-              device: torch.device, compare: tuple[Field, ...]) -> "_PostedCall":
-        posted = self.transport.post(header, counts, record_bytes, pack, op=op, device=device)
+              device: torch.device, compare: tuple[Field, ...], hook: bool) -> "_PostedCall":
+        # with a hook the rows move while the caller computes; otherwise the receive moves them at once
+        posted = self.transport.post(header, counts, record_bytes, pack, op=op, device=device, background=hook)
         call = _PostedCall(self, op, posted, compare, self.agreement.number)
         self._unsettled.append(call)
         return call
@@ -232,7 +233,7 @@ class LowLatencyMode:
                   Field.FP8_FORMAT: fp8_format}
         header = self.agreement.header(Op.LOW_LATENCY_DISPATCH, fields, send_counts)
         call = self._post(op, header, send_counts, records.record_bytes, pack, device,
-                          _COMPARED + (Field.FP8_FORMAT,))
+                          _COMPARED + (Field.FP8_FORMAT,), hook)
         recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(
             local, R, m, hidden, None if scales is None else (scales.dtype, scales.shape[1]), device)
 
@@ -369,7 +370,7 @@ class LowLatencyMode:
                   Field.USE_LOGFMT: int(use_logfmt)}
         header = self.agreement.header(Op.LOW_LATENCY_COMBINE, fields, send_counts, expected, returned, asked)
         call = self._post(op, header, send_counts, records.record_bytes, pack, device,
-                          _COMPARED + (Field.USE_LOGFMT,))
+                          _COMPARED + (Field.USE_LOGFMT,), hook)
         num_tokens, num_topk = topk_idx.shape
         # message i of the send order went to rank experts[i] // local, as its (i - before[rank])-th row
         before = torch.tensor(prefix_sums(expected)[:-1], dtype=torch.int64, device=device)
