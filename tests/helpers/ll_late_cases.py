@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from helpers.ll_hook_cases import H, T, _bits, _inputs, _raises, E
+from helpers.ll_hook_cases import E, H, T, _bits, _inputs, _raises
 from helpers.low_latency_cases import ll_buffer
 
 

@@ -234,19 +234,37 @@ class LowLatencyMode:
         header = self.agreement.header(Op.LOW_LATENCY_DISPATCH, fields, send_counts)
         call = self._post(op, header, send_counts, records.record_bytes, pack, device,
                           _COMPARED + (Field.FP8_FORMAT,), hook)
+
+        def take() -> tuple[torch.Tensor, list[int], Optional[list[int]]]:
+            shake, received, firsts = call.settle()
+            return received, shake.recv_counts(self.rank), firsts
+
+        return self._dispatch_result(op, slot, hook, records, scales, m, num_experts, x, take, call.release,
+                                     recv_stats, wait_stats, 0)
+
+    def _dispatch_result(self, op: str, slot: _Slot, hook: bool, records: RecordLayout,
+                         scales: Optional[torch.Tensor], m: int, num_experts: int, x: torch.Tensor,
+                         take: Callable[[], tuple[torch.Tensor, list[int], Optional[list[int]]]],
+                         release: Callable[[], None], recv_stats: Optional[torch.Tensor],
+                         wait_stats: Optional[torch.Tensor], waited: int) -> LowLatencyDispatch:
+        """A dispatch's outputs and the receive that fills them: ``take()`` waits for the rows (records,
+        rows from each source, where each source's start or None when packed), ``release()`` hands them
+        back; ``waited``: ns already spent waiting (a handshake's)."""
+        hidden, device = x.shape[1], x.device
         recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(
-            local, R, m, hidden, None if scales is None else (scales.dtype, scales.shape[1]), device)
+            num_experts // self.num_ranks, self.num_ranks, m, hidden,
+            None if scales is None else (scales.dtype, scales.shape[1]), device)
 
         @self.agreement.deferred(op)
         def finish() -> None:
             begin = time.perf_counter_ns()
             try:
-                shake, received, firsts = call.settle()
-                low_latency_unpack(records, received, shake.recv_counts(self.rank), recv_x, recv_scales, src_info,
-                                   layout_range, recv_count, firsts)
+                received, recv_counts, firsts = take()
+                low_latency_unpack(records, received, recv_counts, recv_x, recv_scales, src_info, layout_range,
+                                   recv_count, firsts)
             finally:
-                call.release()
-            add_stats(recv_stats, recv_count, wait_stats, time.perf_counter_ns() - begin)
+                release()
+            add_stats(recv_stats, recv_count, wait_stats, waited + time.perf_counter_ns() - begin)
 
         receive = self._launch(slot, op, finish, hook)
         handle = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts)
@@ -257,30 +275,16 @@ class LowLatencyMode:
                             wait_stats: Optional[torch.Tensor], hook: bool) -> LowLatencyDispatch:
         """``dispatch`` with the handshake first (a shrinking buffer masks late ranks there), then the rows."""
         op = "low_latency_dispatch"
-        R, device, hidden = self.num_ranks, x.device, x.shape[1]
+        R, device = self.num_ranks, x.device
         local = num_experts // R
         slot = self._acquire(op)
         shake, msg, experts, waited = self.agree_dispatch(x, topk_idx, m, num_experts, fp8_format, self.skip())
         recv_counts = shake.recv_counts(self.rank)
         records, pack, scales = self._dispatch_records(x, fp8_format, msg, experts, topk_idx.shape[1], local)
         exchange = self.dispatch_exchange(shake, records.record_bytes, pack, device)
-
-        recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(
-            local, R, m, hidden, None if scales is None else (scales.dtype, scales.shape[1]), device)
-
-        @self.agreement.deferred(op)
-        def finish() -> None:
-            begin = time.perf_counter_ns()
-            try:
-                low_latency_unpack(records, exchange.wait(), recv_counts, recv_x, recv_scales, src_info,
-                                   layout_range, recv_count)
-            finally:
-                exchange.release()
-            add_stats(recv_stats, recv_count, wait_stats, waited + time.perf_counter_ns() - begin)
-
-        receive = self._launch(slot, op, finish, hook)
-        handle = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts)
-        return LowLatencyDispatch(recv_x, recv_scales, recv_count, handle, receive)
+        return self._dispatch_result(op, slot, hook, records, scales, m, num_experts, x,
+                                     lambda: (exchange.wait(), recv_counts, None), exchange.release, recv_stats,
+                                     wait_stats, waited)
 
     # ------------------------------------------------------------------ combine
     def next_combine_buffer(self, handle: LowLatencyHandle, device: torch.device) -> torch.Tensor:
