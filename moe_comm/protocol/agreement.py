@@ -63,7 +63,6 @@ class _Call:
     number: int
     started: bool = False  # its handshake was posted: from here a failure may leave ranks out of step
     rejection: Optional[str] = None  # this rank's rejection message, while it takes part with it
-    agreed: Optional[BaseException] = None  # the error every rank raised from the same vectors
 
 
 class CallAgreement:
@@ -114,7 +113,7 @@ class CallAgreement:
             self._current = None
 
     def _failed(self, call: _Call, exc: BaseException, skipped: Callable[[], frozenset[int]]) -> None:
-        if self.broken is not None or exc is call.agreed or is_agreed(exc):
+        if self.broken is not None or is_agreed(exc):
             return
         if call.started:
             self.breaks(f"{type(exc).__name__} in {call.op} (call {call.number}) on rank {self.rank}: {exc}")
@@ -182,20 +181,11 @@ class CallAgreement:
         reaches it: BufferUnusableError when ranks are on different calls (the buffer breaks);
         CrossRankMismatchError, the same on every rank and leaving the buffer usable, when a rank
         rejected its arguments or the headers disagree."""
-        R = self.num_ranks
-        rows = call_header.decode(headers, len(Field) + 4 * R)
-        shake = Handshake(rows)
-        self._same_call(shake, op)
-        rejected = _rejecting(shake)
-        try:
-            if rejected:
-                texts = call_header.messages(headers, len(Field) + 4 * R, rejected)
-                raise _rejected_error(op, rejected, texts)
-            check(shake, op, compare)
-            if verdict is not None:
-                verdict(shake)
-        except CrossRankMismatchError as exc:
-            raise _mark_agreed(exc)
+        width = len(Field) + 4 * self.num_ranks
+        shake = Handshake(call_header.decode(headers, width))
+        # the rejecting rank never receives its rejected call: whoever judges here did not reject it
+        self._verdict(shake, op, compare, verdict, lambda rejected: call_header.messages(headers, width, rejected),
+                      rejected_here=False)
         return shake
 
     def _same_call(self, shake: Handshake, op: str) -> None:
@@ -257,7 +247,10 @@ class CallAgreement:
         for r in skip:
             rows[r] = rows[self.rank][:F] + [0] * R + [UNKNOWN] * (3 * R)
         shake = Handshake(rows, skip)
-        self._judge(call, shake, op, compare, device, skip, verdict, texts)
+        self._verdict(shake, op, compare, verdict,
+                      (lambda rejected: [texts[r] for r in rejected]) if texts is not None else
+                      (lambda rejected: self._rejected_texts(call, op, device, skip, rejected)),
+                      rejected_here=call.rejection is not None)
         return shake
 
     def _post_vector(self, op: str, row: list[int], rejection: Optional[str],
@@ -316,42 +309,39 @@ class CallAgreement:
             if propose is not None:
                 entries = {**entries, **propose(skip)}
 
-    def _judge(self, call: _Call, shake: Handshake, op: str, compare: Sequence[Field], device: torch.device,
-               skip: frozenset[int], verdict: Optional[Callable[[Handshake], None]],
-               texts: Optional[dict[int, str]]) -> None:
-        """``texts``: the rejecting ranks' messages, or None to exchange them (``_rejected``)."""
+    def _verdict(self, shake: Handshake, op: str, compare: Sequence[Field],
+                 verdict: Optional[Callable[[Handshake], None]], texts_of: Callable[[list[int]], list[str]],
+                 rejected_here: bool) -> None:
+        """The verdict on every rank's vector, the same on every rank: BufferUnusableError when ranks are on
+        different calls; CrossRankMismatchError (marked agreed) when a rank rejected its arguments (its
+        reason from ``texts_of(rejected ranks)``, which every rank calls: it may exchange them; a rank that
+        rejected, ``rejected_here``, returns and raises its own error) or the vectors disagree."""
         self._same_call(shake, op)
         try:
             rejected = _rejecting(shake)
-            if rejected and texts is not None:
-                if call.rejection is None:
-                    raise _rejected_error(op, rejected, [texts[r] for r in rejected])
-            elif rejected:
-                self._rejected(call, op, rejected, device, skip)
+            if rejected:
+                texts = texts_of(rejected)
+                if not rejected_here:
+                    raise _rejected_error(op, rejected, texts)
             else:
                 check(shake, op, compare)
                 if verdict is not None:
                     verdict(shake)
         except CrossRankMismatchError as exc:
-            call.agreed = exc
-            raise
+            raise _mark_agreed(exc)
 
-    def _rejected(self, call: _Call, op: str, rejected: list[int], device: torch.device,
-                  skip: frozenset[int]) -> None:
-        """(A shrinking buffer's handshake, whose vectors carry no messages.) Every rank learns the rejecting ranks' messages; those ranks return (they raise their own
-        errors), the others raise one CrossRankMismatchError naming them."""
+    def _rejected_texts(self, call: _Call, op: str, device: torch.device, skip: frozenset[int],
+                        rejected: list[int]) -> list[str]:
+        """(A shrinking buffer's handshake, whose vectors carry no messages.) The messages of the ``rejected``
+        ranks, exchanged among the ranks not in ``skip``."""
         R = self.num_ranks
         text = (call.rejection or "").encode()[:_MESSAGE_BYTES]
         mine = torch.zeros(R, _MESSAGE_BYTES, dtype=torch.uint8, device=device)
         mine[:, :len(text)] = torch.tensor(list(text), dtype=torch.uint8, device=device)
         got = torch.zeros_like(mine)
         self.transport.all_to_all(got, mine, [1] * R, [1] * R, op=op, skip=skip).wait()
-        if call.rejection is not None:
-            return
-        texts = got.cpu()
-        raise _rejected_error(op, rejected, [bytes(texts[r].tolist()).rstrip(bytes(1)).decode(errors="replace")
-                                             for r in rejected])
-
+        got = got.cpu()
+        return [bytes(got[r].tolist()).rstrip(bytes(1)).decode(errors="replace") for r in rejected]
 
 def _rejecting(shake: Handshake) -> list[int]:
     """The ranks whose vector carries the rejected bit."""
