@@ -37,11 +37,14 @@ enum class DType : int32_t {
 
 // How a wait with a deadline ended, on the host (csrc/cpu/flags.h: the shm transport) and in the
 // kernels (csrc/cuda/protocol/wait.h: a launch's error record): X(Python name, C++ member, value).
+// PAST_TARGET: the flag came from a later exchange or call (out of step); MISMATCH: the call's headers
+// (kernels/low_latency.h) disagree or a rank rejected its arguments (the host reads them for the verdict).
 #define MOE_COMM_WAIT_OUTCOMES(X) \
     X(REACHED, kReached, 0)       \
     X(TIMEOUT, kTimeout, 1)       \
     X(PEER_EXITED, kPeerExited, 2) \
-    X(PAST_TARGET, kPastTarget, 3)
+    X(PAST_TARGET, kPastTarget, 3) \
+    X(MISMATCH, kMismatch, 4)
 
 enum class WaitOutcome : int32_t {
 #define MOE_COMM_WAIT_OUTCOME_MEMBER(name, member, value) member = value,

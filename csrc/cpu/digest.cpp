@@ -2,22 +2,14 @@
 // two ranks that hold the same sequence of token keys for a block of rows get the same 62-bit value.
 #include <vector>
 
+#include "../common/digest.h"
 #include "api.h"
 #include "check.h"
 
 namespace moe_comm::cpu {
-namespace {
 
-// splitmix64's finalizer (wrapping uint64 arithmetic).
-inline uint64_t mix(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
-
-inline int64_t finish(uint64_t sum) { return static_cast<int64_t>(sum >> 2); }
-
-}  // namespace
+using digest::finish;
+using digest::term;
 
 void block_digests(int64_t* out, const void* keys, int key_bytes, const int64_t* counts, int64_t num_blocks,
                    int64_t num_keys) {
@@ -34,7 +26,7 @@ void block_digests(int64_t* out, const void* keys, int key_bytes, const int64_t*
         uint64_t sum = 0;
         for (int64_t j = 0; j < counts[b]; ++j, ++i) {
             const int64_t key = key_bytes == 4 ? k32[i] : k64[i];  // sign-extended, as the reference's int64 view
-            sum += mix(mix(static_cast<uint64_t>(key)) + static_cast<uint64_t>(j));
+            sum += term(static_cast<uint64_t>(key), j);
         }
         out[b] = finish(sum);
     }
@@ -59,7 +51,7 @@ int64_t send_order_check(int64_t* counts, int64_t* digests, const bool* is_token
             if (is_token_in_rank[at]) {
                 const int64_t j = seen[static_cast<size_t>(r)]++;
                 expected = start[static_cast<size_t>(r)] + j;
-                sums[static_cast<size_t>(r)] += mix(mix(static_cast<uint64_t>(t)) + static_cast<uint64_t>(j));
+                sums[static_cast<size_t>(r)] += term(static_cast<uint64_t>(t), j);
             }
             if (first_bad < 0 && send_head[at] != expected) first_bad = at;
         }
@@ -84,7 +76,7 @@ void low_latency_combine_digests(int64_t* returned, int64_t* asked, const int64_
             for (int64_t row = begin; row < begin + count; ++row, ++j) {
                 const uint64_t key = static_cast<uint64_t>(e) << 32 |
                                      static_cast<uint64_t>(static_cast<int64_t>(src_info[e * rows_per_expert + row]));
-                sum += mix(mix(key) + static_cast<uint64_t>(j));
+                sum += term(key, j);
             }
         }
         returned[s] = finish(sum);
@@ -94,7 +86,7 @@ void low_latency_combine_digests(int64_t* returned, int64_t* asked, const int64_
         uint64_t sum = 0;
         for (int64_t j = 0; j < send_counts[d]; ++j, ++i) {
             const uint64_t key = static_cast<uint64_t>(experts[i] % E) << 32 | static_cast<uint64_t>(msg[i] / divisor);
-            sum += mix(mix(key) + static_cast<uint64_t>(j));
+            sum += term(key, j);
         }
         asked[d] = finish(sum);
     }

@@ -87,6 +87,9 @@ class Backend(abc.ABC):
     transport_name: Optional[str] = None
     #: DeepEP's node split of the group (internode forms when it has several nodes)
     topology: Topology
+    #: low-latency calls arrive with their top-k values unchecked (range, an expert twice in a row): the
+    #: send launch checks them and every rank fails the call at its receive (no host read of tensor data)
+    low_latency_checks_topk: bool = False
 
     # ------------------------------------------------------------------ calls and lifetime
     @abc.abstractmethod
@@ -101,6 +104,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def destroy(self) -> None:
         """Releases what the backend holds; later calls are refused. Idempotent."""
+
+    def reserve_low_latency(self, num_rdma_bytes: int) -> None:
+        """Called once, at construction (collective), for a ``low_latency_mode`` buffer: what its
+        low-latency calls may use, DeepEP's ``num_rdma_bytes``. Backends that map memory for those calls
+        map it here, so no call grows it collectively (a send half meets no peer)."""
 
     # ------------------------------------------------------------------ device facts (DeepEP's)
     @classmethod

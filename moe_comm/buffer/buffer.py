@@ -121,6 +121,8 @@ class Buffer(LowLatencyAPI):
         self.runtime: Backend = backends.create(
             choice, group=group, comm=comm, transport=transport, timeout_s=self.timeout_s,
             buffer_bytes=max(num_nvl_bytes, num_rdma_bytes), shrink=enable_shrink)
+        if low_latency_mode:
+            self.runtime.reserve_low_latency(num_rdma_bytes)
         self.transport_name = self.runtime.transport_name
         self.rank, self.group_size = self.runtime.rank, self.runtime.num_ranks
         #: DeepEP's node split of the group: its internode forms apply when ``topology.internode``

@@ -89,7 +89,7 @@ class LowLatencyAPI:
         check_ll_counts(op, num_max_dispatch_tokens_per_rank, num_experts, self.group_size)
         args = check_ll_dispatch(op, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, self.group_size,
                                  cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                 round_scale, use_ue8m0)
+                                 round_scale, use_ue8m0, not self.runtime.low_latency_checks_topk)
         check_rdma_bytes(op, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, self.group_size,
                          self.num_rdma_bytes)
         result = self.runtime.low_latency_dispatch(args.x, args.topk_idx, num_max_dispatch_tokens_per_rank,
@@ -137,7 +137,8 @@ class LowLatencyAPI:
                          "holds bf16 rows)", "True")
         self._no_async_with_hook(op, async_finish, return_recv_hook)
         x, topk_idx, topk_weights, parsed = check_ll_combine(op, x, topk_idx, topk_weights, handle, self.group_size,
-                                                             out, combine_wait_recv_cost_stats)
+                                                             out, combine_wait_recv_cost_stats,
+                                                             not self.runtime.low_latency_checks_topk)
         check_rdma_bytes(op, parsed.num_max_dispatch_tokens_per_rank, parsed.hidden, parsed.num_experts,
                          self.group_size, self.num_rdma_bytes)
         combined, receive = self.runtime.low_latency_combine(x, topk_idx, topk_weights, parsed, zero_copy, out,

@@ -67,14 +67,15 @@ def check_ll_sizes(op: str, num_max_dispatch_tokens_per_rank: Any, hidden: Any, 
 
 
 def _check_ll_topk(op: str, topk_idx: Any, num_experts: int, m: int, num_tokens: Optional[int],
-                   device: torch.device) -> torch.Tensor:
-    """``[T, K]`` int64, T <= M, K <= num_experts, ids in [-1, E), no expert twice in a row."""
-    topk_idx = check_topk_idx(op, topk_idx, num_experts, num_tokens, device)
+                   device: torch.device, values: bool) -> torch.Tensor:
+    """``[T, K]`` int64, T <= M, K <= num_experts, and with ``values`` (read on the host) ids in [-1, E),
+    no expert twice in a row."""
+    topk_idx = check_topk_idx(op, topk_idx, num_experts, num_tokens, device, values)
     if topk_idx.shape[0] > m:
         bad_argument(op, "topk_idx", f"at most num_max_dispatch_tokens_per_rank = {m} rows", describe(topk_idx))
     if topk_idx.shape[1] > num_experts:
         bad_argument(op, "topk_idx", f"at most num_experts = {num_experts} columns", describe(topk_idx))
-    if topk_idx.numel():
+    if values and topk_idx.numel():
         ordered = topk_idx.sort(dim=1).values
         repeat = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
         if bool(repeat.any()):
@@ -97,16 +98,17 @@ def _check_stats(op: str, name: str, stats: Any, size: int, dtype: torch.dtype, 
 
 
 def check_ll_dispatch(op: str, x: Any, topk_idx: Any, m: int, num_experts: int, num_ranks: int,
-                      recv_stats: Any, wait_stats: Any, use_fp8: bool, round_scale: bool, use_ue8m0: bool
-                      ) -> LowLatencyDispatchArgs:
-    """Checks ``low_latency_dispatch`` tensors (sizes and flags are checked already)."""
+                      recv_stats: Any, wait_stats: Any, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
+                      topk_values: bool = True) -> LowLatencyDispatchArgs:
+    """Checks ``low_latency_dispatch`` tensors (sizes and flags are checked already; the top-k ids
+    only with ``topk_values``)."""
     check_tensor(op, "x", x, shape=(None, None), dtype=torch.bfloat16)
     hidden = x.shape[1]
     if hidden % GROUP or hidden < GROUP:
         bad_argument(op, "x", f"[T, hidden] with hidden a positive multiple of {GROUP}", describe(x))
     if x.shape[0] > m:
         bad_argument(op, "x", f"at most num_max_dispatch_tokens_per_rank = {m} rows", describe(x))
-    topk_idx = _check_ll_topk(op, topk_idx, num_experts, m, x.shape[0], x.device)
+    topk_idx = _check_ll_topk(op, topk_idx, num_experts, m, x.shape[0], x.device, topk_values)
     local, rows = num_experts // num_ranks, num_ranks * m
     # recv_x (bf16, or fp8 plus fp32 scales) and src_info (int32) for every row of every local expert
     row_bytes = (hidden + 4 * (hidden // GROUP) if use_fp8 else 2 * hidden) + 4
@@ -126,15 +128,17 @@ def check_ll_dispatch(op: str, x: Any, topk_idx: Any, m: int, num_experts: int, 
 
 
 def check_ll_combine(op: str, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, num_ranks: int,
-                     out: Any, wait_stats: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LowLatencyHandle]:
-    """Checks ``low_latency_combine`` tensors; returns (x, topk_idx, topk_weights, handle)."""
+                     out: Any, wait_stats: Any, topk_values: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LowLatencyHandle]:
+    """Checks ``low_latency_combine`` tensors (the top-k ids only with ``topk_values``); returns (x,
+    topk_idx, topk_weights, handle)."""
     if not isinstance(x, torch.Tensor):
         bad_argument(op, "x", "a tensor", describe(x), kind=TypeError)
-    parsed = LowLatencyHandle.from_tuple(op, handle, num_ranks, x.device)
+    parsed = LowLatencyHandle.from_tuple(op, handle, num_ranks, x.device, topk_values)
     m, hidden = parsed.num_max_dispatch_tokens_per_rank, parsed.hidden
     local = parsed.num_experts // num_ranks
     check_tensor(op, "x", x, shape=(local, num_ranks * m, hidden), dtype=torch.bfloat16)
-    topk_idx = _check_ll_topk(op, topk_idx, parsed.num_experts, m, None, x.device)
+    topk_idx = _check_ll_topk(op, topk_idx, parsed.num_experts, m, None, x.device, topk_values)
     num_tokens, num_topk = topk_idx.shape
     check_tensor(op, "topk_weights", topk_weights, shape=(num_tokens, num_topk), dtype=torch.float32, device=x.device)
     if out is not None:

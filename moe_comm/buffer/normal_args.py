@@ -40,10 +40,11 @@ def split_x(op: str, x: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
 
 
 def check_topk_idx(op: str, topk_idx: Any, num_experts: int, num_tokens: Optional[int],
-                   device: Optional[torch.device]) -> torch.Tensor:
-    """``topk_idx`` `[T, K]` int64 with ids in [-1, num_experts)."""
+                   device: Optional[torch.device], values: bool = True) -> torch.Tensor:
+    """``topk_idx`` `[T, K]` int64 with ids in [-1, num_experts) (the ids only with ``values``: they are
+    read on the host)."""
     check_tensor(op, "topk_idx", topk_idx, shape=(num_tokens, None), dtype=TOPK_IDX_T, device=device)
-    if topk_idx.numel():
+    if values and topk_idx.numel():
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         if lo < -1 or hi >= num_experts:
             bad_argument(op, "topk_idx", f"expert ids in [-1, {num_experts}) (num_experts={num_experts})",

@@ -32,7 +32,7 @@ from .codes import UNKNOWN, Field, Op
 from .handshake import Handshake, check, show, vector
 from .shrink import note, read_note
 
-__all__ = ["CallAgreement", "Proposal", "Rejecter", "is_agreed", "no_rows"]
+__all__ = ["CallAgreement", "Proposal", "Rejecter", "is_agreed", "mark_agreed", "no_rows"]
 
 _MESSAGE_BYTES = 1024  # a rejection's message on the wire, truncated to fit
 #: the calls whose handshake masks late ranks in a shrinking buffer (``shrink.py``)
@@ -47,7 +47,8 @@ Proposal = Callable[[frozenset[int]], Mapping[str, Any]]
 Rejecter = Callable[[str, int, str], None]
 
 
-def _mark_agreed(exc: BaseException) -> BaseException:
+def mark_agreed(exc: BaseException) -> BaseException:
+    """``exc``, marked as a verdict every rank reached alike (``is_agreed``)."""
     exc.moe_comm_agreed = True  # type: ignore[attr-defined]
     return exc
 
@@ -82,6 +83,9 @@ class CallAgreement:
         self.rejecters: dict[str, Rejecter] = {}
         #: run before every handshake: work of earlier calls that must move first (``Transport.post``)
         self.before_handshake: list[Callable[[], None]] = []
+        #: ``announce(op, code)`` before a handshake posts its vector: where low-latency calls agree
+        #: outside the transport (the CUDA kernels' header cells), a handshake tells them it runs
+        self.announcers: list[Callable[[str, Op], None]] = []
 
     # ------------------------------------------------------------------ state
     def refuse(self, op: str) -> None:
@@ -188,6 +192,18 @@ class CallAgreement:
                       rejected_here=False)
         return shake
 
+    def meet(self, op: str, header: torch.Tensor, compare: Sequence[Field]) -> None:
+        """Joins, with this rank's ``header`` (``call_header``) of a call that agrees outside the
+        transport, the handshake a peer announced instead (its header there named another operation):
+        every rank's vector over the transport, then the handshake's verdict, which raises on every rank
+        alike."""
+        width = len(Field) + 4 * self.num_ranks
+        rows, texts = self._post_vector(op, call_header.decode(header.reshape(1, -1), width)[0], None,
+                                        self.transport.device)
+        self._verdict(Handshake(rows), op, compare, None, lambda rejected: [texts[r] for r in rejected],
+                      rejected_here=False)
+        raise AssertionError(f"{op}: a peer announced a handshake, but every rank's vector agrees")
+
     def _same_call(self, shake: Handshake, op: str) -> None:
         if len(set(shake.field(Field.CALL))) > 1:
             ops = shake.field(Field.OP)
@@ -242,6 +258,8 @@ class CallAgreement:
             texts = None
         else:  # ranks are masked only in shrinking buffers
             assert not skip, "masked ranks without shrink"
+            for announce in self.announcers:
+                announce(op, code)
             rows, texts = self._post_vector(op, vector(scalars, num_ranks=R, **entries), call.rejection, device)
         F = len(Field)
         for r in skip:
@@ -328,7 +346,7 @@ class CallAgreement:
                 if verdict is not None:
                     verdict(shake)
         except CrossRankMismatchError as exc:
-            raise _mark_agreed(exc)
+            raise mark_agreed(exc)
 
     def _rejected_texts(self, call: _Call, op: str, device: torch.device, skip: frozenset[int],
                         rejected: list[int]) -> list[str]:

@@ -210,8 +210,10 @@ class LowLatencyHandle:
         return self.layout_range >> 32
 
     @staticmethod
-    def from_tuple(op: str, handle: Any, num_ranks: int, device: torch.device) -> "LowLatencyHandle":
-        """Checks a DeepEP-style low-latency handle tuple for this group and wraps it."""
+    def from_tuple(op: str, handle: Any, num_ranks: int, device: torch.device,
+                   values: bool = True) -> "LowLatencyHandle":
+        """Checks a DeepEP-style low-latency handle tuple for this group and wraps it (``layout_range``'s
+        values only with ``values``: they are read on the host)."""
         if not isinstance(handle, (tuple, list)) or len(handle) != 5:
             bad_argument(op, "handle", "the 5-tuple (src_info, layout_range, num_max_dispatch_tokens_per_rank, "
                          "hidden, num_experts) returned by low_latency_dispatch",
@@ -229,7 +231,7 @@ class LowLatencyHandle:
         check_tensor(op, "handle[1] (layout_range)", layout_range, shape=(local, num_ranks), dtype=torch.int64,
                      device=device)
         parsed = LowLatencyHandle(src_info, layout_range, m, hidden, num_experts)
-        wrong = layout_range_check(layout_range, num_ranks * m)
+        wrong = layout_range_check(layout_range, num_ranks * m) if values else None
         if wrong is not None:
             e, s = wrong
             bad_argument(op, "handle[1] (layout_range)", f"begin << 32 | count blocks by source rank ascending inside "

@@ -31,7 +31,7 @@ import torch
 
 from ..core.native import native
 
-__all__ = ["META", "DATA", "NUM_SLOTS", "META_CELL", "PREFIX", "COUNTERS_PREFIX", "SegmentLayout", "Segment",
+__all__ = ["SEGMENT_DIR", "META", "DATA", "NUM_SLOTS", "META_CELL", "PREFIX", "COUNTERS_PREFIX", "SegmentLayout", "Segment",
            "segment_name", "create_held", "open_held", "process_gone", "sweep_stale"]
 
 META, DATA = 0, 1  # channels: small all-to-alls, payload exchanges
@@ -39,7 +39,7 @@ NUM_SLOTS = 2      # per channel: DeepEP's double buffering
 META_CELL = 64 << 10
 PREFIX = "moe_comm_"
 COUNTERS_PREFIX = "moe-comm-counters-"  # host_counters' files, swept with the segments
-_DIR = "/dev/shm"
+SEGMENT_DIR = "/dev/shm"  # where segments live (shared memory of this host)
 _LINE = 64
 _PAGE = 4096
 
@@ -94,16 +94,16 @@ class Segment:
         """Creates, sizes (reserving the memory: a full /dev/shm is an error here, not a SIGBUS
         later) and maps a new zeroed segment, held while this process maps it."""
         try:
-            fd = create_held(_DIR, name, layout.total_bytes)
+            fd = create_held(SEGMENT_DIR, name, layout.total_bytes)
         except _NoSpace as exc:
-            raise RuntimeError(f"shm transport: cannot reserve {layout.total_bytes} bytes in {_DIR} for "
+            raise RuntimeError(f"shm transport: cannot reserve {layout.total_bytes} bytes in {SEGMENT_DIR} for "
                                f"segment {name} ({exc}); free space there, pass smaller num_nvl_bytes / "
                                f"num_rdma_bytes, or use transport='collective'") from exc.__cause__
         try:
             # NOTES: the mapping keeps the open file, and with it the lock, after the fd is closed.
             return Segment(name, layout, _map(fd, layout.total_bytes))
         except BaseException:
-            _unlink_quietly(os.path.join(_DIR, name))
+            _unlink_quietly(os.path.join(SEGMENT_DIR, name))
             raise
         finally:
             os.close(fd)
@@ -111,7 +111,7 @@ class Segment:
     @staticmethod
     def open(name: str, layout: SegmentLayout) -> "Segment":
         """Maps a peer's segment."""
-        fd = os.open(os.path.join(_DIR, name), os.O_RDWR)
+        fd = os.open(os.path.join(SEGMENT_DIR, name), os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
             if size != layout.total_bytes:
@@ -123,7 +123,7 @@ class Segment:
     def unlink(self) -> None:
         """Removes the name (mappings stay valid). Idempotent."""
         try:
-            os.unlink(os.path.join(_DIR, self.name))
+            os.unlink(os.path.join(SEGMENT_DIR, self.name))
         except FileNotFoundError:
             pass
 
@@ -253,7 +253,7 @@ def process_gone(pid: int) -> bool:
     return state in (["Z"], ["X"]) and (not threads.isdigit() or int(threads) <= 1)
 
 
-def sweep_stale(directory: str = _DIR, *, exited: Iterable[int] = (), wait_s: float = 0.0) -> list[str]:
+def sweep_stale(directory: str = SEGMENT_DIR, *, exited: Iterable[int] = (), wait_s: float = 0.0) -> list[str]:
     """Unlinks the moe-comm files in ``directory`` (segments, host counters) that no process holds;
     returns their names. Local; never waits for a live holder.
 

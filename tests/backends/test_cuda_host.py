@@ -12,6 +12,8 @@ import torch
 
 from moe_comm import _cuda_host as kernels
 from moe_comm.backends.cuda.kernel_errors import raise_for
+from moe_comm.backends.cuda.low_latency import reserved_bytes
+from moe_comm.buffer.low_latency_args import low_latency_buffer_bytes
 from moe_comm.core.errors import CommTimeoutError, PeerExitedError
 
 from helpers.cuda_host_cases import both_backends, tampered_internode_handle
@@ -127,7 +129,7 @@ def test_low_latency_receive_times_out_naming_the_sender():
     x, topk = torch.zeros(1, H, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int64)
     recv_x, src = torch.zeros(L, R * M, H, dtype=torch.bfloat16), torch.zeros(L, R * M, dtype=torch.int32)
     ranges, count = torch.zeros(L, R, dtype=torch.int64), torch.zeros(L, dtype=torch.int32)
-    args = (0, skip.data_ptr(), 1, 0, 1, False, False, False, x.data_ptr(), topk.data_ptr(), recv_x.data_ptr(), 0,
+    args = (1, skip.data_ptr(), 1, 0, 1, False, False, False, x.data_ptr(), topk.data_ptr(), recv_x.data_ptr(), 0,
             src.data_ptr(), ranges.data_ptr(), count.data_ptr())
     assert ll.dispatch(False, *args) is None  # sends never wait
     record = ll.dispatch(True, *args)
@@ -135,3 +137,19 @@ def test_low_latency_receive_times_out_naming_the_sender():
     skip[1] = 1  # a masked sender is not waited for (rank 0's own count was taken: it sends again)
     assert ll.dispatch(False, *args) is None and ll.dispatch(True, *args) is None
     assert count.tolist() == [1] and ranges.tolist() == [[1, 1 << 32]]  # begin << 32 | count, as portable
+
+
+def test_low_latency_buffers_mapped_for_num_rdma_bytes_fit_every_call_it_allows():
+    """What a low_latency_mode Buffer maps at construction (``reserved_bytes`` of DeepEP's num_rdma_bytes)
+    holds the kernels' layout of every call whose DeepEP size hint fits in num_rdma_bytes: no call
+    grows the buffers (a growth would meet every rank)."""
+    worst = None
+    for R in (1, 2, 3, 4, 5, 8, 16, 32, 64):
+        for L in (1, 2, 3, 4, 9, 32):
+            for M in (1, 2, 3, 7, 32, 128, 129, 1024):
+                for H in (128, 256, 384, 512, 1024, 2048, 2560, 4096, 7168, 8192, 16384):
+                    hint = low_latency_buffer_bytes(M, H, R * L)
+                    need = kernels.low_latency_bytes(R, L, M, H) - kernels.low_latency_control_bytes(R)
+                    if need > reserved_bytes(hint):
+                        worst = (R, L, M, H, need, reserved_bytes(hint))
+    assert worst is None, worst

@@ -19,7 +19,7 @@ ENUMS = {
     "DType": [m.name for m in WireDType],
     "QuantFormat": ["E4M3", "E5M2", "INT8"],
     "IsaLevel": ["GENERIC", "AVX2", "AVX512"],
-    "WaitOutcome": ["REACHED", "TIMEOUT", "PEER_EXITED", "PAST_TARGET"],
+    "WaitOutcome": ["REACHED", "TIMEOUT", "PEER_EXITED", "PAST_TARGET", "MISMATCH"],
 }
 
 

@@ -366,13 +366,13 @@ def _low_latency(side_name: str, fmt: str, R=3, L=2, M=8, H=256, T=7, K=3):
                  out=torch.zeros(T, H, dtype=torch.bfloat16, device=dev)) for _ in range(R)]
     obj = side.low_latency(bases, L, M, H)
     for receive in (False, True):
-        side.launch(obj, "dispatch", [(receive, 0, _ptr(skip[r]), T, 4 * num_scales, K, fp8, round_scale, ue8m0,
+        side.launch(obj, "dispatch", [(receive, 1, _ptr(skip[r]), T, 4 * num_scales, K, fp8, round_scale, ue8m0,
                                        _ptr(xs[r]), _ptr(topks[r]), _ptr(o["recv_x"]),
                                        _ptr(o["recv_scales"]) if fp8 else 0, _ptr(o["src_info"]),
                                        _ptr(o["layout_range"]), _ptr(o["recv_count"]))
                                       for r, o in enumerate(outs)], normal=False)
     for receive in (False, True):
-        side.launch(obj, "combine", [(receive, 1, _ptr(skip[r]), T, K, _ptr(ys[r]), _ptr(o["src_info"]),
+        side.launch(obj, "combine", [(receive, 2, _ptr(skip[r]), T, K, _ptr(ys[r]), _ptr(o["src_info"]),
                                       _ptr(o["layout_range"]), _ptr(topks[r]), _ptr(ws[r]), _ptr(o["out"]),
                                       fmt.endswith("_logfmt"))
                                      for r, o in enumerate(outs)], normal=False)

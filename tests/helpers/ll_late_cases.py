@@ -120,3 +120,50 @@ def stopped_mid_call(group: dist.ProcessGroup, timeout_s: float) -> dict[str, An
             os.kill(pids[R - 1], signal.SIGCONT)
     buf.destroy()
     return out
+
+
+#: what reads a tensor's values on the host (a GPU sync, which a CUDA graph cannot capture)
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "nonzero")
+
+
+def reads_no_tensor_data(group: dist.ProcessGroup, use_fp8: bool) -> dict[str, Any]:
+    """After a first call (which maps nothing new), a hooked low-latency dispatch + hook + hooked
+    combine + hook with every host read of tensor data (``HOST_READS``) raising, in every thread of
+    this process; their outputs against the same calls made normally. Returns what the guarded calls
+    raised ("" when nothing) and whether the outputs were equal."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    experts = E * R
+    buf = ll_buffer(group, T, H, experts)
+    x, idx, w = _inputs(rank, 13)
+    ref_x, ref_count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=use_fp8)
+    y = _combine_input(rank, ref_x)
+    ref_out = buf.low_latency_combine(y, idx, w, handle)[0].clone()
+    dist.barrier(group)
+
+    def refuse(name: str) -> Any:
+        def read(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError(f"Tensor.{name}: a host read of tensor data inside a low-latency call")
+        return read
+
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    out: dict[str, Any] = {"rank": rank, "raised": ""}
+    try:
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, refuse(name))
+        got_x, got_count, got_handle, _, hook = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=use_fp8,
+                                                                         return_recv_hook=True)
+        hook()
+        got_out, _, hook = buf.low_latency_combine(y, idx, w, got_handle, return_recv_hook=True)
+        hook()
+    except BaseException as exc:  # reported, then the buffer is not used again
+        out["raised"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+    if not out["raised"]:
+        out["equal"] = (all(torch.equal(p, q) for p, q in zip(_bits(got_x), _bits(ref_x)))
+                        and torch.equal(got_count, ref_count)
+                        and torch.equal(got_out.view(torch.int16), ref_out.view(torch.int16)))
+    dist.barrier(group)
+    buf.destroy()
+    return out

@@ -37,8 +37,8 @@ def check_format(R: int, fmt: str, replays: int, timeout_s: float) -> dict:
     stream = torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph, stream=stream):
-        case.dispatch()  # send + receive, half 0
-        case.combine()   # send + receive, half 1
+        case.dispatch()  # send + receive, call 1 (half 0)
+        case.combine()   # send + receive, call 2 (half 1)
     out["captured"] = True
     results = []
     for k in range(replays):

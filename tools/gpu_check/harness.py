@@ -574,7 +574,7 @@ class InternodeCase(NormalCase):
 
 # ---------------------------------------------------------------------- low latency
 class LowLatencyCase:
-    """dispatch (send, receive; half 0) -> combine (send, receive; half 1) of the served ranks."""
+    """dispatch (send, receive; call 1, half 0) -> combine (send, receive; call 2, half 1) of the served ranks."""
 
     def __init__(self, side, s: LowLatencyShape, inputs: Optional[list] = None):
         self.side, self.s = side, s
@@ -593,12 +593,12 @@ class LowLatencyCase:
                              recv_count=torch.zeros(L, dtype=torch.int32, device=dev),
                              out=torch.zeros(s.T, H, dtype=torch.bfloat16, device=dev)) for r in side.served}
         self.dispatch_args = {receive: side.prepare({
-            r: (receive, 0, ptr(self.skip[r]), s.T, 4 * S, s.K, fp8, round_scale, ue8m0, ptr(i["x"]), ptr(i["topk"]),
+            r: (receive, 1, ptr(self.skip[r]), s.T, 4 * S, s.K, fp8, round_scale, ue8m0, ptr(i["x"]), ptr(i["topk"]),
                 ptr(o["recv_x"]), ptr(o["recv_scales"]) if fp8 else 0, ptr(o["src_info"]), ptr(o["layout_range"]),
                 ptr(o["recv_count"]))
             for r, i, o in self._each()}) for receive in (False, True)}
         self.combine_args = {receive: side.prepare({
-            r: (receive, 1, ptr(self.skip[r]), s.T, s.K, ptr(i["y"]), ptr(o["src_info"]), ptr(o["layout_range"]),
+            r: (receive, 2, ptr(self.skip[r]), s.T, s.K, ptr(i["y"]), ptr(o["src_info"]), ptr(o["layout_range"]),
                 ptr(i["topk"]), ptr(i["w"]), ptr(o["out"]), s.logfmt)
             for r, i, o in self._each()}) for receive in (False, True)}
 

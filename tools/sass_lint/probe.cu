@@ -77,6 +77,21 @@ extern "C" __global__ void probe_ll_combine_wait(mc::LowLatencyContext k, int ex
     *out = mc::ll_combine_wait<DevicePlatform>(k, Link{k.peers, k.rank}, expert) ? 1 : 0;
 }
 
+// The call header protocol of a low-latency launch (kernels/low_latency.h): the flow-control wait and
+// the header's sequence word, the receive's wait for every header, the "consumed" signals.
+extern "C" __global__ void probe_ll_post_header(mc::LowLatencyContext k, int dest, int* out) {
+    const bool ok = mc::ll_post_header<DevicePlatform>(k, Link{k.peers, k.rank}, dest);
+    if (threadIdx.x == 0) *out = ok ? 1 : 0;
+}
+
+extern "C" __global__ void probe_ll_judge(mc::LowLatencyContext k, int* out) {
+    *out = mc::ll_judge<DevicePlatform>(k, Link{k.peers, k.rank}) ? 1 : 0;
+}
+
+extern "C" __global__ void probe_ll_consumed(mc::LowLatencyContext k) {
+    mc::ll_consumed<DevicePlatform>(k, Link{k.peers, k.rank});
+}
+
 // ---- across nodes: the RDMA ring over the IPC build's link, and the rail and node barriers ----------------
 
 extern "C" __global__ void probe_rdma_put(Link link, mc::RdmaRing ring, int peer, int64_t sent, int64_t n) {

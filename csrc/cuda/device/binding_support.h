@@ -220,6 +220,12 @@ py::object launch_cooperative(Ranks& r, NormalKernel kernel, int64_t blocks, int
     return r.results();
 }
 
+// A low-latency call number: 1, 2, ... below 2^31 (signals carry it in their upper 32 bits).
+inline void check_call(int64_t call) {
+    if (call < 1 || call >= (int64_t{1} << 31))
+        throw py::value_error("call must be in [1, 2^31), got " + std::to_string(call));
+}
+
 inline std::vector<int32_t> all_ranks(size_t n) {
     std::vector<int32_t> r;
     for (size_t i = 0; i < n; ++i) r.push_back(static_cast<int32_t>(i));

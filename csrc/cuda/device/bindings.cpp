@@ -82,19 +82,19 @@ struct LowLatency {
                int64_t M, int64_t H)
         : r(bases, std::move(served), emulate, timeout_s), layout(static_cast<int32_t>(bases.size()), L, M, H) {}
 
-    LowLatencyContext context(size_t i, int half, const PerRank& skip) const {
-        return LowLatencyContext{r.ranks[i], r.num_ranks, half, layout, r.peers.get(), skip.ptr<const uint8_t>(i),
-                                 r.watch(i)};
+    LowLatencyContext context(size_t i, int64_t call, const PerRank& skip) const {
+        return LowLatencyContext{r.ranks[i], r.num_ranks, static_cast<int32_t>((call - 1) & 1), layout,
+                                 r.peers.get(), skip.ptr<const uint8_t>(i), r.watch(i), call, LowLatencyPost{}};
     }
 
     // Enqueues the launch and returns: the caller synchronises, then check().
     template <class Args, class Make>
-    void launch(const char* op, int half, const PerRank& skip, int64_t stream, Make make,
+    void launch(const char* op, int64_t call, const PerRank& skip, int64_t stream, Make make,
                 cudaError_t (*fn)(const Batch<LowLatencyRank<Args>>&, cudaStream_t)) {
-        if (half != 0 && half != 1) throw py::value_error("half must be 0 or 1, got " + std::to_string(half));
+        check_call(call);
         Batch<LowLatencyRank<Args>> b{};
         b.num_ranks = static_cast<int32_t>(r.size());
-        for (size_t i = 0; i < r.size(); ++i) b.rank[i] = LowLatencyRank<Args>{context(i, half, skip), make(i)};
+        for (size_t i = 0; i < r.size(); ++i) b.rank[i] = LowLatencyRank<Args>{context(i, call, skip), make(i)};
         py::gil_scoped_release unlocked;
         DeviceGuard on(r.device);
         check(fn(b, stream_of(stream)), std::string("moe_comm._cuda: ") + op + " (launch)");

@@ -13,14 +13,24 @@
 
 namespace moe_comm::cuda::device::bind {
 
+// The host build's call-header argument (moe_comm._cuda_host LowLatency.dispatch's `post`). The device
+// builds do not post headers yet (their host agrees on each call first): they take only an empty one.
+using PostArgs = std::tuple<int64_t, int64_t, int32_t, int32_t, uint64_t>;
+
+inline void no_post(const PostArgs& post) {
+    if (std::get<0>(post) != 0)
+        throw py::value_error("post: the device builds' low-latency launches take no call header yet (header 0)");
+}
+
 template <class LL>
 void def_low_latency_launches(py::class_<LL>& cls) {
     cls
-        .def("dispatch", [](LL& l, bool receive, int half, const PerRank& skip, const PerRank& num_tokens,
+        .def("dispatch", [](LL& l, bool receive, int64_t call, const PerRank& skip, const PerRank& num_tokens,
                             int64_t scale_bytes, int num_topk, bool fp8, bool round_scale, bool ue8m0,
                             const PerRank& x, const PerRank& topk_idx, const PerRank& recv_x,
                             const PerRank& recv_scales, const PerRank& src_info, const PerRank& layout_range,
-                            const PerRank& recv_count, int64_t stream) {
+                            const PerRank& recv_count, const PostArgs& post, int64_t stream) {
+            no_post(post);
             auto make = [&](size_t i) {
                 return LowLatencyDispatchArgs{num_tokens.at(i), scale_bytes, num_topk,
                                               CastFormat{fp8, round_scale, ue8m0}, x.ptr<const uint16_t>(i),
@@ -29,21 +39,23 @@ void def_low_latency_launches(py::class_<LL>& cls) {
                                               layout_range.ptr<int64_t>(i), recv_count.ptr<int32_t>(i)};
             };
             if (receive)
-                l.template launch<LowLatencyDispatchArgs>("low-latency dispatch (receive)", half, skip, stream, make,
+                l.template launch<LowLatencyDispatchArgs>("low-latency dispatch (receive)", call, skip, stream, make,
                                                  LL::dispatch_recv);
             else
-                l.template launch<LowLatencyDispatchArgs>("low-latency dispatch (send)", half, skip, stream, make,
+                l.template launch<LowLatencyDispatchArgs>("low-latency dispatch (send)", call, skip, stream, make,
                                                  LL::dispatch_send);
-        }, py::arg("receive"), py::arg("half"), py::arg("skip"), py::arg("num_tokens"), py::arg("scale_bytes"),
+        }, py::arg("receive"), py::arg("call"), py::arg("skip"), py::arg("num_tokens"), py::arg("scale_bytes"),
            py::arg("num_topk"), py::arg("fp8"), py::arg("round_scale"), py::arg("ue8m0"), py::arg("x"),
            py::arg("topk_idx"), py::arg("recv_x"), py::arg("recv_scales"), py::arg("src_info"),
-           py::arg("layout_range"), py::arg("recv_count"), py::arg("stream") = 0,
+           py::arg("layout_range"), py::arg("recv_count"), py::arg("post") = PostArgs{0, 0, 0, 0, 0},
+           py::arg("stream") = 0,
            "Enqueues the send half (receive=False) or the receive half of a low-latency dispatch; returns None "
            "at once (check() reads the error record).")
-        .def("combine", [](LL& l, bool receive, int half, const PerRank& skip, const PerRank& num_tokens,
+        .def("combine", [](LL& l, bool receive, int64_t call, const PerRank& skip, const PerRank& num_tokens,
                            int num_topk, const PerRank& x, const PerRank& src_info, const PerRank& layout_range,
                            const PerRank& topk_idx, const PerRank& topk_weights, const PerRank& out, bool logfmt,
-                           int64_t stream) {
+                           const PostArgs& post, int64_t stream) {
+            no_post(post);
             auto make = [&](size_t i) {
                 return LowLatencyCombineArgs{num_tokens.at(i), num_topk, x.ptr<const uint16_t>(i),
                                              src_info.ptr<const int32_t>(i), layout_range.ptr<const int64_t>(i),
@@ -51,14 +63,14 @@ void def_low_latency_launches(py::class_<LL>& cls) {
                                              out.ptr<uint16_t>(i), logfmt};
             };
             if (receive)
-                l.template launch<LowLatencyCombineArgs>("low-latency combine (receive)", half, skip, stream, make,
+                l.template launch<LowLatencyCombineArgs>("low-latency combine (receive)", call, skip, stream, make,
                                                 LL::combine_recv);
             else
-                l.template launch<LowLatencyCombineArgs>("low-latency combine (send)", half, skip, stream, make,
+                l.template launch<LowLatencyCombineArgs>("low-latency combine (send)", call, skip, stream, make,
                                                 LL::combine_send);
-        }, py::arg("receive"), py::arg("half"), py::arg("skip"), py::arg("num_tokens"), py::arg("num_topk"),
+        }, py::arg("receive"), py::arg("call"), py::arg("skip"), py::arg("num_tokens"), py::arg("num_topk"),
            py::arg("x"), py::arg("src_info"), py::arg("layout_range"), py::arg("topk_idx"), py::arg("topk_weights"),
-           py::arg("out"), py::arg("logfmt") = false, py::arg("stream") = 0,
+           py::arg("out"), py::arg("logfmt") = false, py::arg("post") = PostArgs{0, 0, 0, 0, 0}, py::arg("stream") = 0,
            "Enqueues the send half (receive=False) or the receive half of a low-latency combine (logfmt: rows "
            "travel LogFMT-10 encoded); returns None at "
            "once (check() reads the error record).")

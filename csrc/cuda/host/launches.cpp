@@ -46,10 +46,10 @@ InternodeContext internode_context(const InternodePeers& p, int32_t num_channels
                             nvl_chunk, rdma_chunk, layout, p.nvl.data(), w, epoch};
 }
 
-LowLatencyContext low_latency_context(const Peers& p, int32_t half, const LowLatencyLayout& layout,
-                                      const uint8_t* skip, ErrorRecord* err) {
-    return LowLatencyContext{p.rank, static_cast<int32_t>(p.bases.size()), half, layout, p.bases.data(), skip,
-                             watch(p, err)};
+LowLatencyContext low_latency_context(const Peers& p, int64_t call, const LowLatencyLayout& layout,
+                                      const uint8_t* skip, const LowLatencyPost& post, ErrorRecord* err) {
+    return LowLatencyContext{p.rank, static_cast<int32_t>(p.bases.size()), static_cast<int32_t>((call - 1) & 1),
+                             layout, p.bases.data(), skip, watch(p, err), call, post};
 }
 
 void layout(const LayoutArgs& a) {
@@ -127,8 +127,29 @@ void internode_combine(const InternodeContext& k, uint8_t* const* rdma, const In
     });
 }
 
+namespace {
+// The header steps of a send with a post: staged (`clean`: the send's checks passed), posted to every
+// rank (flow control first). Returns whether rows go out: clean, and every post's wait held.
+bool ll_post_all(const LowLatencyContext& k, const DirectLink<P>& link, bool clean) {
+    for (int d = 0; d < k.num_ranks; ++d)
+        if (!ll_post_header<P>(k, link, d)) return false;
+    return clean;
+}
+
+uint8_t* staged_header(const LowLatencyContext& k, const DirectLink<P>& link) {
+    uint8_t* own = link.local(k.layout.own_header(k.half));
+    ll_stage_header(k, own);
+    return own;
+}
+}  // namespace
+
 void ll_dispatch_send(const LowLatencyContext& k, const LowLatencyDispatchArgs& a, const uint8_t* remote) {
     const DirectLink<P> link{k.peers, k.rank, remote};
+    if (k.post.header) {
+        uint8_t* own = staged_header(k, link);
+        if (!ll_post_all(k, link, ll_check_topk(k, own, "low_latency_dispatch", a.topk_idx, a.num_tokens, a.num_topk)))
+            return;
+    }
     for (int64_t t = 0; t < a.num_tokens; ++t) ll_cast<P>(k, link, a, t);
     const int experts = k.num_ranks * k.layout.experts_per_rank;
     for (int e = 0; e < experts; ++e) cuda::ll_dispatch_send<P>(k, link, a, e);
@@ -136,21 +157,38 @@ void ll_dispatch_send(const LowLatencyContext& k, const LowLatencyDispatchArgs& 
 
 void ll_dispatch_recv(const LowLatencyContext& k, const LowLatencyDispatchArgs& a) {
     const DirectLink<P> link{k.peers, k.rank};
-    for (int e = 0; e < k.layout.experts_per_rank; ++e)
-        if (!cuda::ll_dispatch_recv<P>(k, link, a, e)) return;
+    if (!k.post.header || ll_judge<P>(k, link))
+        for (int e = 0; e < k.layout.experts_per_rank; ++e)
+            if (!cuda::ll_dispatch_recv<P>(k, link, a, e)) break;
+    if (k.post.header) ll_consumed<P>(k, link);
 }
 
 void ll_combine_send(const LowLatencyContext& k, const LowLatencyCombineArgs& a, const uint8_t* remote) {
     const DirectLink<P> link{k.peers, k.rank, remote};
+    if (k.post.header) {
+        uint8_t* own = staged_header(k, link);
+        const bool clean = ll_check_topk(k, own, "low_latency_combine", a.topk_idx, a.num_tokens, a.num_topk) &&
+                           ll_check_handle(k, own, a.layout_range);
+        if (clean) ll_combine_routing(k, own, a);
+        if (!ll_post_all(k, link, clean)) return;
+    }
     for (int e = 0; e < k.layout.experts_per_rank; ++e) cuda::ll_combine_send<P>(k, link, a, e);
 }
 
 void ll_combine_recv(const LowLatencyContext& k, const LowLatencyCombineArgs& a) {
     const DirectLink<P> link{k.peers, k.rank};
     const int experts = k.num_ranks * k.layout.experts_per_rank;
-    for (int e = 0; e < experts; ++e)
-        if (!ll_combine_wait<P>(k, link, e)) return;
-    for (int64_t t = 0; t < a.num_tokens; ++t) ll_combine_reduce<P>(k, link, a, t);
+    bool ok = !k.post.header || ll_judge<P>(k, link);
+    for (int e = 0; ok && e < experts; ++e) ok = ll_combine_wait<P>(k, link, e);
+    if (ok)
+        for (int64_t t = 0; t < a.num_tokens; ++t) ll_combine_reduce<P>(k, link, a, t);
+    if (k.post.header) ll_consumed<P>(k, link);
+}
+
+void ll_reject(const LowLatencyContext& k) {
+    const DirectLink<P> link{k.peers, k.rank};
+    staged_header(k, link);
+    if (ll_post_all(k, link, true)) ll_consumed<P>(k, link);
 }
 
 }  // namespace moe_comm::cuda::host

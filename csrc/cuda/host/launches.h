@@ -35,8 +35,8 @@ struct InternodePeers {
 };
 InternodeContext internode_context(const InternodePeers& p, int32_t num_channels, int64_t nvl_chunk,
                                    int64_t rdma_chunk, const InternodeLayout& layout, int64_t epoch, ErrorRecord* err);
-LowLatencyContext low_latency_context(const Peers& p, int32_t half, const LowLatencyLayout& layout,
-                                      const uint8_t* skip, ErrorRecord* err);
+LowLatencyContext low_latency_context(const Peers& p, int64_t call, const LowLatencyLayout& layout,
+                                      const uint8_t* skip, const LowLatencyPost& post, ErrorRecord* err);
 
 // The layout kernel, one token after another on the calling thread.
 void layout(const LayoutArgs& a);
@@ -64,5 +64,8 @@ void ll_dispatch_send(const LowLatencyContext& k, const LowLatencyDispatchArgs& 
 void ll_dispatch_recv(const LowLatencyContext& k, const LowLatencyDispatchArgs& a);
 void ll_combine_send(const LowLatencyContext& k, const LowLatencyCombineArgs& a, const uint8_t* remote = nullptr);
 void ll_combine_recv(const LowLatencyContext& k, const LowLatencyCombineArgs& a);
+// A call this rank rejected on the host: its header (k.post, the rejected bit and message set) goes to
+// every rank, no rows, and the half counts as consumed here (this rank receives nothing of the call).
+void ll_reject(const LowLatencyContext& k);
 
 }  // namespace moe_comm::cuda::host

@@ -8,7 +8,8 @@
 //   normal dispatch:         notify(epoch) -> dispatch        (epochs count notify / prologue calls)
 //   normal cached dispatch:  prologue(epoch) -> dispatch
 //   normal combine:          prologue(epoch) -> combine
-//   low-latency dispatch:    ll_dispatch_send -> ll_dispatch_recv   (buffer half: calls alternate)
+//   low-latency dispatch:    ll_dispatch_send -> ll_dispatch_recv   (call n in buffer half (n - 1) % 2,
+//                                                                    each posting and judging call headers)
 //   low-latency combine:     ll_combine_send -> ll_combine_recv
 //
 // Half the rounds split the ranks into 2..3 nodes of 1..2 ranks and run normal mode across nodes instead
@@ -752,9 +753,18 @@ void run_low_latency(Round& rd, int me, Rendezvous& shake) {
     const std::vector<uint8_t> skip(static_cast<size_t>(R), 0);
     const int64_t rows = R * rd.M, H = rd.ll_hidden;
     const LlRankOut* handle = nullptr;
+    // Every call posts a header (kernels/low_latency.h): op and call number, compared by every receive,
+    // so the flow control, the header cells and the sequence words race under TSan as in the backend.
+    const int64_t fields = 24, message_offset = 8 * (fields + 4 * R);
+    std::vector<int64_t> header(static_cast<size_t>(low_latency_header_bytes(R) / 8), 0);
     for (size_t i = 0; i < rd.ll_ops.size(); ++i) {
         LlOp& op = rd.ll_ops[i];
-        const int half = static_cast<int>(i & 1);
+        const int64_t call = static_cast<int64_t>(i) + 1;
+        header[0] = op.dispatch ? 4 : 5;
+        header[1] = call;
+        const LowLatencyPost post{reinterpret_cast<const uint8_t*>(header.data()),
+                                  static_cast<int64_t>(header.size()) * 8, 2, static_cast<int32_t>(message_offset),
+                                  uint64_t{3}};
         const Route& rt = rd.ll_routes[static_cast<size_t>(op.route)][static_cast<size_t>(me)];
         const LlRankIn& in = op.in[static_cast<size_t>(me)];
         LlRankOut& out = op.out[static_cast<size_t>(me)];
@@ -771,10 +781,10 @@ void run_low_latency(Round& rd, int me, Rendezvous& shake) {
                                      op.format.fp8 ? reinterpret_cast<uint8_t*>(out.recv_scales.data()) : nullptr,
                                      out.src_info.data(), out.layout_range.data(), out.recv_count.data()};
             ErrorRecord err{};
-            host::ll_dispatch_send(host::low_latency_context(peers, half, layout, skip.data(), &err), a);
+            host::ll_dispatch_send(host::low_latency_context(peers, call, layout, skip.data(), post, &err), a);
             check_launch(err, "low-latency dispatch send", me);
             ErrorRecord err2{};
-            host::ll_dispatch_recv(host::low_latency_context(peers, half, layout, skip.data(), &err2), a);
+            host::ll_dispatch_recv(host::low_latency_context(peers, call, layout, skip.data(), post, &err2), a);
             check_launch(err2, "low-latency dispatch receive", me);
             handle = &out;
         } else {
@@ -782,10 +792,10 @@ void run_low_latency(Round& rd, int me, Rendezvous& shake) {
             LowLatencyCombineArgs a{rt.T, rt.K, in.cx.data(), handle->src_info.data(), handle->layout_range.data(),
                                     rt.topk.data(), in.cw.data(), out.out.data(), false};
             ErrorRecord err{};
-            host::ll_combine_send(host::low_latency_context(peers, half, layout, skip.data(), &err), a);
+            host::ll_combine_send(host::low_latency_context(peers, call, layout, skip.data(), post, &err), a);
             check_launch(err, "low-latency combine send", me);
             ErrorRecord err2{};
-            host::ll_combine_recv(host::low_latency_context(peers, half, layout, skip.data(), &err2), a);
+            host::ll_combine_recv(host::low_latency_context(peers, call, layout, skip.data(), post, &err2), a);
             check_launch(err2, "low-latency combine receive", me);
         }
     }

@@ -117,36 +117,69 @@ struct InternodeLayout {
     MC_HD int64_t rail_cell_out(int node) const { return rdma_cells_out + 8 * rail_cell_words * node; }
 };
 
-// Low-latency mode: two halves, used by alternate calls. A half holds the dispatch count signals
-// [E_loc][R], the combine arrival flags [E], the dispatch receive slots [E_loc][R][M][message], the
-// combine receive rows [E][M][row] (a row: bf16 [hidden], or LogFMT-10 in at most row_bytes), this
-// rank's send staging (its FP8 cast of each token, [M] messages) and the combine rows it returns
-// [E_loc][R * M][row], staged when they are LogFMT-encoded or some peers are reached through staging
-// (`staged`: across nodes, where puts go from registered memory). Staging sits in the
-// halves so a call's outgoing puts may still be in flight while the next call stages (double buffering,
-// as for the signals). Every place is an offset from the buffer's base, the same in every rank's buffer.
+// Low-latency header cells: a call's header (moe_comm/protocol/call_header.py: the handshake vector,
+// then a rejection message) in at most this many bytes: room for 64 scalar fields and 4 words per rank.
+MC_HD int64_t low_latency_header_bytes(int32_t num_ranks) {
+    return align_up(8 * (64 + 4 * static_cast<int64_t>(num_ranks)) + 1024, 64);
+}
+
+// Low-latency mode. First a control area, placed by the rank count alone (so ranks whose calls disagree
+// on every other size still find each other's headers): per half and source rank the header's sequence
+// word (the call number, published after the header) and the header cell; per half and destination
+// rank the last call of that half the destination consumed of this rank's sends (flow control); and
+// this rank's own header per half (what its send posts, its in-kernel checks' verdict included).
+// Then two halves, used by alternate calls. A half holds the dispatch count signals [E_loc][R], the
+// combine arrival flags [E], the dispatch receive slots [E_loc][R][M][message] or (in the same place)
+// the combine receive rows [E][M][row] (a row: bf16 [hidden], or LogFMT-10 in at most row_bytes), then
+// this rank's send staging (its FP8 cast of each token, [M] messages) or the combine rows it returns
+// [E_loc][R * M][row],
+// staged when they are LogFMT-encoded or some peers are reached through staging (across nodes, where
+// puts go from registered memory). Staging sits in the halves so a call's outgoing puts may still be
+// in flight while the next call stages (double buffering, as for the signals). Every place is an
+// offset from the buffer's base, the same in every rank's buffer.
 struct LowLatencyLayout {
     int32_t num_ranks, experts_per_rank;
     int64_t max_tokens, hidden, message_bytes, row_bytes;
+    int64_t header_bytes, seqs, consumed, headers, own_headers, control;
     int64_t counts, flags, dispatch_slots, combine_rows, staging, send_rows, half_bytes, total;
 
     LowLatencyLayout() = default;  // as NormalLayout's
     // A message slot holds the largest message of any format: bf16 x, fp32 scales, the source token.
     MC_HD LowLatencyLayout(int32_t ranks, int32_t local_experts, int64_t m, int64_t h)
         : num_ranks(ranks), experts_per_rank(local_experts), max_tokens(m), hidden(h) {
+        header_bytes = low_latency_header_bytes(num_ranks);
+        seqs = 0;
+        consumed = align_up(16 * static_cast<int64_t>(num_ranks), 128);
+        headers = align_up(consumed + 16 * static_cast<int64_t>(num_ranks), 128);
+        own_headers = headers + 2 * num_ranks * header_bytes;
+        control = align_up(own_headers + 2 * header_bytes, 4096);
         message_bytes = align_up(2 * hidden + 4 * (hidden / 128) + 4, 16);
         row_bytes = align_up(logfmt::max_row_bytes(hidden), 16);  // >= 2 * hidden: a bf16 row fits
         const int64_t experts = static_cast<int64_t>(num_ranks) * experts_per_rank;
         counts = 0;
         flags = align_up(8 * experts_per_rank * num_ranks, 128);
+        // A half serves one call at a time (flow control: call n + 2 writes to a rank's half only after
+        // that rank received call n), so a dispatch's places and a combine's overlap, as in DeepEP.
+        const int64_t slots = message_bytes * max_tokens * experts, rows = row_bytes * max_tokens * experts;
         dispatch_slots = align_up(flags + 8 * experts, 128);
-        combine_rows = dispatch_slots + message_bytes * max_tokens * experts;
-        staging = align_up(combine_rows + row_bytes * max_tokens * experts, 128);
-        send_rows = staging + message_bytes * max_tokens;
-        half_bytes = align_up(send_rows + row_bytes * max_tokens * experts, 4096);
-        total = 2 * half_bytes;
+        combine_rows = dispatch_slots;
+        staging = align_up(dispatch_slots + (slots > rows ? slots : rows), 128);
+        send_rows = staging;
+        const int64_t staged = message_bytes * max_tokens;
+        half_bytes = align_up(staging + (staged > rows ? staged : rows), 4096);
+        total = control + 2 * half_bytes;
     }
-    MC_HD int64_t half(int h) const { return h * half_bytes; }
+    MC_HD int64_t seq(int h, int source) const { return seqs + 8 * (static_cast<int64_t>(h) * num_ranks + source); }
+    // The last call of half h that rank `dest` received of this rank's sends (halves apart: hooks may
+    // receive a later call first).
+    MC_HD int64_t consumed_by(int h, int dest) const {
+        return consumed + 8 * (static_cast<int64_t>(h) * num_ranks + dest);
+    }
+    MC_HD int64_t header(int h, int source) const {
+        return headers + (static_cast<int64_t>(h) * num_ranks + source) * header_bytes;
+    }
+    MC_HD int64_t own_header(int h) const { return own_headers + h * header_bytes; }
+    MC_HD int64_t half(int h) const { return control + h * half_bytes; }
     MC_HD int64_t count(int h, int local_expert, int source) const {
         return half(h) + counts + 8 * (static_cast<int64_t>(local_expert) * num_ranks + source);
     }

@@ -16,14 +16,29 @@
 //       order, in fp32 (multiply, then add)
 //
 // Peers are reached through a link (protocol/link.h): mapped buffers (NVLink, the host's shared memory)
-// or NVSHMEM across nodes; puts and signals go through it, waits read this rank's own buffer. Signals
-// are zeroed by their reader, and calls alternate between the two halves (staging included): call n + 2
-// reuses call n's half only after every rank has finished call n + 1, which needs call n received.
-// Model: tools/spin/ll_double_buffer.pml.
+// or NVSHMEM across nodes; puts and signals go through it, waits read this rank's own buffer. Every
+// signal carries its call (wait.h call_signal: the call number beside the count), so a reader takes
+// only this call's, never a stale one, and a later call's means out of step; calls alternate between
+// the two halves (staging included), call n in half (n - 1) % 2. Readers still zero the signals they
+// took, so a CUDA graph that replays the same call numbers (the device builds: the number is a launch
+// argument) waits for fresh ones.
+//
+// The agreement in the data path (a launch given a call header, LowLatencyPost): before any byte of
+// call n goes to rank d, the send waits until d has consumed call n - 2 (flow control: d's "consumed"
+// cell in this rank's buffer), then puts this rank's header into d's header cell of the half and
+// publishes its sequence word; then the rows, then the signals. A send first checks its top-k ids
+// (range, an expert twice in a row): a bad one sets the header's rejected bit and message, and that
+// send then puts no rows. The receive waits for every rank's header of call n, compares the words every
+// rank must hold alike and the rejected bits, and on any difference records MISMATCH (the host then
+// reads the headers and raises the verdict, the same on every rank) and reads no row; either way it ends
+// by telling every source that call n is consumed. Without a header (the device builds, whose host
+// agreed first) the waits on signals are the only protocol. Models: tools/spin/ll_double_buffer.pml,
+// tools/spin/ll_posts.pml.
 #pragma once
 
 #include <cstdint>
 
+#include "../../common/digest.h"
 #include "../../common/logfmt.h"
 #include "../../common/numeric.h"
 #include "../protocol/link.h"
@@ -72,6 +87,16 @@ MC_HD void cast_token(uint8_t* codes, uint8_t* scales, const uint16_t* x, int64_
     }
 }
 
+// The call header a launch posts and judges (moe_comm/protocol/call_header.py). header null: none (the
+// host agreed on the call before the launch).
+struct LowLatencyPost {
+    const uint8_t* header;   // [bytes] this rank's header of the call, on the launch's device
+    int64_t bytes;           // <= layout.header_bytes
+    int32_t rejected_word;   // the vector word of the rejected bit
+    int32_t message_offset;  // where the rejection message starts (its room runs to `bytes`)
+    uint64_t compare;        // bit w: vector word w must be alike in every rank's header (w < 64)
+};
+
 // What one rank's low-latency launch knows. Peers' buffers are reached through a link (protocol/link.h:
 // a DirectLink over mapped buffers, or NVSHMEM's puts and signals across nodes): every body takes one.
 struct LowLatencyContext {
@@ -80,7 +105,210 @@ struct LowLatencyContext {
     uint8_t* const* peers;  // [R] every rank's low-latency buffer, mapped here (DirectLink's bases)
     const uint8_t* skip;    // [R] masked ranks: nothing is sent to or awaited from them
     Watch watch;
+    int64_t call;           // this call's number (1, 2, ...; half = (call - 1) % 2)
+    LowLatencyPost post;
 };
+
+// A little text into a fixed room (a rejection message written by the kernel), always zero-terminated.
+struct Text {
+    char* at;
+    int64_t left;
+    MC_HD void add(const char* s) {
+        for (; *s && left > 1; ++s, --left) *at++ = *s;
+        *at = 0;
+    }
+    MC_HD void add(int64_t v) {
+        char digits[24];
+        int n = 0;
+        const bool negative = v < 0;
+        uint64_t u = negative ? 0 - static_cast<uint64_t>(v) : static_cast<uint64_t>(v);
+        do {
+            digits[n++] = static_cast<char>('0' + u % 10);
+            u /= 10;
+        } while (u);
+        if (negative) digits[n++] = '-';
+        char out[24];
+        for (int i = 0; i < n; ++i) out[i] = digits[n - 1 - i];
+        out[n] = 0;
+        add(out);
+    }
+};
+
+// This rank's header of the call, staged where its posts read it (one agent): a copy of post.header.
+MC_HD void ll_stage_header(const LowLatencyContext& k, uint8_t* own) { copy_one(own, k.post.header, k.post.bytes); }
+
+// Sets the staged header's rejected bit; returns where its message goes.
+MC_HD Text ll_rejection(const LowLatencyContext& k, uint8_t* own, const char* op) {
+    const int64_t one = 1;
+    copy_one(own + 8 * static_cast<int64_t>(k.post.rejected_word), &one, 8);
+    Text text{reinterpret_cast<char*>(own + k.post.message_offset), k.post.bytes - k.post.message_offset};
+    text.add(op);
+    return text;
+}
+
+// The send's checks of top-k ids (one agent), the words of moe_comm.buffer.low_latency_args's host
+// checks: an id outside [-1, num_experts), or a row that picks an expert twice, rejects the call.
+// Returns whether they passed.
+MC_HD bool ll_check_topk(const LowLatencyContext& k, uint8_t* own, const char* op, const int64_t* topk_idx,
+                         int64_t num_tokens, int32_t num_topk) {
+    const int64_t num_experts = static_cast<int64_t>(k.num_ranks) * k.layout.experts_per_rank;
+    int64_t lo = 0, hi = 0, twice_row = -1, twice_expert = INT64_MAX;
+    for (int64_t t = 0; t < num_tokens; ++t)
+        for (int32_t j = 0; j < num_topk; ++j) {
+            const int64_t e = topk_idx[t * num_topk + j];
+            lo = (t == 0 && j == 0) || e < lo ? e : lo;
+            hi = (t == 0 && j == 0) || e > hi ? e : hi;
+            for (int32_t i = 0; i < j && twice_row < 0 && e >= 0; ++i)
+                if (topk_idx[t * num_topk + i] == e) twice_row = t;
+        }
+    if (twice_row >= 0) {  // the smallest expert that row picks twice
+        const int64_t* row = topk_idx + twice_row * num_topk;
+        for (int32_t j = 0; j < num_topk; ++j)
+            for (int32_t i = 0; i < j; ++i)
+                if (row[i] == row[j] && row[j] >= 0 && row[j] < twice_expert) twice_expert = row[j];
+    }
+    if (num_tokens * num_topk > 0 && (lo < -1 || hi >= num_experts)) {
+        Text text = ll_rejection(k, own, op);
+        text.add(": topk_idx must be expert ids in [-1, ");
+        text.add(num_experts);
+        text.add(") (num_experts=");
+        text.add(num_experts);
+        text.add("), got values in [");
+        text.add(lo);
+        text.add(", ");
+        text.add(hi);
+        text.add("]");
+        return false;
+    }
+    if (twice_row >= 0) {
+        Text text = ll_rejection(k, own, op);
+        text.add(": topk_idx must be rows that pick each expert at most once, got row ");
+        text.add(twice_row);
+        text.add(" picking expert ");
+        text.add(twice_expert);
+        text.add(" twice");
+        return false;
+    }
+    return true;
+}
+
+// A combine's check of its handle (one agent), before any row goes out: layout_range [E_loc][R] must
+// hold begin << 32 | count blocks by source ascending inside [0, R * M), each beginning where the one
+// before ends (the words of moe_comm.protocol.low_latency_layout.layout_range_check's host check). A
+// src_info outside [0, M) is not refused here: its row is never put (ll_combine_send), and the routing
+// digests (ll_combine_routing) fail the call on every rank, as the portable backend's do.
+MC_HD bool ll_check_handle(const LowLatencyContext& k, uint8_t* own, const int64_t* layout_range) {
+    const int64_t rows = static_cast<int64_t>(k.num_ranks) * k.layout.max_tokens;
+    for (int e = 0; e < k.layout.experts_per_rank; ++e) {
+        int64_t next = 0;
+        for (int s = 0; s < k.num_ranks; ++s) {
+            const int64_t range = layout_range[e * k.num_ranks + s], begin = range >> 32, n = range & 0xffffffff;
+            if (range < 0 || begin != next || begin + n > rows) {
+                Text text = ll_rejection(k, own, "low_latency_combine");
+                text.add(": handle[1] (layout_range) must be begin << 32 | count blocks by source rank ascending "
+                         "inside [0, ");
+                text.add(rows);
+                text.add("), each beginning where the one before ends (begin[e, s] = count[e, 0] + ... + count[e, "
+                         "s - 1]), got begin ");
+                text.add(begin);
+                text.add(", count ");
+                text.add(n);
+                text.add(" at [");
+                text.add(static_cast<int64_t>(e));
+                text.add(", ");
+                text.add(static_cast<int64_t>(s));
+                text.add("]");
+                return false;
+            }
+            next = begin + n;
+        }
+    }
+    return true;
+}
+
+// Where a header's per-rank words start: rows sent to each rank, rows expected from each, digests of
+// the rows sent, of the rows expected (moe_comm.protocol.handshake.vector): [4][R] after the fields.
+MC_HD int64_t ll_per_rank_words(const LowLatencyContext& k) { return k.post.message_offset / 8 - 4 * k.num_ranks; }
+
+// Posts this rank's staged header of the call to `dest` (one group): waits until dest consumed call
+// n - 2 of this half, then the header, then its sequence word. False when the wait gave up.
+template <class P, class L>
+MC_HD bool ll_post_header(const LowLatencyContext& k, const L& link, int dest) {
+    using G = typename P::Group;
+    const LowLatencyLayout& l = k.layout;
+    if (k.skip[dest]) return true;
+    if (k.call > 2) {
+        int64_t v = 0;
+        if (G::leader())
+            v = wait_at_least<P>(k.watch, link.local_flag(l.consumed_by(k.half, dest)), k.call - 2, WaitKind::kConsumed,
+                                 dest, -1);
+        if (G::broadcast(v) == INT64_MIN) return false;
+    }
+    link.template put<G>(dest, l.header(k.half, k.rank), link.local(l.own_header(k.half)), k.post.bytes);
+    link.template publish<G>(dest, l.seq(k.half, k.rank), call_signal(k.call, 1));
+    return true;
+}
+
+// Whether this rank's staged header of the call carries the rejected bit (its send then puts no rows).
+MC_HD bool ll_rejected(const LowLatencyContext& k, const uint8_t* own) {
+    int64_t v;
+    copy_one(&v, own + 8 * static_cast<int64_t>(k.post.rejected_word), 8);
+    return v != 0;
+}
+
+// The receive's verdict (one agent): waits for every unmasked rank's header of the call; false (the
+// record says MISMATCH, or why the wait gave up) unless every compared word is alike and no rank
+// rejected. The host reads the headers for the error it raises.
+template <class P, class L>
+MC_HD bool ll_judge(const LowLatencyContext& k, const L& link) {
+    const LowLatencyLayout& l = k.layout;
+    const LowLatencyPost& p = k.post;
+    for (int s = 0; s < k.num_ranks; ++s)
+        if (!k.skip[s] && wait_call<P>(k.watch, link.local_flag(l.seq(k.half, s)), k.call, WaitKind::kHeader, s, -1) ==
+                              INT64_MIN)
+            return false;
+    const uint8_t* mine = link.local(l.header(k.half, k.rank));
+    const int64_t base = ll_per_rank_words(k), R = k.num_ranks;
+    for (int s = 0; s < k.num_ranks; ++s) {
+        if (k.skip[s]) continue;
+        const uint8_t* theirs = link.local(l.header(k.half, s));
+        for (int d = 0; d < k.num_ranks; ++d) {  // what s sends d against what d expects from s, where known
+            if (k.skip[d]) continue;
+            const uint8_t* dest = link.local(l.header(k.half, d));
+            for (int64_t part = 0; part < 2; ++part) {  // row counts, then digests
+                int64_t sent, expected;
+                copy_one(&sent, theirs + 8 * (base + 2 * part * R + d), 8);
+                copy_one(&expected, dest + 8 * (base + (2 * part + 1) * R + s), 8);
+                if (expected >= 0 && sent >= 0 && expected != sent) {
+                    report<P>(k.watch, WaitOutcome::kMismatch, WaitKind::kHeader, s,
+                              static_cast<int32_t>(base + 2 * part * R + d), sent, expected);
+                    return false;
+                }
+            }
+        }
+        for (int w = 0; w < 64; ++w) {
+            const bool rejected = w == p.rejected_word;
+            if (!rejected && !((p.compare >> w) & 1)) continue;
+            int64_t a, b;
+            copy_one(&a, mine + 8 * w, 8);
+            copy_one(&b, theirs + 8 * w, 8);
+            if (rejected ? (a != 0 || b != 0) : a != b) {
+                report<P>(k.watch, WaitOutcome::kMismatch, WaitKind::kHeader, rejected && a != 0 ? k.rank : s, w,
+                          rejected && a != 0 ? a : b, rejected ? 0 : a);
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+// The end of a receive with a header (one agent): every unmasked source may reuse this half for call
+// n + 2. Only after every read of the half's rows.
+template <class P, class L>
+MC_HD void ll_consumed(const LowLatencyContext& k, const L& link) {
+    for (int s = 0; s < k.num_ranks; ++s)
+        if (!k.skip[s]) link.signal(s, k.layout.consumed_by(k.half, k.rank), k.call);
+}
 
 struct LowLatencyDispatchArgs {
     int64_t num_tokens, scale_bytes;  // scale_bytes: of one message (0 without FP8)
@@ -126,7 +354,7 @@ MC_HD void ll_dispatch_send(const LowLatencyContext& k, const L& link, const Low
             if (a.topk_idx[t * a.num_topk + j] == expert)
                 link.template put<G>(dest, l.slot(k.half, e_loc, k.rank, n++), link.local(l.staged_message(k.half, t)),
                                      l.message_bytes);
-    link.template publish<G>(dest, l.count(k.half, e_loc, k.rank), n + 1);
+    link.template publish<G>(dest, l.count(k.half, e_loc, k.rank), call_signal(k.call, n + 1));
 }
 
 template <class P, class L>
@@ -142,10 +370,10 @@ MC_HD bool ll_dispatch_recv(const LowLatencyContext& k, const L& link, const Low
             int64_t v = 0;
             if (G::leader()) {
                 int64_t* count = link.local_flag(l.count(k.half, e_loc, s));
-                v = wait_at_least<P>(k.watch, count, 1, WaitKind::kCount, s, e_loc);
+                v = wait_call<P>(k.watch, count, k.call, WaitKind::kCount, s, e_loc);
                 if (v != INT64_MIN) {
-                    link.settle(l.count(k.half, e_loc, s), v);  // the slots the count covers are visible
-                    P::store_relaxed(count, int64_t{0});
+                    link.settle(l.count(k.half, e_loc, s), call_signal(k.call, v));  // its slots are visible
+                    P::store_relaxed(count, int64_t{0});  // a replayed graph's call waits for a fresh one
                 }
             }
             v = G::broadcast(v);
@@ -180,6 +408,43 @@ struct LowLatencyCombineArgs {
     bool logfmt;                  // rows travel LogFMT-10 encoded (common/logfmt.h), decoded in the sum
 };
 
+// A combine's routing in its staged header (one agent), as the portable backend's handshake carries it
+// (moe_comm.protocol.digest.low_latency_combine_digests): rows this rank returns to each source and
+// their digest (keys e_loc << 32 | src_info, by local expert then row), rows it expects from each rank
+// and their digest (keys e_loc << 32 | token over its routable top-k, by expert then token). Every
+// receive compares them pairwise (ll_judge), so a handle of another dispatch fails on every rank.
+MC_HD void ll_combine_routing(const LowLatencyContext& k, uint8_t* own, const LowLatencyCombineArgs& a) {
+    const LowLatencyLayout& l = k.layout;
+    const int R = k.num_ranks, L = l.experts_per_rank;
+    const int64_t rows = static_cast<int64_t>(R) * l.max_tokens, base = ll_per_rank_words(k);
+    int64_t* words = reinterpret_cast<int64_t*>(own);  // staged in this rank's buffer: 8-byte aligned
+    for (int s = 0; s < R; ++s) {
+        uint64_t sum = 0;
+        int64_t j = 0;
+        for (int e = 0; e < L; ++e) {
+            const int64_t range = a.layout_range[e * R + s], begin = range >> 32, n = range & 0xffffffff;
+            for (int64_t r = begin; r < begin + n; ++r, ++j)
+                sum += digest::term(static_cast<uint64_t>(e) << 32 | static_cast<uint64_t>(a.src_info[e * rows + r]),
+                                    j);
+        }
+        words[base + s] = j;
+        words[base + 2 * R + s] = digest::finish(sum);
+    }
+    for (int d = 0; d < R; ++d) {
+        uint64_t sum = 0;
+        int64_t j = 0;
+        for (int e = 0; e < L; ++e)
+            for (int64_t t = 0; t < a.num_tokens; ++t)
+                for (int32_t i = 0; i < a.num_topk; ++i)
+                    if (a.topk_idx[t * a.num_topk + i] == static_cast<int64_t>(d) * L + e) {
+                        sum += digest::term(static_cast<uint64_t>(e) << 32 | static_cast<uint64_t>(t), j++);
+                        break;
+                    }
+        words[base + R + d] = j;
+        words[base + 3 * R + d] = digest::finish(sum);
+    }
+}
+
 // Each row is first written into this rank's buffer (from where the put reads it) when it travels
 // LogFMT-encoded (one lane encodes a row) or goes to a staged peer (across nodes); a direct peer's bf16
 // rows go from x at once.
@@ -208,25 +473,26 @@ MC_HD void ll_combine_send(const LowLatencyContext& k, const L& link, const LowL
             G::sync();
         }
         for (int64_t i = 0; i < n; ++i) {
-            const int64_t r = e_loc * rows + begin + i;
+            const int64_t r = e_loc * rows + begin + i, token = a.src_info[r];
+            if (token < 0 || token >= l.max_tokens) continue;  // a tampered handle: never outside the row
             const void* row = staged ? static_cast<const void*>(link.local(l.send_row(k.half, r)))
                                      : static_cast<const void*>(a.x + r * l.hidden);
-            link.template put<G>(s, l.combine_row(k.half, expert, a.src_info[r]), row, row_bytes);
+            link.template put<G>(s, l.combine_row(k.half, expert, token), row, row_bytes);
         }
-        link.template publish<G>(s, l.flag(k.half, expert), int64_t{1});
+        link.template publish<G>(s, l.flag(k.half, expert), call_signal(k.call, 1));
     }
 }
 
-// Waits for expert `expert`'s rows (unless its rank is masked) and zeroes its flag.
+// Waits for expert `expert`'s rows of the call (unless its rank is masked) and zeroes its flag.
 template <class P, class L>
 MC_HD bool ll_combine_wait(const LowLatencyContext& k, const L& link, int expert) {
     const LowLatencyLayout& l = k.layout;
     const int owner = expert / l.experts_per_rank;
     if (k.skip[owner]) return true;
     int64_t* flag = link.local_flag(l.flag(k.half, expert));
-    if (wait_at_least<P>(k.watch, flag, 1, WaitKind::kCombineFlag, owner, expert) == INT64_MIN) return false;
-    link.settle(l.flag(k.half, expert), 1);  // the rows the flag covers are visible
-    P::store_relaxed(flag, int64_t{0});
+    if (wait_call<P>(k.watch, flag, k.call, WaitKind::kCombineFlag, owner, expert) == INT64_MIN) return false;
+    link.settle(l.flag(k.half, expert), call_signal(k.call, 1));  // the rows the flag covers are visible
+    P::store_relaxed(flag, int64_t{0});  // a replayed graph's call waits for a fresh one
     return true;
 }
 

@@ -126,14 +126,15 @@ struct LowLatency {
           peers(all, rank, "LowLatency") {}
 
     template <class Args, class Make>
-    void launch(const char* op, int half, const PerRank& skip, int64_t stream, Make make,
+    void launch(const char* op, int64_t call, const PerRank& skip, int64_t stream, Make make,
                 cudaError_t (*fn)(const device::Batch<nv::LowLatencyRank<Args>>&, cudaStream_t)) {
         require_initialized(op);
-        if (half != 0 && half != 1) throw py::value_error("half must be 0 or 1, got " + std::to_string(half));
+        check_call(call);
         device::Batch<nv::LowLatencyRank<Args>> b{};
         b.num_ranks = 1;
         b.rank[0] = nv::LowLatencyRank<Args>{
-            LowLatencyContext{r.ranks[0], r.num_ranks, half, layout, nullptr, skip.ptr<const uint8_t>(0), r.watch(0)},
+            LowLatencyContext{r.ranks[0], r.num_ranks, static_cast<int32_t>((call - 1) & 1), layout, nullptr,
+                              skip.ptr<const uint8_t>(0), r.watch(0), call, LowLatencyPost{}},
             peers.peers(), make(0)};
         py::gil_scoped_release unlocked;
         DeviceGuard on(r.device);

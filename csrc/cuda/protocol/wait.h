@@ -21,6 +21,8 @@ enum class WaitKind : int32_t {
     kCombineFlag = 5,    // a low-latency combine arrival flag
     kRdmaSpace = 6,      // an RDMA ring's receiver consuming slots (the sender waits; also its drain)
     kRdmaData = 7,       // an RDMA ring's sender putting slots (the receiver waits)
+    kHeader = 8,         // a peer's low-latency call header (the receive waits)
+    kConsumed = 9,       // a peer receiving call n - 2 of a buffer half (the sender of call n waits)
 };
 
 // Host-visible (pinned, mapped on the device); one per rank and launch.
@@ -79,6 +81,38 @@ MC_HD int64_t wait_at_least(const Watch& w, const int64_t* flag, int64_t target,
             }
             if (P::peer_exited(w.pids, peer)) {
                 report<P>(w, WaitOutcome::kPeerExited, kind, peer, channel, v, target);
+                return INT64_MIN;
+            }
+        }
+        P::relax(spins);
+    }
+}
+
+// A signal that carries its call: call << 32 | value (0 < value < 2^32, call < 2^31).
+MC_HD int64_t call_signal(int64_t call, int64_t value) { return (call << 32) | value; }
+
+// Spins until *flag carries call `call` (acquire), the deadline passes, another wait of the launch
+// failed, or the flag carries a later call (the sender is ahead of this rank: out of step, PAST_TARGET).
+// An earlier call's value is what the half held before: keep waiting. Returns the value part, or
+// INT64_MIN when it gave up (the record says why). The value is tested too (never 0 in a signal), so
+// the flag is read as one 64-bit load: ptxas narrows a load whose low half nobody reads.
+template <class P>
+MC_HD int64_t wait_call(const Watch& w, const int64_t* flag, int64_t call, WaitKind kind, int peer, int channel) {
+    for (int64_t spins = 0;; ++spins) {
+        const int64_t v = P::load_acquire(flag), seen = v >> 32;
+        if (seen == call && (v & 0xffffffff) != 0) return v & 0xffffffff;
+        if (seen > call) {
+            report<P>(w, WaitOutcome::kPastTarget, kind, peer, channel, seen, call);
+            return INT64_MIN;
+        }
+        if ((spins & 255) == 255) {
+            if (failed<P>(w)) return INT64_MIN;
+            if (P::now() > w.deadline) {
+                report<P>(w, WaitOutcome::kTimeout, kind, peer, channel, seen, call);
+                return INT64_MIN;
+            }
+            if (P::peer_exited(w.pids, peer)) {
+                report<P>(w, WaitOutcome::kPeerExited, kind, peer, channel, seen, call);
                 return INT64_MIN;
             }
         }

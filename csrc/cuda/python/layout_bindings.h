@@ -37,7 +37,8 @@ inline void def_layouts(py::module_& m) {
         .value("NONE", WaitKind::kNone).value("BARRIER", WaitKind::kBarrier)
         .value("RING_SPACE", WaitKind::kRingSpace).value("RING_DATA", WaitKind::kRingData)
         .value("COUNT", WaitKind::kCount).value("COMBINE_FLAG", WaitKind::kCombineFlag)
-        .value("RDMA_SPACE", WaitKind::kRdmaSpace).value("RDMA_DATA", WaitKind::kRdmaData);
+        .value("RDMA_SPACE", WaitKind::kRdmaSpace).value("RDMA_DATA", WaitKind::kRdmaData)
+        .value("HEADER", WaitKind::kHeader).value("CONSUMED", WaitKind::kConsumed);
     moe_comm::python::def_codes(m, true);  // DType, WaitOutcome (error records), MAX_NODE_RANKS, ...
     m.attr("MAX_NODES") = kMaxNodes;
 
@@ -48,6 +49,12 @@ inline void def_layouts(py::module_& m) {
        "Bytes of one rank's normal-mode buffer.");
     m.def("dispatch_slot_bytes", &dispatch_slot_bytes, py::arg("x_bytes"), py::arg("scale_bytes"),
           py::arg("num_topk"), "Bytes of a dispatch ring slot (before alignment).");
+    m.def("low_latency_header_bytes", &low_latency_header_bytes, py::arg("R"),
+          "The room of one low-latency call header cell (a header may be smaller).");
+    m.def("low_latency_control_bytes", [](int R) {
+        return LowLatencyLayout(R, 1, 1, kFp8Group).control;  // the control area depends on R alone
+    }, py::arg("R"), "Bytes of a low-latency buffer's control area (header cells, sequence words, flow "
+       "control), where its halves start: the same for every call's sizes.");
     m.def("low_latency_bytes", [](int R, int L, int64_t M, int64_t H) {
         return LowLatencyLayout(R, L, M, H).total;
     }, py::arg("R"), py::arg("L"), py::arg("M"), py::arg("H"),

@@ -54,6 +54,13 @@ class CudaHostBackend(PortableBackend):
         self.low_latency = KernelLowLatencyMode(self.transport, self.agreement, _cuda_host,
                                                 self._low_latency_buffers, self.stream, timeout_s, node_ranks)
 
+    def reserve_low_latency(self, num_rdma_bytes: int) -> None:
+        self.low_latency.reserve(num_rdma_bytes)
+
+    @property
+    def low_latency_checks_topk(self) -> bool:  # type: ignore[override]
+        return self.low_latency.agrees_in_data_path
+
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
         """The layout kernel's histograms (the same as the portable backend's; an id out of range is the
         same ValueError)."""

@@ -5,14 +5,20 @@ from typing import Optional
 
 from ...core.errors import CommTimeoutError, PeerExitedError
 
-__all__ = ["raise_for"]
+__all__ = ["HeadersDisagree", "raise_for"]
 
 #: What each wait waited for (``WaitKind``), for messages.
 _WAITED_FOR = {"BARRIER": "its arrival at the barrier", "RING_SPACE": "free ring slots (its receiver)",
                "RING_DATA": "ring data (its sender)", "COUNT": "its low-latency dispatch count",
                "COMBINE_FLAG": "its low-latency combine rows",
                "RDMA_SPACE": "free RDMA ring slots (its receiver across nodes)",
-               "RDMA_DATA": "RDMA ring data (its sender across nodes)"}
+               "RDMA_DATA": "RDMA ring data (its sender across nodes)", "HEADER": "its low-latency call header",
+               "CONSUMED": "it to receive this rank's call two calls back (flow control)"}
+
+
+class HeadersDisagree(Exception):
+    """A low-latency receive found the call's headers unlike (or a rank's rejected bit): the caller
+    reads them and raises the verdict (``CallAgreement.judge``), the same on every rank."""
 
 
 def raise_for(kernels, op: str, timeout_s: float, pids: list[int],
@@ -23,8 +29,15 @@ def raise_for(kernels, op: str, timeout_s: float, pids: list[int],
         return
     code, kind, rank, peer, where, observed, expected = record
     kind_name = kernels.WaitKind(kind).name
-    if kernels.WaitOutcome(code) == kernels.WaitOutcome.PEER_EXITED:
+    outcome = kernels.WaitOutcome(code)
+    if outcome == kernels.WaitOutcome.PEER_EXITED:
         raise PeerExitedError(op, rank, peer, pids[peer])
+    if outcome == kernels.WaitOutcome.MISMATCH:
+        raise HeadersDisagree(f"{op}: rank {peer}'s call header differs from rank {rank}'s in word {where}")
+    if outcome == kernels.WaitOutcome.PAST_TARGET:  # not agreed: the buffer breaks
+        raise RuntimeError(f"{op}: rank {rank} waits for call {expected}, but rank {peer} already sent call "
+                           f"{observed} ({_WAITED_FOR.get(kind_name, kind_name)}): the ranks are out of step (a "
+                           f"rank skipped a call, or failed one alone)")
     detail = (f"the kernel waited for rank {peer}: {_WAITED_FOR.get(kind_name, kind_name)} (wait {kind_name}, "
               f"channel/expert {where}; flag {observed}, wanted >= {expected})")
     raise CommTimeoutError(op, rank, timeout_s, [peer], detail)

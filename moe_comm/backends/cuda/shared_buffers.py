@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -73,10 +72,15 @@ class SharedBuffers:
         """Ranks outside ``skip`` whose buffer is not mapped here (mapped while they were masked)."""
         return [r for r, base in enumerate(self.bases) if not base and r not in skip]
 
-    def zero_own(self) -> None:
-        """Zeroes this rank's buffer (its peers must not be writing to it)."""
+    def zero_own(self, start: int = 0, end: Optional[int] = None) -> None:
+        """Zeroes bytes [start, end) of this rank's buffer (to its end by default; its peers must not
+        be writing to it)."""
         if self._segments:
-            self._segments[self.transport.rank].bytes.zero_()
+            self._segments[self.transport.rank].bytes[start:end].zero_()
+
+    def own(self, offset: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of this rank's buffer at ``offset`` (a view, uint8 on the CPU)."""
+        return self._segments[self.transport.rank].view(offset, nbytes)
 
     def close(self) -> None:
         """Drops the mappings (a kernel that still ran on them would fault: callers close after the last)."""
