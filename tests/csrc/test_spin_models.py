@@ -235,3 +235,23 @@ def test_ll_posts_planted_bugs_are_caught(bug: str, kind: str, tmp_path: Path) -
     its slot to be consumed (the call two back overwritten: the receiver's exact wait never ends), and a
     receiver that accepts a stale call's signal are each found."""
     assert_found(search("ll_posts.pml", {"R": 2, "N": 3, bug: None}, tmp_path), kind)
+
+
+@pytest.mark.parametrize("ranks,calls", [(2, 3), exhaustive(2, 5), (3, 3)])
+def test_ll_call_headers_verify(ranks: int, calls: int, tmp_path: Path,
+                                record_property: Callable[[str, object], None]) -> None:
+    """The CUDA kernels' call headers (flow control, header then sequence word, rows then count, exact
+    waits, counts zeroed by their reader), two calls in flight: every receiver judges the header and
+    reads the rows of the call it receives, from every sender, and no rank is left waiting."""
+    assert_verified(search("ll_call_headers.pml", {"R": ranks, "N": calls}, tmp_path), record_property)
+
+
+@pytest.mark.parametrize("bug,kind", [("HEADER_AFTER_PUBLISH", "assertion violated"),
+                                      ("ROWS_AFTER_SIGNAL", "assertion violated"),
+                                      ("NO_FLOW_CONTROL", "invalid end state"),
+                                      ("STALE_ACCEPTED", "assertion violated")])
+def test_ll_call_headers_planted_bugs_are_caught(bug: str, kind: str, tmp_path: Path) -> None:
+    """A sequence word published before its header, a count before its rows, a send that does not wait
+    for call n - 2 to be consumed (a count overwritten before it is read: the exact wait never ends), and a
+    receive that accepts a stale call's signal are each found."""
+    assert_found(search("ll_call_headers.pml", {"R": 2, "N": 3, bug: None}, tmp_path), kind)
