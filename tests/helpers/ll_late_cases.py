@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,17 +21,44 @@ def _combine_input(rank: int, recv_x: Any) -> torch.Tensor:
     return torch.randn(shape).to(torch.bfloat16)
 
 
+@dataclass
+class _Reference:
+    """A low-latency buffer, this rank's inputs, and a blocking dispatch + combine's outputs on them."""
+
+    buf: Any
+    experts: int
+    x: torch.Tensor
+    idx: torch.Tensor
+    w: torch.Tensor
+    y: torch.Tensor
+    recv_x: Any
+    count: torch.Tensor
+    out: torch.Tensor
+
+    def equal(self, recv_x: Any, count: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether another dispatch + combine gave these outputs, bitwise."""
+        return (all(torch.equal(p, q) for p, q in zip(_bits(recv_x), _bits(self.recv_x)))
+                and torch.equal(count, self.count) and torch.equal(out.view(torch.int16), self.out.view(torch.int16)))
+
+
+def _reference(group: dist.ProcessGroup, seed: int, use_fp8: bool) -> _Reference:
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    experts = E * R
+    buf = ll_buffer(group, T, H, experts)
+    x, idx, w = _inputs(rank, seed)
+    recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=use_fp8)
+    y = _combine_input(rank, recv_x)
+    out = buf.low_latency_combine(y, idx, w, handle)[0].clone()
+    return _Reference(buf, experts, x, idx, w, y, recv_x, count, out)
+
+
 def late_rank(group: dist.ProcessGroup, late_s: float, use_fp8: bool) -> dict[str, Any]:
     """The last rank calls each send half ``late_s`` late: a correct dispatch + combine, then a
     dispatch with another hidden size, then a correct call again. Returns the others' send-half
     times, whether hooked outputs equal the blocking form's, and every rank's error."""
     rank, R = dist.get_rank(group), dist.get_world_size(group)
-    experts = E * R
-    buf = ll_buffer(group, T, H, experts)
-    x, idx, w = _inputs(rank, 7)
-    ref_x, ref_count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=use_fp8)
-    y = _combine_input(rank, ref_x)
-    ref_out = buf.low_latency_combine(y, idx, w, handle)[0].clone()
+    ref = _reference(group, 7, use_fp8)
+    buf, experts, x, idx, w, y = ref.buf, ref.experts, ref.x, ref.idx, ref.w, ref.y
     late = rank == R - 1
     out: dict[str, Any] = {"rank": rank}
 
@@ -49,9 +77,7 @@ def late_rank(group: dist.ProcessGroup, late_s: float, use_fp8: bool) -> dict[st
     got_out, _, hook = buf.low_latency_combine(y, idx, w, got_handle, return_recv_hook=True)
     out["combine_send_s"] = time.monotonic() - start
     hook()
-    out["equal"] = (all(torch.equal(p, q) for p, q in zip(_bits(got_x), _bits(ref_x)))
-                    and torch.equal(got_count, ref_count) and torch.equal(got_out.view(torch.int16),
-                                                                           ref_out.view(torch.int16)))
+    out["equal"] = ref.equal(got_x, got_count, got_out)
 
     dist.barrier(group)
     if late:
@@ -66,7 +92,7 @@ def late_rank(group: dist.ProcessGroup, late_s: float, use_fp8: bool) -> dict[st
     out["mismatch"] = _raises(hook)
 
     again = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=use_fp8)[0]
-    out["next_call_equal"] = all(torch.equal(p, q) for p, q in zip(_bits(again), _bits(ref_x)))
+    out["next_call_equal"] = all(torch.equal(p, q) for p, q in zip(_bits(again), _bits(ref.recv_x)))
     dist.barrier(group)
     buf.destroy()
     return out
@@ -131,13 +157,8 @@ def reads_no_tensor_data(group: dist.ProcessGroup, use_fp8: bool) -> dict[str, A
     combine + hook with every host read of tensor data (``HOST_READS``) raising, in every thread of
     this process; their outputs against the same calls made normally. Returns what the guarded calls
     raised ("" when nothing) and whether the outputs were equal."""
-    rank, R = dist.get_rank(group), dist.get_world_size(group)
-    experts = E * R
-    buf = ll_buffer(group, T, H, experts)
-    x, idx, w = _inputs(rank, 13)
-    ref_x, ref_count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=use_fp8)
-    y = _combine_input(rank, ref_x)
-    ref_out = buf.low_latency_combine(y, idx, w, handle)[0].clone()
+    ref = _reference(group, 13, use_fp8)
+    buf, experts, x, idx, w, y = ref.buf, ref.experts, ref.x, ref.idx, ref.w, ref.y
     dist.barrier(group)
 
     def refuse(name: str) -> Any:
@@ -146,7 +167,7 @@ def reads_no_tensor_data(group: dist.ProcessGroup, use_fp8: bool) -> dict[str, A
         return read
 
     saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-    out: dict[str, Any] = {"rank": rank, "raised": ""}
+    out: dict[str, Any] = {"rank": dist.get_rank(group), "raised": ""}
     try:
         for name in HOST_READS:
             setattr(torch.Tensor, name, refuse(name))
@@ -161,9 +182,7 @@ def reads_no_tensor_data(group: dist.ProcessGroup, use_fp8: bool) -> dict[str, A
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
     if not out["raised"]:
-        out["equal"] = (all(torch.equal(p, q) for p, q in zip(_bits(got_x), _bits(ref_x)))
-                        and torch.equal(got_count, ref_count)
-                        and torch.equal(got_out.view(torch.int16), ref_out.view(torch.int16)))
+        out["equal"] = ref.equal(got_x, got_count, got_out)
     dist.barrier(group)
     buf.destroy()
     return out

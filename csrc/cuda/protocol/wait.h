@@ -65,6 +65,25 @@ MC_HD void report(const Watch& w, WaitOutcome code, WaitKind kind, int peer, int
     }
 }
 
+// Every 256th spin of a wait: whether it must give up because another wait of the launch failed, the
+// deadline passed or (host) the peer exited; the latter two are recorded (seen / wanted: what it saw
+// and waited for).
+template <class P>
+MC_HD bool gives_up(const Watch& w, int64_t spins, WaitKind kind, int peer, int channel, int64_t seen,
+                    int64_t wanted) {
+    if ((spins & 255) != 255) return false;
+    if (failed<P>(w)) return true;
+    if (P::now() > w.deadline) {
+        report<P>(w, WaitOutcome::kTimeout, kind, peer, channel, seen, wanted);
+        return true;
+    }
+    if (P::peer_exited(w.pids, peer)) {
+        report<P>(w, WaitOutcome::kPeerExited, kind, peer, channel, seen, wanted);
+        return true;
+    }
+    return false;
+}
+
 // Spins until *flag >= target (acquire), the deadline passes, or another wait of the launch failed.
 // Returns the value seen, or INT64_MIN when it gave up (the record says why).
 template <class P>
@@ -73,17 +92,7 @@ MC_HD int64_t wait_at_least(const Watch& w, const int64_t* flag, int64_t target,
     for (int64_t spins = 0;; ++spins) {
         int64_t v = P::load_acquire(flag);
         if (v >= target) return v;
-        if ((spins & 255) == 255) {
-            if (failed<P>(w)) return INT64_MIN;
-            if (P::now() > w.deadline) {
-                report<P>(w, WaitOutcome::kTimeout, kind, peer, channel, v, target);
-                return INT64_MIN;
-            }
-            if (P::peer_exited(w.pids, peer)) {
-                report<P>(w, WaitOutcome::kPeerExited, kind, peer, channel, v, target);
-                return INT64_MIN;
-            }
-        }
+        if (gives_up<P>(w, spins, kind, peer, channel, v, target)) return INT64_MIN;
         P::relax(spins);
     }
 }
@@ -105,17 +114,7 @@ MC_HD int64_t wait_call(const Watch& w, const int64_t* flag, int64_t call, WaitK
             report<P>(w, WaitOutcome::kPastTarget, kind, peer, channel, seen, call);
             return INT64_MIN;
         }
-        if ((spins & 255) == 255) {
-            if (failed<P>(w)) return INT64_MIN;
-            if (P::now() > w.deadline) {
-                report<P>(w, WaitOutcome::kTimeout, kind, peer, channel, seen, call);
-                return INT64_MIN;
-            }
-            if (P::peer_exited(w.pids, peer)) {
-                report<P>(w, WaitOutcome::kPeerExited, kind, peer, channel, seen, call);
-                return INT64_MIN;
-            }
-        }
+        if (gives_up<P>(w, spins, kind, peer, channel, seen, call)) return INT64_MIN;
         P::relax(spins);
     }
 }
