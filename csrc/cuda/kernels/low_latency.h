@@ -496,27 +496,34 @@ MC_HD bool ll_combine_wait(const LowLatencyContext& k, const L& link, int expert
     return true;
 }
 
+// Channels one lane sums together: a 16-byte vector of bf16 from each row (coalesced across a group's
+// lanes on the GPU; a fixed-length loop the compiler vectorises on the host). hidden is a multiple of
+// 128 (the FP8 group), so of this too. Every channel still sums its top-k slots in order, so the bits do
+// not depend on it.
+constexpr int64_t kReduceChannels = 8;
+
 template <class P, class L>
 MC_HD void ll_combine_reduce(const LowLatencyContext& k, const L& link, const LowLatencyCombineArgs& a, int64_t t) {
     using G = typename P::Group;
     const LowLatencyLayout& l = k.layout;
-    for (int64_t h = G::lane(); h < l.hidden; h += G::lanes()) {
-        float acc = 0.0f;
+    for (int64_t h0 = G::lane() * kReduceChannels; h0 < l.hidden; h0 += G::lanes() * kReduceChannels) {
+        float acc[kReduceChannels] = {};
         for (int32_t j = 0; j < a.num_topk; ++j) {
             const int64_t e = a.topk_idx[t * a.num_topk + j];
             if (e < 0) continue;
             const uint8_t* row = link.local(l.combine_row(k.half, static_cast<int>(e), t));
-            float y;
+            const float w = a.topk_weights[t * a.num_topk + j];
+            float y[kReduceChannels];
             if (a.logfmt) {
-                y = logfmt::decode_channel(row, l.hidden, h);
+                for (int64_t c = 0; c < kReduceChannels; ++c) y[c] = logfmt::decode_channel(row, l.hidden, h0 + c);
             } else {
-                uint16_t v;
-                copy_one(&v, row + 2 * h, 2);
-                y = numeric::bf16_to_float(v);
+                uint16_t v[kReduceChannels];
+                copy_one(v, row + 2 * h0, sizeof(v));
+                for (int64_t c = 0; c < kReduceChannels; ++c) y[c] = numeric::bf16_to_float(v[c]);
             }
-            acc = numeric::add_rn(acc, numeric::mul_rn(a.topk_weights[t * a.num_topk + j], y));
+            for (int64_t c = 0; c < kReduceChannels; ++c) acc[c] = numeric::add_rn(acc[c], numeric::mul_rn(w, y[c]));
         }
-        a.out[t * l.hidden + h] = numeric::float_to_bf16(acc);
+        for (int64_t c = 0; c < kReduceChannels; ++c) a.out[t * l.hidden + h0 + c] = numeric::float_to_bf16(acc[c]);
     }
 }
 
