@@ -62,6 +62,11 @@ def reserved_bytes(num_rdma_bytes: int) -> int:
     return num_rdma_bytes + num_rdma_bytes // 32 + (64 << 10)
 
 
+def _holds_hooked(slot: Any) -> bool:
+    """Whether a buffer half holds a result whose receive hook has not run yet."""
+    return slot.receive is not None and not slot.receive.done and slot.hook
+
+
 class KernelLowLatencyMode(LowLatencyMode):
     """Low-latency operations of one Buffer on the kernels of ``kernels`` (moe_comm._cuda_host, or the
     device build's adapter ``device_kernels.DeviceKernels``). Construction is collective when the
@@ -81,7 +86,8 @@ class KernelLowLatencyMode(LowLatencyMode):
         #: per half, header posts waiting for the hooked result the half holds (``_post_header_only``)
         self._after: list[list[Callable[[], None]]] = [[], []]
         self._width = len(Field) + 4 * self.num_ranks
-        if getattr(kernels, "POSTS_LOW_LATENCY_HEADERS", False):
+        self._posts_headers = bool(getattr(kernels, "POSTS_LOW_LATENCY_HEADERS", False))
+        if self._posts_headers:
             room = kernels.low_latency_header_bytes(self.num_ranks)
             if header_bytes(self._width) > room:
                 raise AssertionError(f"a call header of {header_bytes(self._width)} bytes outgrows the kernels' "
@@ -94,7 +100,7 @@ class KernelLowLatencyMode(LowLatencyMode):
         every rank, and ranks that disagree on sizes would grow apart. From here on, every handshake of
         the Buffer is announced in the header cells (``_announce``). The device builds and shrinking
         buffers (``enable_shrink``) keep the handshake first and grow on demand."""
-        if not getattr(self.kernels, "POSTS_LOW_LATENCY_HEADERS", False) or self.agreement.shrink:
+        if not self._posts_headers or self.agreement.shrink:
             return  # a shrinking buffer masks late ranks in its handshake: that comes first
         # every rank of the host maps as much, reserved up front: at most its share of half the host's
         # shared memory (the same figure on every rank), so a huge num_rdma_bytes is a call's error
@@ -206,10 +212,8 @@ class KernelLowLatencyMode(LowLatencyMode):
         call's place, so peers that called a low-latency operation instead find the difference and join
         the handshake (``CallAgreement.meet``). Not while the half it would take holds a result whose
         hook has not run: that half is not free (every rank that runs the same calls skips alike)."""
-        slot = self._slots[self._idx]
-        if slot.receive is not None and not slot.receive.done and slot.hook:
+        if _holds_hooked(self._slots[self._idx]):
             return
-        self._settle(op, slot)  # an async result there completes first, as a call's would
         self._post_header_only(op, self.agreement.header(code, {}, [0] * self.num_ranks))
 
     def _post_header_only(self, op: str, header: torch.Tensor) -> None:
@@ -221,7 +225,8 @@ class KernelLowLatencyMode(LowLatencyMode):
         # any sizes: the header cells sit where the rank count alone puts them
         kernel = self._launcher(1, 1, GROUP, skip)
         slot = self._slots[self._idx]
-        if not (slot.receive is not None and not slot.receive.done and slot.hook):
+        waits = _holds_hooked(slot)
+        if not waits:
             self._settle(op, slot)  # an async result there completes first, as a call's would
         call = self._next_call()
 
@@ -229,7 +234,7 @@ class KernelLowLatencyMode(LowLatencyMode):
             self.stream.run(op, lambda: pin.launch(kernel.reject, call, pin(self._skip_mask(skip, header.device)),
                                                    self._post(pin, header, ())))
 
-        if slot.receive is not None and not slot.receive.done:
+        if waits:
             self._after[self._idx].append(post)
         else:
             post()
