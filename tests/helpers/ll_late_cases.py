@@ -142,7 +142,13 @@ def stopped_mid_call(group: dist.ProcessGroup, timeout_s: float) -> dict[str, An
         out["error"] = _raises(hook)
     else:
         out["error"] = _raises(hook)
+        # the stopped rank is continued once every punctual rank has raised: a rank still inside its
+        # deadline's handling would otherwise find it running and could not name it as stopped
+        store = dist.distributed_c10d._get_default_store()
+        store.add("stopped_mid_call_raised", 1)
         if rank == 0:
+            while store.add("stopped_mid_call_raised", 0) < R - 1:
+                time.sleep(0.01)
             os.kill(pids[R - 1], signal.SIGCONT)
     buf.destroy()
     return out
