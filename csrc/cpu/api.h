@@ -153,7 +153,8 @@ int64_t low_latency_combine_rows(int64_t* rows,
 //                                                              at scales_offset (skipped if null)
 //   src_info[e * rows_per_expert + r]                      <- the int32 at src_offset
 //   recv_count[e] = sum over s of count[e, s];  layout_range[e * num_ranks + s] = begin << 32 | count
-// The int32 at expert_offset is the record's local expert. Rows past recv_count are not written.
+// The int32 at expert_offset is the record's local expert. Rows past recv_count[e] are padding: x and
+// scales zero, src_info -1 (every output byte is written, so the outputs may be recycled memory).
 // `records` holds num_records records: source s's recv_counts[s] records follow one another from record
 // firsts[s], or, with firsts null, right after source s - 1's (from record 0). Checks (before writing
 // anything but the outputs' counts): every source's records inside [0, num_records) (with firsts null:

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -154,6 +155,27 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
                 for (int64_t c = 0; c < num_scales; ++c)
                     std::memcpy(out + c * scales_col_stride, rec + scales_offset + c * scale_bytes,
                                 static_cast<size_t>(scale_bytes));
+            }
+        }
+    });
+    // Pass 3 (parallel over experts): the rows past each count are padding, written here so that the
+    // outputs may come from recycled memory: zero x and scales, src_info -1.
+    parallel_for(E, std::max<int64_t>(1, grain / std::max<int64_t>(rows_per_expert, 1)), num_threads,
+                 [&](int64_t lo, int64_t hi) {
+        for (int64_t e = lo; e < hi; ++e) {
+            const int64_t used = recv_count[e], pad = rows_per_expert - used;
+            if (pad == 0) continue;
+            std::memset(recv_x + (e * rows_per_expert + used) * x_bytes, 0, static_cast<size_t>(pad * x_bytes));
+            std::fill(src_info + e * rows_per_expert + used, src_info + (e + 1) * rows_per_expert, -1);
+            if (scales == nullptr) continue;
+            for (int64_t c = 0; c < num_scales; ++c) {
+                uint8_t* column = scales + e * scales_expert_stride + c * scales_col_stride;
+                if (scales_row_stride == scale_bytes) {  // DeepEP's layout: a column's rows are contiguous
+                    std::memset(column + used * scale_bytes, 0, static_cast<size_t>(pad * scale_bytes));
+                    continue;
+                }
+                for (int64_t r = used; r < rows_per_expert; ++r)
+                    std::memset(column + r * scales_row_stride, 0, static_cast<size_t>(scale_bytes));
             }
         }
     });

@@ -15,6 +15,7 @@
 #include "../cpu/api.h"
 #include "../cpu/expert_rows.h"
 #include "../cpu/flags.h"
+#include "../cpu/post.h"
 
 namespace py = pybind11;
 namespace cpu = moe_comm::cpu;
@@ -364,6 +365,49 @@ PYBIND11_MODULE(_C, m) {
         py::arg("flags"), py::arg("targets"), py::arg("pids"), py::arg("timeout_s"), py::arg("exact"),
         "Waits for flags[i] >= targets[i] (== when exact); returns (-1, WaitOutcome.REACHED) or (index of a flag "
         "not reached, WaitOutcome.TIMEOUT | PEER_EXITED | PAST_TARGET).");
+
+    m.def(
+        "post_records",
+        [](const std::vector<std::uintptr_t>& slots, const std::vector<std::uintptr_t>& consumed,
+           const std::vector<std::uintptr_t>& arrived, const std::vector<int64_t>& pids, int64_t slot_bytes,
+           int64_t free_at, int64_t seq, double timeout_s, std::uintptr_t header, int64_t header_bytes,
+           int64_t header_at, int64_t rows_at, const std::vector<int64_t>& counts, const std::vector<int64_t>& firsts,
+           const std::vector<SegmentTuple>& segments, std::uintptr_t src_rows, int64_t num_records,
+           int64_t record_bytes, std::uintptr_t words, int64_t word_offset, int num_threads) {
+            const size_t n = slots.size();
+            if (consumed.size() != n || arrived.size() != n || pids.size() != n || counts.size() != n ||
+                firsts.size() != n)
+                throw std::invalid_argument("post_records: slots, consumed, arrived, pids, counts and firsts must "
+                                            "have the same length");
+            std::vector<uint8_t*> slot_ptrs(n);
+            std::vector<int64_t*> consumed_ptrs(n), arrived_ptrs(n);
+            for (size_t i = 0; i < n; ++i) {
+                slot_ptrs[i] = ptr<uint8_t>(slots[i]);
+                consumed_ptrs[i] = ptr<int64_t>(consumed[i]);
+                arrived_ptrs[i] = ptr<int64_t>(arrived[i]);
+            }
+            const auto segs = to_segments(segments);
+            const cpu::PostPlan plan{slot_ptrs.data(), consumed_ptrs.data(), arrived_ptrs.data(), pids.data(),
+                                     static_cast<int64_t>(n), slot_bytes, free_at, seq, timeout_s,
+                                     ptr<const uint8_t>(header), header_bytes, header_at, rows_at, counts.data(),
+                                     firsts.data(), segs.data(), static_cast<int>(segs.size()),
+                                     ptr<const int64_t>(src_rows), num_records, record_bytes,
+                                     ptr<const int32_t>(words), word_offset, num_threads};
+            cpu::WaitOutcome outcome = cpu::WaitOutcome::kReached;
+            int64_t index;
+            {
+                py::gil_scoped_release release;
+                index = cpu::post_records(plan, &outcome);
+            }
+            return std::make_tuple(index, outcome);
+        },
+        py::arg("slots"), py::arg("consumed"), py::arg("arrived"), py::arg("pids"), py::arg("slot_bytes"),
+        py::arg("free_at"), py::arg("seq"), py::arg("timeout_s"), py::arg("header"), py::arg("header_bytes"),
+        py::arg("header_at"), py::arg("rows_at"), py::arg("counts"), py::arg("firsts"), py::arg("segments"),
+        py::arg("src_rows"), py::arg("num_records"), py::arg("record_bytes"), py::arg("words"),
+        py::arg("word_offset"), py::arg("num_threads"),
+        "One low-latency post into every destination's data slot (csrc/cpu/post.h); returns (-1, "
+        "WaitOutcome.REACHED) or (index of the destination whose free-slot wait failed, its outcome).");
 
     m.def(
         "block_digests",

@@ -13,7 +13,7 @@ import torch
 from ..core.native import cpu_threads, native
 from .rows import check_index, check_on_cpu, check_rows_index
 
-__all__ = ["Field", "RecordLayout", "pack_rows", "pack_rows_reference", "unpack_rows", "unpack_rows_reference",
+__all__ = ["Field", "RecordLayout", "native_segments", "pack_rows", "pack_rows_reference", "unpack_rows", "unpack_rows_reference",
            "check_records"]
 
 _ALIGN = 8
@@ -74,10 +74,15 @@ def check_records(op: str, name: str, records: torch.Tensor, record_bytes: int, 
                      f"{' on the CPU' if cpu else ''}, got {got}")
 
 
-def _segments(layout: RecordLayout, tensors: Sequence[Optional[torch.Tensor]]
-              ) -> list[tuple[int, int, int, int, int, int, int]]:
+def native_segments(layout: RecordLayout, tensors: Sequence[Optional[torch.Tensor]], op: str = ""
+                    ) -> list[tuple[int, int, int, int, int, int, int]]:
     """The native API's segment tuples: (data_ptr, row_stride_B, col_stride_B, elem_B, num_cols, offset_B,
-    num_rows); num_rows is the tensor's own row count, which the kernels check every row index against."""
+    num_rows); num_rows is the tensor's own row count, which the kernels check every row index against.
+    With ``op``, first checks the tensors against the layout and that they are on the CPU (ValueError
+    naming ``op``), as ``pack_rows`` does: what the kernels trust about the memory behind a segment."""
+    if op:
+        _check(layout, tensors, op)
+        check_on_cpu(op, {f"field {f.name}": t for f, t in zip(layout.fields, tensors)})
     segs = []
     for f, t in zip(layout.fields, tensors):
         if f.num_cols == 0 or t is None:
@@ -136,7 +141,7 @@ def pack_rows(layout: RecordLayout, fields: Sequence[Optional[torch.Tensor]], sr
     check_on_cpu("pack_rows", {"out": out, **{f"field {f.name}": t for f, t in zip(layout.fields, fields)}})
     records = torch.empty(num_rows, layout.record_bytes, dtype=torch.uint8) if out is None else out
     src_rows = src_rows.contiguous()
-    native().pack_rows(records.data_ptr(), _segments(layout, fields), src_rows.data_ptr(), num_rows,
+    native().pack_rows(records.data_ptr(), native_segments(layout, fields), src_rows.data_ptr(), num_rows,
                        layout.record_bytes, cpu_threads())
     return records
 
@@ -179,7 +184,7 @@ def unpack_rows(layout: RecordLayout, records: torch.Tensor, outputs: Sequence[O
         dst_rows = dst_rows.contiguous()
     check_on_cpu("unpack_rows", {"dst_rows": dst_rows,
                                  **{f"output {f.name}": t for f, t in zip(layout.fields, outputs)}})
-    native().unpack_rows(_segments(layout, outputs), records.data_ptr(), 0 if dst_rows is None else dst_rows.data_ptr(),
+    native().unpack_rows(native_segments(layout, outputs), records.data_ptr(), 0 if dst_rows is None else dst_rows.data_ptr(),
                          num_rows, layout.record_bytes, cpu_threads())
 
 

@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..core.memory import zeros
+from ..core.memory import empty, zeros
 from ..core.native import cpu_threads, native
 from ..ops.fp8 import FP8_DTYPE
 from ..ops.records import RecordLayout, check_records, unpack_rows
@@ -115,7 +115,8 @@ def low_latency_unpack(layout: RecordLayout, records: torch.Tensor, recv_counts:
         layout: fields ``x`` (`[H]`), optional ``scales`` (`[S]`), ``src`` and ``expert`` (int32 `[1]` each).
         records: `[N, record_bytes]` uint8, ``recv_counts[s]`` records from each source rank s in
             order, each source's ordered by local expert, then token.
-        recv_x: `[E_loc, rows, H]` contiguous, x's element size; written at the valid rows only.
+        recv_x: `[E_loc, rows, H]` contiguous, x's element size; every row written: rows past
+            ``recv_count[e]`` are zero (their scales zero, their ``src_info`` -1).
         recv_scales: `[E_loc, rows, S]` any strides (DeepEP's column-major view), or None.
         src_info: `[E_loc, rows]` int32 contiguous; layout_range `[E_loc, R]` int64; recv_count `[E_loc]` int32.
         firsts: where each source's records start in ``records`` (a transport's fixed regions); None:
@@ -226,6 +227,11 @@ def low_latency_unpack_reference(layout: RecordLayout, records: torch.Tensor, re
     within = torch.empty_like(block)
     within[order] = torch.arange(num, device=device) - (flat.cumsum(0) - flat)[block[order]]
     row = begins[expert, source] + within
+    padding = torch.arange(rows, device=device) >= per_expert.unsqueeze(1)  # [E_loc, rows]
+    recv_x.masked_fill_(padding.unsqueeze(2), 0)
+    if recv_scales is not None:
+        recv_scales.masked_fill_(padding.unsqueeze(2), 0)
+    src_info.masked_fill_(padding, -1)
     outputs = [recv_x.view(local * rows, hidden)] + [None] * (len(layout.fields) - 1)
     unpack_rows(layout, records, outputs, dst_rows=expert * rows + row)
     if recv_scales is not None:
@@ -236,19 +242,24 @@ def low_latency_unpack_reference(layout: RecordLayout, records: torch.Tensor, re
 
 
 def dispatch_outputs(local: int, num_ranks: int, m: int, hidden: int, scales: Optional[tuple[torch.dtype, int]],
-                     device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor,
-                                                    torch.Tensor]:
+                     device: torch.device, prepadded: bool = True
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """A dispatch's outputs before any row arrives, ``rows = num_ranks * m``: recv_x `[E_loc, rows,
-    H]` zeros (float8_e4m3fn when ``scales`` (dtype, S) is given, else bf16), recv_scales zeros
-    allocated `[E_loc, S, rows]` and returned transposed (DeepEP's layout), src_info `[E_loc, rows]`
-    int32 -1, layout_range `[E_loc, R]` int64 and recv_count `[E_loc]` int32 uninitialised. Rows
-    past a count stay zero (the zeros cost only the pages written), so outputs are bitwise reproducible."""
+    H]` (float8_e4m3fn when ``scales`` (dtype, S) is given, else bf16), recv_scales allocated `[E_loc,
+    S, rows]` and returned transposed (DeepEP's layout), src_info `[E_loc, rows]` int32, layout_range
+    `[E_loc, R]` int64 and recv_count `[E_loc]` int32. With ``prepadded`` recv_x and recv_scales are zero and
+    src_info -1, for a receive that writes the valid rows only; without, all are uninitialised (recycled
+    memory), for one that writes every row (``low_latency_unpack``). Either way rows past a count end
+    zero, so outputs are bitwise reproducible."""
     rows = num_ranks * m
-    recv_x = zeros((local, rows, hidden), torch.bfloat16 if scales is None else FP8_DTYPE, device)
+    make = zeros if prepadded else empty
+    recv_x = make((local, rows, hidden), torch.bfloat16 if scales is None else FP8_DTYPE, device)
     recv_scales = None
     if scales is not None:
-        recv_scales = zeros((local, scales[1], rows), scales[0], device).transpose(1, 2)
-    src_info = torch.full((local, rows), -1, dtype=torch.int32, device=device)
+        recv_scales = make((local, scales[1], rows), scales[0], device).transpose(1, 2)
+    src_info = torch.empty((local, rows), dtype=torch.int32, device=device)
+    if prepadded:
+        src_info.fill_(-1)
     layout_range = torch.empty(local, num_ranks, dtype=torch.int64, device=device)
     return recv_x, recv_scales, src_info, layout_range, torch.empty(local, dtype=torch.int32, device=device)
 

@@ -16,14 +16,43 @@ import torch
 
 from ..core.errors import CommTimeoutError
 from ..core.memory import Workspace
+from ..core.native import cpu_threads, native
 from .store_gather import StoreGather
 
-__all__ = ["Exchange", "Pending", "Posted", "Rows", "Transport", "host_id", "own_counts", "peer_blocks", "prefix_sums"]
+__all__ = ["Exchange", "Gathered", "Pending", "Posted", "Rows", "Transport", "host_id", "own_counts", "peer_blocks", "prefix_sums"]
 
 #: What a rank sends in an exchange: ``pack(dest, first, out)`` writes the rows for rank ``dest`` into
 #: ``out`` (`[rows, record_bytes]` uint8, possibly another rank's memory); they are rows
 #: ``[first, first + rows)`` of the rank's send order (by destination rank, ``sent[rank]`` each).
 Rows = Callable[[int, int, torch.Tensor], None]
+
+
+class Gathered:
+    """``Rows`` that a transport may write natively, without calling back into Python: record i of the
+    send order holds rows ``src_rows[i]`` of ``segments`` (``moe_comm._C.pack_rows``' tuples, pointing into
+    the tensors of ``keep``, which live as long as this), then, when given, the int32 ``words[i]`` at byte
+    ``word_offset``. CPU only."""
+
+    def __init__(self, segments: list[tuple[int, ...]], keep: Sequence[Optional[torch.Tensor]],
+                 src_rows: torch.Tensor, record_bytes: int, words: Optional[torch.Tensor] = None,
+                 word_offset: int = 0) -> None:
+        self.segments, self.keep, self.record_bytes = segments, tuple(keep), record_bytes
+        self.src_rows = src_rows.to(torch.int64).contiguous()
+        self.words = None if words is None else words.to(torch.int32).contiguous()
+        self.word_offset = word_offset
+
+    def __call__(self, dest: int, first: int, out: torch.Tensor) -> None:
+        count = out.shape[0]
+        if first < 0 or first + count > self.src_rows.shape[0] or out.shape[1] != self.record_bytes:
+            raise ValueError(f"Gathered: rows [{first}, {first + count}) of {self.src_rows.shape[0]}, "
+                             f"{out.shape[1]}-byte records of {self.record_bytes}")
+        if not count:
+            return
+        native().pack_rows(out.data_ptr(), self.segments, self.src_rows[first:].data_ptr(), count, self.record_bytes,
+                           cpu_threads())
+        if self.words is not None:
+            out[:, self.word_offset:self.word_offset + 4].copy_(
+                self.words[first:first + count].view(torch.uint8).view(count, 4))
 
 
 class Pending(Protocol):

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ..core.errors import CommTimeoutError, PeerExitedError
-from ..core.native import native
-from .base import Exchange, Pending, Posted, Rows, Transport, own_counts, prefix_sums
+from ..core.native import cpu_threads, native
+from .base import Exchange, Gathered, Pending, Posted, Rows, Transport, own_counts, prefix_sums
 from .collective import CollectiveTransport
 from .shm_segment import DATA, META, META_CELL, NUM_SLOTS, Segment, SegmentLayout, segment_name, sweep_stale
 
@@ -51,11 +51,16 @@ class _Waiter:
         if not flags:
             return
         t = self._t
+        index, outcome = native().flags_wait(flags, targets, [t.pids[r] for r in ranks], t.timeout_s, exact)
+        if outcome != native().WaitOutcome.REACHED:
+            self.raise_for(outcome, flags, targets, ranks, index, op)
+
+    def raise_for(self, outcome: object, flags: list[int], targets: list[int], ranks: list[int], index: int,
+                  op: str) -> None:
+        """The error of a wait of ``until`` that ended with ``outcome`` (not REACHED) at flag ``index``."""
+        t = self._t
         pids = [t.pids[r] for r in ranks]
-        index, outcome = native().flags_wait(flags, targets, pids, t.timeout_s, exact)
         outcomes = native().WaitOutcome
-        if outcome == outcomes.REACHED:
-            return
         if outcome == outcomes.PEER_EXITED:
             sweep_stale(exited=[pids[index]], wait_s=_DYING_PEER_S)  # what it held until it died
             raise PeerExitedError(op, t.rank, ranks[index], pids[index])
@@ -434,7 +439,9 @@ class ShmTransport(Transport):
         me, firsts = self.local_index, prefix_sums(counts)
         rows_at = _post_rows_offset(len(self.local), header_bytes) + me * room * record_bytes
         header = header.reshape(-1)
-        for dest in self.local:
+        if isinstance(rows, Gathered):
+            self._post_natively(slot, seq, header, counts, firsts, rows_at, rows, op)
+        for dest in (() if isinstance(rows, Gathered) else self.local):
             count = int(counts[dest])
 
             def write(segment: Segment, dest: int = dest, count: int = count) -> None:
@@ -448,6 +455,27 @@ class ShmTransport(Transport):
         posted = _ShmPost(self, self._segments[me], slot, seq, op, header_bytes, room, record_bytes)
         self._held[(DATA, slot)] = posted
         return posted
+
+    def _post_natively(self, slot: int, seq: int, header: torch.Tensor, counts: Sequence[int], firsts: list[int],
+                       rows_at: int, rows: Gathered, op: str) -> None:
+        """``post``'s writes in one native call (``moe_comm._C.post_records``): per host rank, the wait for a
+        free slot, the header, the rows, the publish."""
+        layouts = [segment.layout for segment in self._segments]
+        index, outcome = native().post_records(
+            [segment.base + layout.data_slot(slot) for segment, layout in zip(self._segments, layouts)],
+            [segment.flag(layout.consumed(DATA, slot)) for segment, layout in zip(self._segments, layouts)],
+            [segment.flag(layout.arrived(DATA, slot, self.local_index)) for segment, layout in
+             zip(self._segments, layouts)],
+            [self.pids[r] for r in self.local], self.capacity, seq - NUM_SLOTS, seq, self.timeout_s,
+            header.data_ptr(), header.numel(), self.local_index * header.numel(), rows_at,
+            [int(counts[r]) for r in self.local], [firsts[r] for r in self.local], rows.segments,
+            rows.src_rows.data_ptr(), rows.src_rows.shape[0], rows.record_bytes,
+            0 if rows.words is None else rows.words.data_ptr(), rows.word_offset, cpu_threads())
+        if index >= 0:
+            dest = self.local[index]
+            segment = self._segments[index]
+            self.waiter.raise_for(outcome, [segment.flag(segment.layout.consumed(DATA, slot))], [seq - NUM_SLOTS],
+                                  [dest], 0, op)
 
     # ------------------------------------------------------------------ Transport
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,

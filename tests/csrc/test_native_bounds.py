@@ -18,7 +18,7 @@ from moe_comm.ops import (dispatch_layout, dispatch_layout_reference, permute, p
                           take_rows_reference, unpermute_reduce, unpermute_reduce_reference)
 from moe_comm.ops.combine_reduce import combine_reduce, combine_reduce_reference
 from moe_comm.ops.quant import native_rows
-from moe_comm.ops.records import (RecordLayout, _segments, pack_rows, pack_rows_reference, unpack_rows,
+from moe_comm.ops.records import (RecordLayout, native_segments, pack_rows, pack_rows_reference, unpack_rows,
                                   unpack_rows_reference)
 from moe_comm.protocol.low_latency_layout import (combine_rows, combine_rows_reference, low_latency_unpack,
                                                   low_latency_unpack_reference, send_order, send_order_reference)
@@ -194,7 +194,7 @@ def test_combine_reduce_wrapper_checks_the_tensors_behind_the_pointers():
 # ---------------------------------------------------------------------------------------- raw native checks
 def test_segments_must_fit_in_a_record():
     layout, fields = _rows_case()
-    segs = _segments(layout, fields)
+    segs = native_segments(layout, fields)
     records = torch.empty(2, layout.record_bytes, dtype=torch.uint8)
     rows = torch.zeros(2, dtype=torch.int64)
     past = [segs[0], segs[1][:5] + (layout.record_bytes - 8, segs[1][6])]  # 16 bytes of idx at record_bytes - 8
@@ -397,6 +397,19 @@ def test_low_latency_unpack_rejects_an_expert_past_its_rows(path):
         _unpack_ll(path, [4, 5], [4, 5], rows=4)  # 9 records alternate experts: expert 0 gets 5
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_low_latency_unpack_writes_the_padding(path):
+    """Outputs may be recycled memory: every row past a count ends zero (src_info -1) on both paths."""
+    layout, records = _ll_records([3, 5])
+    outs = [torch.full((2, 8, 16), 0x5A, dtype=torch.uint8), None, torch.full((2, 8), 77, dtype=torch.int32),
+            torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)]
+    (low_latency_unpack if path == "native" else low_latency_unpack_reference)(layout, records, [3, 5], *outs)
+    want = _unpack_ll(path, [3, 5], [3, 5])  # into zeros and -1
+    for a, b in zip(outs, want):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert outs[4].tolist() == [4, 4] and not outs[0][:, 4:].any() and (outs[2][:, 4:] == -1).all()
+
+
 def test_low_latency_unpack_wrapper_checks_the_outputs():
     layout, records = _ll_records([3, 5])
     outs = _ll_outputs()
@@ -432,3 +445,70 @@ def test_native_paths_refuse_tensors_off_the_cpu():
                                          r"on the CPU, got \[3, 16\] torch.uint8 strides \(16, 1\) on meta"):
         combine_reduce(comb, torch.zeros(3, 16, dtype=torch.uint8, device="meta"), torch.zeros(2, 1, dtype=torch.int32),
                        None, None, torch.empty(2, 4), None)
+
+
+# ---------------------------------------------------------------------------------------- post_records
+def _post(counts: list[int], firsts: list[int], slot_bytes: int = 256, header_at: int = 0, rows_at: int = 64,
+          free_at: int = 0):
+    """Two destinations' slots (plain memory), one 16-byte field gathered from 6 source rows, a 2-word header."""
+    import os
+    slots = torch.full((2, slot_bytes), 0x5A, dtype=torch.uint8)
+    flags = torch.zeros(2, 2, dtype=torch.int64)  # [dest][consumed, arrived]
+    src = torch.arange(6 * 16, dtype=torch.uint8).view(6, 16)
+    rows = torch.tensor([5, 0, 3, 1], dtype=torch.int64)
+    header = torch.tensor([7, 9], dtype=torch.int64).view(torch.uint8)
+    index, outcome = native().post_records(
+        [slots[d].data_ptr() for d in range(2)], [flags[d, 0].data_ptr() for d in range(2)],
+        [flags[d, 1].data_ptr() for d in range(2)], [os.getpid()] * 2, slot_bytes, free_at, 3, 0.2,
+        header.data_ptr(), 16, header_at, rows_at, counts, firsts, [(src.data_ptr(), 16, 1, 1, 16, 0, 6)],
+        rows.data_ptr(), 4, 16, 0, 0, 1)
+    return slots, flags, src, (index, outcome)
+
+
+def test_post_records_writes_headers_rows_and_flags():
+    slots, flags, src, (index, outcome) = _post([1, 3], [0, 1])
+    assert index == -1 and outcome == native().WaitOutcome.REACHED
+    assert slots[0, :16].view(torch.int64).tolist() == [7, 9] == slots[1, :16].view(torch.int64).tolist()
+    assert torch.equal(slots[0, 64:80], src[5]) and (slots[0, 80:] == 0x5A).all()
+    assert torch.equal(slots[1, 64:112].view(3, 16), src[[0, 3, 1]])
+    assert flags[:, 1].tolist() == [3, 3]
+
+
+def test_post_records_waits_for_a_free_slot_and_names_the_destination():
+    slots, flags, _, (index, outcome) = _post([1, 3], [0, 1], free_at=1)  # consumed stays 0: nobody frees it
+    assert index == 0 and outcome == native().WaitOutcome.TIMEOUT
+    assert flags[:, 1].tolist() == [0, 0] and (slots == 0x5A).all()  # nothing written
+
+
+@pytest.mark.parametrize("counts,firsts,message", [
+    ([1, 13], [0, 1], "counts[1] = 13 is outside [0, 12] (the records a slot holds)"),
+    ([1, -1], [0, 1], "counts[1] = -1 is outside [0, 12]"),
+    ([1, 3], [0, 2], "records [2, +3) of destination 1 are outside the gather's 4"),
+    ([1, 3], [2 ** 62, 1], "records [4611686018427387904, +1) of destination 0 are outside the gather's 4"),
+])
+def test_post_records_rejects_records_outside_the_slot_or_the_gather(counts, firsts, message):
+    with pytest.raises(ValueError, match=re.escape(f"post_records: {message}")):
+        _post(counts, firsts)
+
+
+@pytest.mark.parametrize("value", _bad(6, -1))
+def test_post_records_checks_every_gathered_row_before_writing(value):
+    """A bad row of the last destination's records: nothing goes to the first one either."""
+    import os
+    slots = torch.full((2, 256), 0x5A, dtype=torch.uint8)
+    flags = torch.zeros(2, 2, dtype=torch.int64)
+    src = torch.zeros(6, 16, dtype=torch.uint8)
+    rows = torch.tensor([5, 0, 3, value], dtype=torch.int64)
+    with pytest.raises(ValueError, match=_outside("post_records", "src_rows", "3", value, -1, 6)):
+        native().post_records([slots[d].data_ptr() for d in range(2)], [flags[d, 0].data_ptr() for d in range(2)],
+                              [flags[d, 1].data_ptr() for d in range(2)], [os.getpid()] * 2, 256, 0, 3, 0.2,
+                              src.data_ptr(), 16, 0, 64, [1, 3], [0, 1], [(src.data_ptr(), 16, 1, 1, 16, 0, 6)],
+                              rows.data_ptr(), 4, 16, 0, 0, 1)
+    assert (slots == 0x5A).all() and not flags.any()
+
+
+def test_post_records_rejects_a_header_or_rows_outside_the_slot():
+    with pytest.raises(ValueError, match=re.escape("post_records: the header [248, +16) is outside the slot of 256")):
+        _post([1, 3], [0, 1], header_at=248)
+    with pytest.raises(ValueError, match=re.escape("post_records: rows_at 300 is outside the slot of 256 bytes")):
+        _post([1, 3], [0, 1], rows_at=300)

@@ -13,7 +13,9 @@ rank's call. A shrinking buffer (``enable_shrink``) keeps the handshake first: i
 
 Row order is deterministic (DeepEP's is arrival order): inside local expert e, rows come in blocks
 by source rank ascending and, inside a block, by source token ascending. Rows past ``recv_count[e]``
-are zero (``src_info`` -1), so whole outputs are bitwise reproducible.
+are zero (``src_info`` -1), so whole outputs are bitwise reproducible: the receive writes them (the
+outputs are recycled memory, ``core.memory.empty``: fresh zero pages fault on first touch, which costs
+more than the zeros).
 
 Double buffering: like DeepEP, calls alternate between two buffers. A call whose buffer still holds
 a result that its hook has not received raises instead of overwriting it, and a zero-copy combine
@@ -33,7 +35,7 @@ from ...core.memory import empty
 from ...ops import quantize
 from ...ops.combine_reduce import combine_reduce
 from ...ops.logfmt import logfmt_encode, logfmt_row_bytes
-from ...ops.records import RecordLayout, pack_rows
+from ...ops.records import RecordLayout, native_segments, pack_rows
 from ...protocol.agreement import CallAgreement, is_agreed, no_rows
 from ...protocol.call_header import decode, header_bytes
 from ...protocol.codes import Field, Fp8Format, Op
@@ -42,7 +44,7 @@ from ...protocol.handle import LowLatencyHandle
 from ...protocol.handshake import Handshake, show
 from ...protocol.low_latency_layout import add_stats, combine_rows, dispatch_outputs, low_latency_unpack, send_order
 from ...transport import Transport
-from ...transport.base import Exchange, Posted, Rows, prefix_sums
+from ...transport.base import Exchange, Gathered, Posted, Rows, prefix_sums
 from ..base import LowLatencyDispatch, Receive
 
 __all__ = ["LowLatencyMode"]
@@ -206,6 +208,9 @@ class LowLatencyMode:
         src_index = torch.arange(x.shape[0], dtype=torch.int32, device=x.device).unsqueeze(1)
         fields = [data] + ([] if scales is None else [scales]) + [src_index, None]
         tokens, local_expert = msg // max(num_topk, 1), (experts % local).to(torch.int32).unsqueeze(1)
+        if x.device.type == "cpu":  # rows a transport may write natively
+            return records, Gathered(native_segments(records, fields, "low_latency_dispatch"), fields, tokens,
+                                     records.record_bytes, local_expert[:, 0], records.field("expert").offset), scales
 
         def pack(dest: int, first: int, out: torch.Tensor) -> None:
             part = slice(first, first + out.shape[0])
@@ -253,7 +258,7 @@ class LowLatencyMode:
         hidden, device = x.shape[1], x.device
         recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(
             num_experts // self.num_ranks, self.num_ranks, m, hidden,
-            None if scales is None else (scales.dtype, scales.shape[1]), device)
+            None if scales is None else (scales.dtype, scales.shape[1]), device, prepadded=False)
 
         @self.agreement.deferred(op)
         def finish() -> None:
@@ -340,13 +345,16 @@ class LowLatencyMode:
         if use_logfmt:
             records = RecordLayout.build([("x", torch.uint8, logfmt_row_bytes(hidden))])
 
-            def pack(dest: int, first: int, out: torch.Tensor) -> None:
+            def encode(dest: int, first: int, out: torch.Tensor) -> None:
                 logfmt_encode(source[0][send_rows[first:first + out.shape[0]]], out=records.view(out, "x"))
-        else:
-            records = RecordLayout.build([("x", torch.bfloat16, hidden)])
+            return records, encode
+        records = RecordLayout.build([("x", torch.bfloat16, hidden)])
+        if x.device.type == "cpu":  # rows a transport may write natively
+            return records, Gathered(native_segments(records, source, "low_latency_combine"), source, send_rows,
+                                     records.record_bytes)
 
-            def pack(dest: int, first: int, out: torch.Tensor) -> None:
-                pack_rows(records, source, send_rows[first:first + out.shape[0]], out=out)
+        def pack(dest: int, first: int, out: torch.Tensor) -> None:
+            pack_rows(records, source, send_rows[first:first + out.shape[0]], out=out)
         return records, pack
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
