@@ -143,6 +143,15 @@ int64_t low_latency_combine_rows(int64_t* rows,
                                  int64_t num_local_experts, int64_t num_ranks, int64_t rows_per_expert,
                                  int64_t max_rows);
 
+// Where a low-latency combine finds each of its messages' returned row: the j-th message of
+// low_latency_send_order's order sent to rank d (experts[i] / num_local_experts == d) comes back as
+// row firsts[d] + j of the received records, so pos[msg[i]] = that row; pos[m] = -1 for a slot m that
+// sent nothing. pos has num_slots (= T * K) entries. Checks (before writing): every msg[i] in
+// [0, num_slots), every expert in [0, num_local_experts * num_ranks), every firsts[d] >= 0 and the
+// rows inside int32.
+void low_latency_positions(int32_t* pos, int64_t num_slots, const int64_t* msg, const int64_t* experts, int64_t n,
+                           int64_t num_local_experts, int64_t num_ranks, const int64_t* firsts);
+
 // Low-latency receive. The records of one low-latency dispatch arrive grouped by source rank
 // (recv_counts[s] records from rank s), each source's records ordered by local expert, then token.
 // Record j of block (s, e) lands at row r = begin[e, s] + j of local expert e, where begin[e, s] is

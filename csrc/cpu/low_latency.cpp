@@ -1,11 +1,13 @@
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "api.h"
 #include "bounds.h"
 #include "check.h"
 #include "parallel.h"
+#include "stream.h"
 
 namespace moe_comm::cpu {
 
@@ -70,6 +72,25 @@ int64_t low_latency_combine_rows(int64_t* rows,
             for (int64_t i = 0; i < count; ++i) rows[n++] = e * rows_per_expert + begin + i;
         }
     return n;
+}
+
+void low_latency_positions(int32_t* pos, int64_t num_slots, const int64_t* msg, const int64_t* experts, int64_t n,
+                           int64_t num_local_experts, int64_t num_ranks, const int64_t* firsts) {
+    const char* fn = "low_latency_positions";
+    MC_CHECK(num_slots >= 0 && n >= 0 && num_local_experts > 0 && num_ranks > 0,
+             fn << ": num_slots and n must be >= 0, num_local_experts and num_ranks > 0, got " << num_slots << ", "
+                << n << ", " << num_local_experts << ", " << num_ranks);
+    check_indices(fn, "msg", msg, n, 0, 0, num_slots, "slots of num_slots=" + std::to_string(num_slots));
+    check_indices(fn, "experts", experts, n, 0, 0, num_local_experts * num_ranks,
+                  "experts of " + std::to_string(num_local_experts * num_ranks));
+    for (int64_t d = 0; d < num_ranks; ++d)
+        MC_CHECK(firsts[d] >= 0 && firsts[d] <= INT32_MAX - n,
+                 fn << ": firsts[" << d << "] = " << firsts[d] << " is outside [0, " << INT32_MAX - n
+                    << "] (rows past it must fit in int32)");
+    std::vector<int64_t> next(firsts, firsts + num_ranks);
+    std::fill(pos, pos + num_slots, -1);
+    for (int64_t i = 0; i < n; ++i)
+        pos[msg[i]] = static_cast<int32_t>(next[static_cast<size_t>(experts[i] / num_local_experts)]++);
 }
 
 void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int32_t* recv_count,
@@ -165,7 +186,7 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
         for (int64_t e = lo; e < hi; ++e) {
             const int64_t used = recv_count[e], pad = rows_per_expert - used;
             if (pad == 0) continue;
-            std::memset(recv_x + (e * rows_per_expert + used) * x_bytes, 0, static_cast<size_t>(pad * x_bytes));
+            stream_zero(recv_x + (e * rows_per_expert + used) * x_bytes, static_cast<size_t>(pad * x_bytes));
             std::fill(src_info + e * rows_per_expert + used, src_info + (e + 1) * rows_per_expert, -1);
             if (scales == nullptr) continue;
             for (int64_t c = 0; c < num_scales; ++c) {
@@ -178,6 +199,7 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
                     std::memset(column + r * scales_row_stride, 0, static_cast<size_t>(scale_bytes));
             }
         }
+        stream_fence();
     });
 }
 

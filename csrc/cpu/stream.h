@@ -37,6 +37,24 @@ inline void stream_copy(uint8_t* dst, const uint8_t* src, size_t n) {
     std::memcpy(dst, src, n);
 }
 
+// memset(dst, 0, n) with non-temporal stores where the CPU has them (no read for ownership of lines
+// that will not be read soon: the padding of an output); the caller fences (stream_fence).
+inline void stream_zero(uint8_t* dst, size_t n) {
+#if defined(__SSE2__)
+    const size_t head = std::min(n, (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
+    std::memset(dst, 0, head);
+    dst += head, n -= head;
+    const __m128i zero = _mm_setzero_si128();
+    for (; n >= 64; n -= 64, dst += 64) {
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst), zero);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), zero);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), zero);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), zero);
+    }
+#endif
+    std::memset(dst, 0, n);
+}
+
 // Orders this thread's non-temporal stores before its later stores (a published flag, a join).
 inline void stream_fence() {
 #if defined(__SSE2__)

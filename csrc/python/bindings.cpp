@@ -278,6 +278,19 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_topk"), py::arg("num_experts"), py::arg("num_ranks"));
 
     m.def(
+        "low_latency_positions",
+        [](std::uintptr_t pos, int64_t num_slots, std::uintptr_t msg, std::uintptr_t experts, int64_t n,
+           int64_t num_local_experts, int64_t num_ranks, const std::vector<int64_t>& firsts) {
+            if (static_cast<int64_t>(firsts.size()) != num_ranks)
+                throw std::invalid_argument("low_latency_positions: firsts must have num_ranks entries");
+            py::gil_scoped_release release;
+            cpu::low_latency_positions(ptr<int32_t>(pos), num_slots, ptr<const int64_t>(msg),
+                                       ptr<const int64_t>(experts), n, num_local_experts, num_ranks, firsts.data());
+        },
+        py::arg("pos"), py::arg("num_slots"), py::arg("msg"), py::arg("experts"), py::arg("n"),
+        py::arg("num_local_experts"), py::arg("num_ranks"), py::arg("firsts"));
+
+    m.def(
         "low_latency_combine_rows",
         [](std::uintptr_t rows, std::uintptr_t layout_range, int64_t num_local_experts, int64_t num_ranks,
            int64_t rows_per_expert, int64_t max_rows) {

@@ -12,7 +12,8 @@ from ..ops.fp8 import FP8_DTYPE
 from ..ops.records import RecordLayout, check_records, unpack_rows
 from ..ops.rows import check_index, check_on_cpu
 
-__all__ = ["send_order", "send_order_reference", "combine_rows", "combine_rows_reference", "low_latency_unpack",
+__all__ = ["send_order", "send_order_reference", "combine_positions", "combine_positions_reference", "combine_rows",
+           "combine_rows_reference", "low_latency_unpack",
            "low_latency_unpack_reference", "layout_range_check", "layout_range_check_reference", "dispatch_outputs",
            "add_stats"]
 
@@ -45,6 +46,42 @@ def send_order_reference(topk_idx: torch.Tensor, num_experts: int, num_ranks: in
     experts, order = torch.sort(flat[msg], stable=True)
     counts = torch.bincount(experts // (num_experts // num_ranks), minlength=num_ranks)
     return msg[order], experts, counts.tolist()
+
+
+def combine_positions(msg: torch.Tensor, experts: torch.Tensor, num_slots: int, num_local_experts: int,
+                      num_ranks: int, firsts: Sequence[int]) -> torch.Tensor:
+    """Where a low-latency combine finds each message's returned row: ``msg`` and ``experts`` are
+    ``send_order``'s; the j-th message sent to rank d comes back as row ``firsts[d] + j`` of the received
+    records. Returns ``pos`` `[num_slots]` int32 (``num_slots = T * K``), -1 for slots that sent nothing.
+    ValueError for an entry outside its range. Reference: ``combine_positions_reference``."""
+    if msg.device.type != "cpu":
+        return combine_positions_reference(msg, experts, num_slots, num_local_experts, num_ranks, firsts)
+    for name, t in (("msg", msg), ("experts", experts)):
+        if t.dim() != 1 or t.dtype != torch.int64 or t.shape[0] != msg.shape[0]:
+            raise ValueError(f"combine_positions: {name} must be [S] int64 like msg, got {list(t.shape)} {t.dtype}")
+    msg, experts = msg.contiguous(), experts.contiguous()
+    pos = torch.empty(num_slots, dtype=torch.int32)
+    native().low_latency_positions(pos.data_ptr(), num_slots, msg.data_ptr(), experts.data_ptr(), msg.shape[0],
+                                   num_local_experts, num_ranks, [int(f) for f in firsts])
+    return pos
+
+
+def combine_positions_reference(msg: torch.Tensor, experts: torch.Tensor, num_slots: int, num_local_experts: int,
+                                num_ranks: int, firsts: Sequence[int]) -> torch.Tensor:
+    """Plain-torch specification of ``combine_positions``; also the path for non-CPU devices."""
+    check_index("low_latency_positions", "msg", msg, 0, num_slots, f"slots of num_slots={num_slots}")
+    check_index("low_latency_positions", "experts", experts, 0, num_local_experts * num_ranks,
+                f"experts of {num_local_experts * num_ranks}")
+    device = msg.device
+    dest = experts // num_local_experts
+    counts = torch.bincount(dest, minlength=num_ranks)
+    before = counts.cumsum(0) - counts  # messages to ranks below d, in send order (grouped by destination)
+    order = torch.argsort(dest, stable=True)
+    within = torch.empty_like(dest)
+    within[order] = torch.arange(dest.shape[0], device=device) - before[dest[order]]
+    pos = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
+    pos[msg] = (torch.tensor([int(f) for f in firsts], device=device)[dest] + within).to(torch.int32)
+    return pos
 
 
 def combine_rows(layout_range: torch.Tensor, rows_per_expert: int) -> torch.Tensor:

@@ -20,7 +20,8 @@ from moe_comm.ops.combine_reduce import combine_reduce, combine_reduce_reference
 from moe_comm.ops.quant import native_rows
 from moe_comm.ops.records import (RecordLayout, native_segments, pack_rows, pack_rows_reference, unpack_rows,
                                   unpack_rows_reference)
-from moe_comm.protocol.low_latency_layout import (combine_rows, combine_rows_reference, low_latency_unpack,
+from moe_comm.protocol.low_latency_layout import (combine_positions, combine_positions_reference, combine_rows,
+                                                  combine_rows_reference, low_latency_unpack,
                                                   low_latency_unpack_reference, send_order, send_order_reference)
 
 PATHS = ["native", "reference"]
@@ -327,6 +328,46 @@ def test_combine_rows_rejects_overlapping_ranges_that_overflow_the_rows(path):
         fn(full, ROWS)
     with pytest.raises(ValueError, match=r"counts sum to more than max_rows"):
         fn(torch.full((LOCAL, RANKS), ROWS, dtype=torch.int64), ROWS)  # every range the whole expert
+
+
+# ---------------------------------------------------------------------------------------- combine positions
+def _positions_case():
+    """T = 3 tokens, K = 2, 2 ranks of 2 experts; send order by expert, then token."""
+    topk = torch.tensor([[3, 0], [1, -1], [2, 0]])
+    msg, experts, _ = send_order(topk, 4, 2)
+    return msg, experts
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_combine_positions_places_each_message_after_its_destination_first(path):
+    msg, experts = _positions_case()  # to rank 0: (0,1) (2,1) (1,0); to rank 1: (2,0) (0,0)
+    pos = (combine_positions if path == "native" else combine_positions_reference)(msg, experts, 6, 2, 2, [10, 40])
+    assert pos.tolist() == [41, 10, 12, -1, 40, 11]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("value", _bad(6, 0))
+def test_combine_positions_rejects_msg_outside_the_slots(path, value):
+    msg, experts = _positions_case()
+    msg[2] = value
+    with pytest.raises(ValueError, match=_outside("low_latency_positions", "msg", "2", value, 0, 6)):
+        (combine_positions if path == "native" else combine_positions_reference)(msg, experts, 6, 2, 2, [0, 3])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("value", _bad(4, 0))
+def test_combine_positions_rejects_experts_outside_the_experts(path, value):
+    msg, experts = _positions_case()
+    experts[4] = value
+    with pytest.raises(ValueError, match=_outside("low_latency_positions", "experts", "4", value, 0, 4)):
+        (combine_positions if path == "native" else combine_positions_reference)(msg, experts, 6, 2, 2, [0, 3])
+
+
+def test_combine_positions_rejects_firsts_past_int32():
+    msg, experts = _positions_case()
+    with pytest.raises(ValueError, match=re.escape("low_latency_positions: firsts[1] = 2147483647 is outside "
+                                                   "[0, 2147483642]")):
+        combine_positions(msg, experts, 6, 2, 2, [0, 2 ** 31 - 1])
 
 
 # ---------------------------------------------------------------------------------------- low-latency unpack

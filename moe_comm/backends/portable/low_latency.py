@@ -42,9 +42,10 @@ from ...protocol.codes import Field, Fp8Format, Op
 from ...protocol.digest import low_latency_combine_digests
 from ...protocol.handle import LowLatencyHandle
 from ...protocol.handshake import Handshake, show
-from ...protocol.low_latency_layout import add_stats, combine_rows, dispatch_outputs, low_latency_unpack, send_order
+from ...protocol.low_latency_layout import (add_stats, combine_positions, combine_rows, dispatch_outputs,
+                                             low_latency_unpack, send_order)
 from ...transport import Transport
-from ...transport.base import Exchange, Gathered, Posted, Rows, prefix_sums
+from ...transport.base import Exchange, Gathered, Posted, Rows
 from ..base import LowLatencyDispatch, Receive
 
 __all__ = ["LowLatencyMode"]
@@ -384,9 +385,6 @@ class LowLatencyMode:
         call = self._post(op, header, send_counts, records.record_bytes, pack, device,
                           _COMPARED + (Field.USE_LOGFMT,), hook)
         num_tokens, num_topk = topk_idx.shape
-        # message i of the send order went to rank experts[i] // local, as its (i - before[rank])-th row
-        before = torch.tensor(prefix_sums(expected)[:-1], dtype=torch.int64, device=device)
-        dest = experts // local
         if out is None:
             out = empty((num_tokens, hidden), torch.bfloat16, device)
 
@@ -395,10 +393,7 @@ class LowLatencyMode:
             begin = time.perf_counter_ns()
             try:
                 _, received, firsts = call.settle()
-                at = torch.arange(msg.shape[0], dtype=torch.int64, device=device) - before[dest]
-                at += torch.tensor(firsts, dtype=torch.int64, device=device)[dest]
-                pos = torch.full((num_tokens * num_topk,), -1, dtype=torch.int32, device=device)
-                pos[msg] = at.to(torch.int32)
+                pos = combine_positions(msg, experts, num_tokens * num_topk, local, R, firsts)
                 combine_reduce(records, received, pos.view(num_tokens, num_topk), None, None, out, None,
                                scale=topk_weights, x_format="logfmt" if use_logfmt else "plain")
             finally:
