@@ -37,6 +37,12 @@ struct Segment {
     int64_t num_rows;    // rows of the field's tensor: every row index must be below it
 };
 
+// What the argument checks read of `topk_idx` [num_tokens, num_topk] (moe_comm/buffer/*_args.py) in one
+// pass: *lo and *hi its smallest and largest id (0, 0 when empty), and the first row (ascending) that
+// picks an expert >= 0 twice: *dup_row, with *dup_expert the smallest such expert (-1, -1 when none).
+void topk_summary(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk, int64_t* lo, int64_t* hi,
+                  int64_t* dup_row, int64_t* dup_expert);
+
 // Routing histograms of `topk_idx` (DeepEP's get_dispatch_layout). Entries of -1 are skipped; a
 // token counts once per destination rank however many of that rank's experts it picked.
 //   num_tokens_per_rank[r]   = #{t : some k has topk_idx[t,k] / (num_experts/num_ranks) == r}

@@ -9,6 +9,27 @@
 
 namespace moe_comm::cpu {
 
+void topk_summary(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk, int64_t* lo, int64_t* hi,
+                  int64_t* dup_row, int64_t* dup_expert) {
+    MC_CHECK(num_tokens >= 0 && num_topk >= 0,
+             "topk_summary: num_tokens and num_topk must be >= 0, got " << num_tokens << ", " << num_topk);
+    const int64_t n = num_tokens * num_topk;
+    *lo = n ? topk_idx[0] : 0, *hi = *lo, *dup_row = -1, *dup_expert = -1;
+    std::vector<int64_t> row(static_cast<size_t>(num_topk));
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t* ids = topk_idx + t * num_topk;
+        for (int64_t k = 0; k < num_topk; ++k) *lo = std::min(*lo, ids[k]), *hi = std::max(*hi, ids[k]);
+        if (*dup_row >= 0) continue;
+        row.assign(ids, ids + num_topk);
+        std::sort(row.begin(), row.end());
+        for (int64_t k = 1; k < num_topk; ++k)
+            if (row[static_cast<size_t>(k)] >= 0 && row[static_cast<size_t>(k)] == row[static_cast<size_t>(k - 1)]) {
+                *dup_row = t, *dup_expert = row[static_cast<size_t>(k)];
+                break;
+            }
+    }
+}
+
 void dispatch_layout(int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert, bool* is_token_in_rank,
                      const int64_t* topk_idx,
                      int64_t num_tokens, int64_t num_topk, int64_t num_ranks, int64_t num_experts,

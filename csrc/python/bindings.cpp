@@ -158,6 +158,20 @@ PYBIND11_MODULE(_C, m) {
     m.def("build_info", &build_info, "What this build of moe_comm._C contains.");
 
     m.def(
+        "topk_summary",
+        [](std::uintptr_t topk_idx, int64_t num_tokens, int64_t num_topk) {
+            int64_t lo, hi, dup_row, dup_expert;
+            {
+                py::gil_scoped_release release;
+                cpu::topk_summary(ptr<const int64_t>(topk_idx), num_tokens, num_topk, &lo, &hi, &dup_row, &dup_expert);
+            }
+            return std::make_tuple(lo, hi, dup_row, dup_expert);
+        },
+        py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
+        "(smallest id, largest id, first row picking an expert twice or -1, that expert or -1) of a contiguous "
+        "[T, K] int64 topk_idx (csrc/cpu/api.h).");
+
+    m.def(
         "dispatch_layout",
         [](std::uintptr_t num_tokens_per_rank, std::uintptr_t num_tokens_per_expert, std::uintptr_t is_token_in_rank,
            std::uintptr_t topk_idx, int64_t num_tokens, int64_t num_topk, int64_t num_ranks, int64_t num_experts,

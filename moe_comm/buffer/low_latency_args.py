@@ -13,7 +13,8 @@ from ..core.limits import MAX_INT32, check_count, check_fits
 from ..ops.fp8 import GROUP
 from ..protocol.codes import Fp8Format
 from ..protocol.handle import LowLatencyHandle
-from .normal_args import check_topk_idx
+from ..ops.layout import topk_summary
+from .normal_args import check_topk_idx, check_topk_ids
 
 __all__ = ["low_latency_buffer_bytes", "check_ll_dispatch", "check_ll_combine", "check_ll_sizes",
            "check_ll_counts", "check_rdma_bytes",
@@ -70,18 +71,17 @@ def _check_ll_topk(op: str, topk_idx: Any, num_experts: int, m: int, num_tokens:
                    device: torch.device, values: bool) -> torch.Tensor:
     """``[T, K]`` int64, T <= M, K <= num_experts, and with ``values`` (read on the host) ids in [-1, E),
     no expert twice in a row."""
-    topk_idx = check_topk_idx(op, topk_idx, num_experts, num_tokens, device, values)
+    topk_idx = check_topk_idx(op, topk_idx, num_experts, num_tokens, device, values=False)
+    summary = topk_summary(topk_idx) if values and topk_idx.numel() else None
+    if summary is not None:
+        check_topk_ids(op, summary, num_experts)
     if topk_idx.shape[0] > m:
         bad_argument(op, "topk_idx", f"at most num_max_dispatch_tokens_per_rank = {m} rows", describe(topk_idx))
     if topk_idx.shape[1] > num_experts:
         bad_argument(op, "topk_idx", f"at most num_experts = {num_experts} columns", describe(topk_idx))
-    if values and topk_idx.numel():
-        ordered = topk_idx.sort(dim=1).values
-        repeat = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-        if bool(repeat.any()):
-            t, k = (int(i) for i in repeat.nonzero()[0])
-            bad_argument(op, "topk_idx", "rows that pick each expert at most once",
-                         f"row {t} picking expert {int(ordered[t, k])} twice")
+    if summary is not None and summary[2] >= 0:
+        bad_argument(op, "topk_idx", "rows that pick each expert at most once",
+                     f"row {summary[2]} picking expert {summary[3]} twice")
     return topk_idx
 
 

@@ -12,6 +12,7 @@ from ..core.errors import bad_argument
 from ..core.limits import check_count, check_fits
 from ..core.native import NATIVE_DTYPES
 from ..ops import DispatchLayout, dispatch_layout
+from ..ops.layout import topk_summary
 from ..protocol.handle import NormalHandle
 
 __all__ = ["split_x", "check_topk_idx", "check_num_experts", "check_dispatch_routing", "check_combine_args",
@@ -44,12 +45,18 @@ def check_topk_idx(op: str, topk_idx: Any, num_experts: int, num_tokens: Optiona
     """``topk_idx`` `[T, K]` int64 with ids in [-1, num_experts) (the ids only with ``values``: they are
     read on the host)."""
     check_tensor(op, "topk_idx", topk_idx, shape=(num_tokens, None), dtype=TOPK_IDX_T, device=device)
+    topk_idx = topk_idx.contiguous()
     if values and topk_idx.numel():
-        lo, hi = int(topk_idx.min()), int(topk_idx.max())
-        if lo < -1 or hi >= num_experts:
-            bad_argument(op, "topk_idx", f"expert ids in [-1, {num_experts}) (num_experts={num_experts})",
-                         f"values in [{lo}, {hi}]")
-    return topk_idx.contiguous()
+        check_topk_ids(op, topk_summary(topk_idx), num_experts)
+    return topk_idx
+
+
+def check_topk_ids(op: str, summary: tuple[int, int, int, int], num_experts: int) -> None:
+    """Ids in [-1, num_experts), from ``ops.layout.topk_summary`` of a non-empty ``topk_idx``."""
+    lo, hi = summary[:2]
+    if lo < -1 or hi >= num_experts:
+        bad_argument(op, "topk_idx", f"expert ids in [-1, {num_experts}) (num_experts={num_experts})",
+                     f"values in [{lo}, {hi}]")
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,33 @@ from ..core.native import cpu_threads, native
 from .impl import kernels, next_pow2, resolve
 from .rows import check_index
 
-__all__ = ["DispatchLayout", "dispatch_layout", "dispatch_layout_reference", "SendPlan", "plan_sends", "token_channels"]
+__all__ = ["DispatchLayout", "dispatch_layout", "dispatch_layout_reference", "SendPlan", "plan_sends", "token_channels",
+           "topk_summary", "topk_summary_reference"]
 
 _BLOCK_T = 128
+
+
+def topk_summary(topk_idx: torch.Tensor) -> tuple[int, int, int, int]:
+    """What the argument checks read of ``topk_idx`` `[T, K]` int64, in one pass on the CPU: (smallest id,
+    largest id, the first row that picks an expert >= 0 twice, the smallest such expert); (0, 0) when
+    empty, (-1, -1) when no row repeats one. Reference: ``topk_summary_reference``."""
+    if topk_idx.device.type != "cpu":
+        return topk_summary_reference(topk_idx)
+    topk_idx = topk_idx.contiguous()
+    return native().topk_summary(topk_idx.data_ptr(), topk_idx.shape[0], topk_idx.shape[1])
+
+
+def topk_summary_reference(topk_idx: torch.Tensor) -> tuple[int, int, int, int]:
+    """Plain-torch specification of ``topk_summary``; also the path for non-CPU devices."""
+    if not topk_idx.numel():
+        return 0, 0, -1, -1
+    ordered = topk_idx.sort(dim=1).values
+    repeat = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    lo, hi = int(topk_idx.min()), int(topk_idx.max())
+    if not bool(repeat.any()):
+        return lo, hi, -1, -1
+    t, k = (int(i) for i in repeat.nonzero()[0])
+    return lo, hi, t, int(ordered[t, k])
 
 
 @dataclass(frozen=True)

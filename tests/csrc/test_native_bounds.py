@@ -553,3 +553,17 @@ def test_post_records_rejects_a_header_or_rows_outside_the_slot():
         _post([1, 3], [0, 1], header_at=248)
     with pytest.raises(ValueError, match=re.escape("post_records: rows_at 300 is outside the slot of 256 bytes")):
         _post([1, 3], [0, 1], rows_at=300)
+
+
+# ---------------------------------------------------------------------------------------- topk_summary
+@pytest.mark.parametrize("topk", [
+    [[3, 0], [1, -1], [2, 0]],
+    [[3, 3], [1, 1], [-1, -1]],       # row 0 repeats 3 (row 1 too, later)
+    [[-1, 2, 0, 2, 0], [5, 5, 1, 1, 7]],  # the smallest repeated expert of the first such row
+    [[-4, 9]],
+])
+def test_topk_summary_matches_its_reference(topk):
+    from moe_comm.ops.layout import topk_summary, topk_summary_reference
+    t = torch.tensor(topk)
+    assert topk_summary(t) == topk_summary_reference(t)
+    assert topk_summary(t[:0]) == topk_summary_reference(t[:0]) == (0, 0, -1, -1)
