@@ -7,7 +7,8 @@
 //       chose e into slot [e_loc][this rank][i] of e's rank, then signal its count (i + 1) after them
 //   dispatch recv (per local expert): for each source rank ascending, wait for its count, take the
 //       count and zero the signal, copy its slots to rows begin + j (blocks by source rank, then
-//       source token: deterministic, where DeepEP's order is the order of arrival)
+//       source token: deterministic, where DeepEP's order is the order of arrival); then zero the rows
+//       past the count (src_info -1), so the outputs need not be zeroed memory
 //   combine send (per local expert): put each received row into its source rank's row
 //       [expert][source token] (through this rank's staging when the source is across the network),
 //       then signal that expert's flag after them
@@ -392,6 +393,12 @@ MC_HD bool ll_dispatch_recv(const LowLatencyContext& k, const L& link, const Low
         row += n;
     }
     if (G::leader()) a.recv_count[e_loc] = static_cast<int32_t>(row);
+    // The rows past the count are padding (zero x and scales, src_info -1): the outputs may be recycled
+    // memory, and whole outputs stay bitwise reproducible.
+    zero_bytes<G>(a.recv_x + (e_loc * rows + row) * x_bytes, (rows - row) * x_bytes);
+    for (int64_t j = 0; a.recv_scales && j < num_scales; ++j)
+        zero_bytes<G>(a.recv_scales + 4 * ((e_loc * num_scales + j) * rows + row), 4 * (rows - row));
+    for (int64_t r = row + G::lane(); r < rows; r += G::lanes()) a.src_info[e_loc * rows + r] = -1;
     G::sync();
     return true;
 }

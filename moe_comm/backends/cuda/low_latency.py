@@ -272,7 +272,7 @@ class KernelLowLatencyMode(LowLatencyMode):
         num_scales = (hidden // GROUP // (4 if fp8_format.ue8m0 else 1)) if fp8 else 0
         scales = (torch.int32 if fp8_format.ue8m0 else torch.float32, num_scales) if fp8 else None
         recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(local, R, m, hidden, scales,
-                                                                                   x.device)
+                                                                                   x.device, prepadded=False)
         mask, routable = self._skip_mask(skip, x.device), self._routable(topk_idx, num_experts, skip).to(torch.int64)
         args = (call, pin(mask), x.shape[0], 4 * num_scales, topk_idx.shape[1], fp8, fp8_format.round_scale,
                 fp8_format.ue8m0, pin(x.contiguous()), pin(routable.contiguous()), pin(recv_x),
