@@ -503,11 +503,16 @@ MC_HD bool ll_combine_wait(const LowLatencyContext& k, const L& link, int expert
     return true;
 }
 
-// Channels one lane sums together: a 16-byte vector of bf16 from each row (coalesced across a group's
-// lanes on the GPU; a fixed-length loop the compiler vectorises on the host). hidden is a multiple of
-// 128 (the FP8 group), so of this too. Every channel still sums its top-k slots in order, so the bits do
-// not depend on it.
+// Channels one lane sums together: on the GPU a 16-byte vector of bf16 from each row (coalesced across
+// a group's lanes); on the host, whose group is one lane, an FP8 group's 128 (fixed-length loops the
+// compiler vectorises, each top-k row's address and weight read once per 128 channels, not per 8).
+// hidden is a multiple of 128, so of this too. Every channel still sums its top-k slots in order, so the
+// bits do not depend on it.
+#if defined(__CUDA_ARCH__)
 constexpr int64_t kReduceChannels = 8;
+#else
+constexpr int64_t kReduceChannels = 128;
+#endif
 
 template <class P, class L>
 MC_HD void ll_combine_reduce(const LowLatencyContext& k, const L& link, const LowLatencyCombineArgs& a, int64_t t) {
