@@ -244,6 +244,34 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "expert rows",
         hints=("tests/ops/test_fused_ops.py",),
     ),
+    # ------------------------------------------------------------------ low-latency posts and receives (csrc/cpu)
+    Mutant(
+        id="post-rows-of-the-first-destination",
+        file="csrc/cpu/post.cpp",
+        old="pack_rows(rows, p.segments, p.num_segments, p.src_rows + first, count, p.record_bytes, p.num_threads);",
+        new="pack_rows(rows, p.segments, p.num_segments, p.src_rows, count, p.record_bytes, p.num_threads);",
+        description="the shm transport's native post gathers every destination's records from the start of the "
+                    "send order: ranks past the first receive another rank's tokens",
+        hints=("tests/csrc/test_native_bounds.py", "tests/buffer/test_low_latency.py"),
+    ),
+    Mutant(
+        id="ll-unpack-padding-skipped",
+        file="csrc/cpu/low_latency.cpp",
+        old="if (pad == 0) continue;",
+        new="if (pad >= 0) continue;",
+        description="the low-latency receive leaves the rows past each count as the recycled memory held them: "
+                    "outputs differ run to run where they must be zero (src_info -1)",
+        hints=("tests/csrc/test_native_bounds.py", "tests/buffer/test_output_digests.py"),
+    ),
+    Mutant(
+        id="combine-positions-shifted",
+        file="csrc/cpu/low_latency.cpp",
+        old="pos[msg[i]] = static_cast<int32_t>(next[static_cast<size_t>(experts[i] / num_local_experts)]++);",
+        new="pos[msg[i]] = static_cast<int32_t>(++next[static_cast<size_t>(experts[i] / num_local_experts)]);",
+        description="a low-latency combine finds each message's returned row one row late: weights meet the "
+                    "next message's expert output",
+        hints=("tests/csrc/test_native_bounds.py", "tests/buffer/test_low_latency.py"),
+    ),
     # ------------------------------------------------------------------ a Triton kernel (moe_comm/ops/triton/)
     Mutant(
         id="triton-unpermute-skips-row0",
