@@ -21,7 +21,8 @@ from .codes import UNKNOWN, Field, Fp8Format, Op, WireDType
 
 __all__ = ["Handshake", "vector", "show", "per_rank", "check"]
 
-_NUM_FIELDS = len(Field)
+_FIELDS = tuple(Field)  # iterated once here, not per call (an Enum's iteration is a Python generator)
+_NUM_FIELDS = len(_FIELDS)
 # the fields whose values are codes, and the enum that words them
 _CODES = {Field.X_DTYPE: WireDType, Field.SCALES_DTYPE: WireDType, Field.OP: Op, Field.FP8_FORMAT: Fp8Format}
 
@@ -32,7 +33,7 @@ def vector(fields: Mapping[Field, int], send_counts: Sequence[int], expected: Op
     """One rank's vector: the ``Field`` slots, then rows sent to each rank, rows expected from each rank, digests
     of the rows sent, digests of the rows expected (UNKNOWN where this rank cannot know)."""
     none = [UNKNOWN] * num_ranks
-    row = [int(fields.get(field, UNKNOWN)) for field in Field]
+    row = [int(fields.get(field, UNKNOWN)) for field in _FIELDS]
     for part in (send_counts, expected, sent_digests, expected_digests):
         row += none if part is None else [int(v) for v in part]
     return row

@@ -182,6 +182,7 @@ class _ShmPost:
                  header_bytes: int, region_rows: int, record_bytes: int) -> None:
         self._t, self._segment, self._slot, self._seq, self._op = transport, segment, slot, seq, op
         self._header_bytes, self._region_rows, self._record_bytes = header_bytes, region_rows, record_bytes
+        self._arrived_flags = transport._slot_addresses(slot)[3]  # of `segment`, this rank's mapping now
         self._arrived = False
         self._private: Optional[torch.Tensor] = None  # the slot's bytes, once spilled
         self.released = False
@@ -194,9 +195,7 @@ class _ShmPost:
     def headers(self) -> torch.Tensor:
         t = self._t
         if not self._arrived:
-            layout = self._segment.layout
-            t.waiter.until([self._segment.flag(layout.arrived(DATA, self._slot, i)) for i in range(len(t.local))],
-                           [self._seq] * len(t.local), list(t.local), self._op, exact=True)
+            t.waiter.until(self._arrived_flags, [self._seq] * len(t.local), list(t.local), self._op, exact=True)
             self._arrived = True
         return self._bytes(0, len(t.local) * self._header_bytes).view(len(t.local), self._header_bytes)
 
@@ -280,6 +279,8 @@ class ShmTransport(Transport):
         self._seq = [0, 0]
         self._held: dict[tuple[int, int], object] = {}
         self._segments: list[Segment] = []
+        self._addresses: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
+        self._local_pids = [self.pids[r] for r in self.local]
         slot_bytes = buffer_bytes // NUM_SLOTS
         self._map(max(_MIN_CAPACITY, -(-slot_bytes // _MIN_CAPACITY) * _MIN_CAPACITY), [1, 1])
 
@@ -310,6 +311,7 @@ class ShmTransport(Transport):
             raise
         mine.unlink()
         self._segments = segments
+        self._addresses.clear()
 
     def _gather_names(self, name: str) -> list[str]:
         encoded = name.encode()
@@ -456,26 +458,33 @@ class ShmTransport(Transport):
         self._held[(DATA, slot)] = posted
         return posted
 
+    def _slot_addresses(self, slot: int) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Of data slot ``slot``, per host rank: where it starts, its consumed flag, its arrived flag for
+        this rank's rows; and this rank's arrived flags, per source (fixed until the segments are remapped)."""
+        found = self._addresses.get(slot)
+        if found is None:
+            pairs = [(segment, segment.layout) for segment in self._segments]
+            mine = self._segments[self.local_index]
+            found = self._addresses[slot] = (
+                [segment.base + layout.data_slot(slot) for segment, layout in pairs],
+                [segment.flag(layout.consumed(DATA, slot)) for segment, layout in pairs],
+                [segment.flag(layout.arrived(DATA, slot, self.local_index)) for segment, layout in pairs],
+                [mine.flag(mine.layout.arrived(DATA, slot, i)) for i in range(len(self.local))])
+        return found
+
     def _post_natively(self, slot: int, seq: int, header: torch.Tensor, counts: Sequence[int], firsts: list[int],
                        rows_at: int, rows: Gathered, op: str) -> None:
         """``post``'s writes in one native call (``moe_comm._C.post_records``): per host rank, the wait for a
         free slot, the header, the rows, the publish."""
-        layouts = [segment.layout for segment in self._segments]
+        bases, consumed, arrived, _ = self._slot_addresses(slot)
         index, outcome = native().post_records(
-            [segment.base + layout.data_slot(slot) for segment, layout in zip(self._segments, layouts)],
-            [segment.flag(layout.consumed(DATA, slot)) for segment, layout in zip(self._segments, layouts)],
-            [segment.flag(layout.arrived(DATA, slot, self.local_index)) for segment, layout in
-             zip(self._segments, layouts)],
-            [self.pids[r] for r in self.local], self.capacity, seq - NUM_SLOTS, seq, self.timeout_s,
+            bases, consumed, arrived, self._local_pids, self.capacity, seq - NUM_SLOTS, seq, self.timeout_s,
             header.data_ptr(), header.numel(), self.local_index * header.numel(), rows_at,
             [int(counts[r]) for r in self.local], [firsts[r] for r in self.local], rows.segments,
             rows.src_rows.data_ptr(), rows.src_rows.shape[0], rows.record_bytes,
             0 if rows.words is None else rows.words.data_ptr(), rows.word_offset, cpu_threads())
         if index >= 0:
-            dest = self.local[index]
-            segment = self._segments[index]
-            self.waiter.raise_for(outcome, [segment.flag(segment.layout.consumed(DATA, slot))], [seq - NUM_SLOTS],
-                                  [dest], 0, op)
+            self.waiter.raise_for(outcome, [consumed[index]], [seq - NUM_SLOTS], [self.local[index]], 0, op)
 
     # ------------------------------------------------------------------ Transport
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
