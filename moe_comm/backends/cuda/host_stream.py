@@ -18,8 +18,9 @@ Check = Callable[[str, Any], None]
 
 
 class Job:
-    """One launch on a ``HostStream``: run by the stream's thread (``worker``), or, without one, at once
-    on the caller's, where a launch that fails to start raises from here."""
+    """One launch on a ``HostStream``: run by the stream's thread (``worker``), or by the first caller that
+    waits for it before that thread has started it (a blocking call then pays no thread wake-up), or,
+    without a worker, at once on the caller's thread, where a launch that fails to start raises from here."""
 
     def __init__(self, op: str, launch: Callable[[], Any], check: Check,
                  worker: Optional["queue.SimpleQueue[Optional[Job]]"] = None) -> None:
@@ -28,8 +29,10 @@ class Job:
         self._failure: Optional[BaseException] = None
         self._seen = False
         self._done = threading.Event()
+        self._claimed = threading.Lock()  # held by whoever runs the launch: the stream's thread or a waiter
         self._launch: Optional[Callable[[], Any]] = launch
         if worker is None:
+            self._claimed.acquire()
             self._launch = None
             self._record = launch()
             self._done.set()
@@ -37,7 +40,9 @@ class Job:
         worker.put(self)
 
     def run(self) -> None:
-        """The launch, on the stream's thread."""
+        """The launch, unless a waiter has run it already."""
+        if not self._claimed.acquire(blocking=False):
+            return
         try:
             self._record = self._launch()
         except BaseException as exc:  # raised again by wait()
@@ -47,7 +52,10 @@ class Job:
             self._done.set()
 
     def wait(self) -> None:
-        """Waits for the launch; raises its failure (once, to the first caller that waits)."""
+        """Waits for the launch (running it here if the stream's thread has not started it: the stream
+        holds one launch at a time, so the order is kept); raises its failure (once, to the first caller
+        that waits)."""
+        self.run()
         self._done.wait()
         if self._seen:
             return
