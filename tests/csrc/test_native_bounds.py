@@ -346,20 +346,14 @@ def test_combine_positions_places_each_message_after_its_destination_first(path)
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("value", _bad(6, 0))
-def test_combine_positions_rejects_msg_outside_the_slots(path, value):
+@pytest.mark.parametrize("arg,entry,value", [("msg", 2, v) for v in _bad(6, 0)] +
+                         [("experts", 4, v) for v in _bad(4, 0)])
+def test_combine_positions_rejects_entries_outside_their_range(path, arg, entry, value):
+    """msg indexes the T * K = 6 slots, experts the 4 experts."""
     msg, experts = _positions_case()
-    msg[2] = value
-    with pytest.raises(ValueError, match=_outside("low_latency_positions", "msg", "2", value, 0, 6)):
-        (combine_positions if path == "native" else combine_positions_reference)(msg, experts, 6, 2, 2, [0, 3])
-
-
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("value", _bad(4, 0))
-def test_combine_positions_rejects_experts_outside_the_experts(path, value):
-    msg, experts = _positions_case()
-    experts[4] = value
-    with pytest.raises(ValueError, match=_outside("low_latency_positions", "experts", "4", value, 0, 4)):
+    {"msg": msg, "experts": experts}[arg][entry] = value
+    high = 6 if arg == "msg" else 4
+    with pytest.raises(ValueError, match=_outside("low_latency_positions", arg, str(entry), value, 0, high)):
         (combine_positions if path == "native" else combine_positions_reference)(msg, experts, 6, 2, 2, [0, 3])
 
 
