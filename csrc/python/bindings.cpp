@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "../ascend/mc2_limits.h"
+#include "../common/call_header.h"
 #include "../common/codes_bindings.h"
 #include "../common/logfmt.h"
 #include "../cpu/api.h"
@@ -392,6 +394,30 @@ PYBIND11_MODULE(_C, m) {
         py::arg("flags"), py::arg("targets"), py::arg("pids"), py::arg("timeout_s"), py::arg("exact"),
         "Waits for flags[i] >= targets[i] (== when exact); returns (-1, WaitOutcome.REACHED) or (index of a flag "
         "not reached, WaitOutcome.TIMEOUT | PEER_EXITED | PAST_TARGET).");
+
+    m.def(
+        "headers_agree",
+        [](std::uintptr_t first, int64_t stride, int num_ranks, int me, int64_t per_rank, int rejected,
+           uint64_t compare) {
+            // every word read (the per-rank words, and words 0-63 of the compare mask) inside each header
+            if (num_ranks <= 0 || me < 0 || me >= num_ranks || per_rank < 0 || rejected < 0 || rejected >= 64 ||
+                stride < 8 * std::max<int64_t>(per_rank + 4 * static_cast<int64_t>(num_ranks), 64))
+                throw std::invalid_argument("headers_agree: num_ranks > 0, me in [0, num_ranks), rejected in [0, 64) "
+                                            "and headers of at least 8 * max(per_rank + 4 * num_ranks, 64) bytes "
+                                            "needed");
+            std::vector<int64_t> sent_to_me(static_cast<size_t>(num_ranks));
+            const auto* headers = ptr<const uint8_t>(first);
+            moe_comm::call_header::Difference diff{};
+            const bool agreed = moe_comm::call_header::agree(headers, stride, nullptr, num_ranks, me, per_rank, rejected,
+                                                             compare, &diff);
+            for (int s = 0; s < num_ranks; ++s)
+                sent_to_me[static_cast<size_t>(s)] = moe_comm::call_header::word(headers + s * stride, per_rank + me);
+            return std::make_tuple(agreed, sent_to_me);
+        },
+        py::arg("first"), py::arg("stride"), py::arg("num_ranks"), py::arg("me"), py::arg("per_rank"),
+        py::arg("rejected"), py::arg("compare"),
+        "(whether the call headers at first + s * stride agree (csrc/common/call_header.h), the rows each rank "
+        "sends rank me).");
 
     m.def(
         "post_records",

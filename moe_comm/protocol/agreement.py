@@ -192,6 +192,20 @@ class CallAgreement:
                       rejected_here=False)
         return shake
 
+    def receive_counts(self, op: str, headers: torch.Tensor, compare: Sequence[Field]) -> list[int]:
+        """The rows each rank sends this one in the call of ``headers`` (`[R, header_bytes]`), once they
+        agree; else ``judge``'s verdict. The headers are first compared natively
+        (``call_header.agree``); only when they differ (or are not on the CPU) are they judged in Python,
+        which words the error."""
+        mask = 0
+        for field in (Field.OP, Field.CALL, *compare):
+            mask |= 1 << int(field)
+        sent = call_header.agree(headers, len(Field) + 4 * self.num_ranks, len(Field), self.rank, mask,
+                                 int(Field.REJECTED))
+        if sent is not None:
+            return sent
+        return self.judge(op, headers, compare).recv_counts(self.rank)
+
     def meet(self, op: str, header: torch.Tensor, compare: Sequence[Field]) -> None:
         """Joins, with this rank's ``header`` (``call_header``) of a call that agrees outside the
         transport, the handshake a peer announced instead (its header there named another operation):

@@ -15,7 +15,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["MESSAGE_BYTES", "header_bytes", "encode", "decode", "messages"]
+from ..core.native import native
+
+__all__ = ["MESSAGE_BYTES", "header_bytes", "encode", "decode", "messages", "agree"]
 
 #: a rejection's message in the header, truncated to fit
 MESSAGE_BYTES = 1024
@@ -46,3 +48,17 @@ def messages(headers: torch.Tensor, vector_len: int, ranks: list[int]) -> list[s
     """The messages of ``ranks``'s headers."""
     texts = headers[ranks, 8 * vector_len:8 * vector_len + MESSAGE_BYTES].cpu()
     return [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in texts]
+
+
+def agree(headers: torch.Tensor, vector_len: int, num_fields: int, rank: int, compare: int,
+          rejected: int) -> Optional[list[int]]:
+    """The rows each rank sends ``rank`` when every header of `[R, header_bytes]` (CPU, rows contiguous)
+    agrees, else None: the checks of ``handshake.check`` on the vectors (``compare``: a mask of the words
+    alike everywhere; word ``rejected`` zero everywhere; each pair's counts and digests), natively
+    (``csrc/common/call_header.h``, which the CUDA kernels' receive runs too). On None the caller judges
+    the headers in Python (``CallAgreement.judge``) for the error every rank raises alike."""
+    R = headers.shape[0]
+    if headers.device.type != "cpu" or headers.stride() != (headers.shape[1], 1) or 8 * vector_len > headers.shape[1]:
+        return None
+    agreed, sent = native().headers_agree(headers.data_ptr(), headers.shape[1], R, rank, num_fields, rejected, compare)
+    return sent if agreed else None

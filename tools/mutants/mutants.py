@@ -141,11 +141,12 @@ MUTANTS: Tuple[Mutant, ...] = (
     # ------------------------------------------------------------------ kernels' call headers (csrc/cuda/kernels/low_latency.h)
     Mutant(
         id="kernel-verdict-compares-nothing",
-        file="csrc/cuda/kernels/low_latency.h",
-        old="if (!rejected && !((p.compare >> w) & 1)) continue;",
-        new="if (!rejected) continue;",
-        description="the kernels' receive judges only the rejected bits: a rank with another hidden size, "
-                    "expert count or format is read as if it agreed (rows at other offsets)",
+        file="csrc/common/call_header.h",
+        old="if (!is_rejected && !((compare >> w) & 1)) continue;",
+        new="if (!is_rejected) continue;",
+        description="the native verdict on call headers (the kernels' receive, the shm receive's first check) "
+                    "judges only the rejected bits: a rank with another hidden size, expert count or format is "
+                    "read as if it agreed (rows at other offsets)",
         hints=("tests/buffer/test_ll_no_round_trip.py", "tests/buffer/test_faults.py"),
     ),
     # ------------------------------------------------------------------ kernels' LogFMT combine (csrc/cuda/kernels/low_latency.h)

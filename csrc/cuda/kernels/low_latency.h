@@ -39,6 +39,7 @@
 
 #include <cstdint>
 
+#include "../../common/call_header.h"
 #include "../../common/digest.h"
 #include "../../common/logfmt.h"
 #include "../../common/numeric.h"
@@ -268,39 +269,12 @@ MC_HD bool ll_judge(const LowLatencyContext& k, const L& link) {
         if (!k.skip[s] && wait_call<P>(k.watch, link.local_flag(l.seq(k.half, s)), k.call, WaitKind::kHeader, s, -1) ==
                               INT64_MIN)
             return false;
-    const uint8_t* mine = link.local(l.header(k.half, k.rank));
-    const int64_t base = ll_per_rank_words(k), R = k.num_ranks;
-    for (int s = 0; s < k.num_ranks; ++s) {
-        if (k.skip[s]) continue;
-        const uint8_t* theirs = link.local(l.header(k.half, s));
-        for (int d = 0; d < k.num_ranks; ++d) {  // what s sends d against what d expects from s, where known
-            if (k.skip[d]) continue;
-            const uint8_t* dest = link.local(l.header(k.half, d));
-            for (int64_t part = 0; part < 2; ++part) {  // row counts, then digests
-                int64_t sent, expected;
-                copy_one(&sent, theirs + 8 * (base + 2 * part * R + d), 8);
-                copy_one(&expected, dest + 8 * (base + (2 * part + 1) * R + s), 8);
-                if (expected >= 0 && sent >= 0 && expected != sent) {
-                    report<P>(k.watch, WaitOutcome::kMismatch, WaitKind::kHeader, s,
-                              static_cast<int32_t>(base + 2 * part * R + d), sent, expected);
-                    return false;
-                }
-            }
-        }
-        for (int w = 0; w < 64; ++w) {
-            const bool rejected = w == p.rejected_word;
-            if (!rejected && !((p.compare >> w) & 1)) continue;
-            int64_t a, b;
-            copy_one(&a, mine + 8 * w, 8);
-            copy_one(&b, theirs + 8 * w, 8);
-            if (rejected ? (a != 0 || b != 0) : a != b) {
-                report<P>(k.watch, WaitOutcome::kMismatch, WaitKind::kHeader, rejected && a != 0 ? k.rank : s, w,
-                          rejected && a != 0 ? a : b, rejected ? 0 : a);
-                return false;
-            }
-        }
-    }
-    return true;
+    call_header::Difference diff{};  // the cells of a half lie one after another, by source
+    if (call_header::agree(link.local(l.header(k.half, 0)), l.header_bytes, k.skip, k.num_ranks, k.rank,
+                           ll_per_rank_words(k), p.rejected_word, p.compare, &diff))
+        return true;
+    report<P>(k.watch, WaitOutcome::kMismatch, WaitKind::kHeader, diff.rank, diff.word, diff.seen, diff.wanted);
+    return false;
 }
 
 // The end of a receive with a header (one agent): every unmasked source may reuse this half for call

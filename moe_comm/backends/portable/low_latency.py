@@ -242,8 +242,8 @@ class LowLatencyMode:
                           _COMPARED + (Field.FP8_FORMAT,), hook)
 
         def take() -> tuple[torch.Tensor, list[int], Optional[list[int]]]:
-            shake, received, firsts = call.settle()
-            return received, shake.recv_counts(self.rank), firsts
+            counts, received, firsts = call.settle()
+            return received, counts, firsts
 
         return self._dispatch_result(op, slot, hook, records, scales, m, num_experts, x, take, call.release,
                                      recv_stats, wait_stats, 0)
@@ -452,11 +452,12 @@ class _PostedCall:
 
     def __init__(self, mode: LowLatencyMode, op: str, posted: Posted, compare: tuple[Field, ...], number: int) -> None:
         self._mode, self._op, self._posted, self._compare, self._number = mode, op, posted, compare, number
-        self._result: Optional[tuple[Handshake, torch.Tensor, list[int]]] = None
+        self._result: Optional[tuple[list[int], torch.Tensor, list[int]]] = None
         self._error: Optional[BaseException] = None
 
-    def settle(self, raise_error: bool = True) -> tuple[Handshake, torch.Tensor, list[int]]:
-        """(verdict, rows, where each source's rows start); the calls posted before it settle first.
+    def settle(self, raise_error: bool = True) -> tuple[list[int], torch.Tensor, list[int]]:
+        """(rows each rank sent this one, rows, where each source's rows start), once the headers agree;
+        the calls posted before it settle first.
         A failure is kept and raised here and at every later settle; one that is not an agreed verdict
         breaks the buffer."""
         pending = self._mode._unsettled
@@ -470,9 +471,8 @@ class _PostedCall:
     def _run(self) -> None:
         agreement = self._mode.agreement
         try:
-            headers = self._headers()
-            shake = agreement.judge(self._op, headers, self._compare)
-            self._result = (shake,) + tuple(self._posted.rows())  # type: ignore[assignment]
+            counts = agreement.receive_counts(self._op, self._headers(), self._compare)
+            self._result = (counts,) + tuple(self._posted.rows())  # type: ignore[assignment]
         except BaseException as exc:
             self._error = exc
             self._posted.release()
