@@ -143,7 +143,7 @@ MUTANTS: Tuple[Mutant, ...] = (
         id="kernel-verdict-compares-nothing",
         file="csrc/common/call_header.h",
         old="if (!is_rejected && !((compare >> w) & 1)) continue;",
-        new="if (!is_rejected) continue;",
+        new="if (!is_rejected && !((compare >> w) & 0)) continue;",
         description="the native verdict on call headers (the kernels' receive, the shm receive's first check) "
                     "judges only the rejected bits: a rank with another hidden size, expert count or format is "
                     "read as if it agreed (rows at other offsets)",
