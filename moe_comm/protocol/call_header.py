@@ -52,13 +52,15 @@ def messages(headers: torch.Tensor, vector_len: int, ranks: list[int]) -> list[s
 
 def agree(headers: torch.Tensor, vector_len: int, num_fields: int, rank: int, compare: int,
           rejected: int) -> Optional[list[int]]:
-    """The rows each rank sends ``rank`` when every header of `[R, header_bytes]` (CPU, rows contiguous)
+    """The rows each rank sends ``rank`` when every header of `[R, header_bytes]` (CPU, each row contiguous)
     agrees, else None: the checks of ``handshake.check`` on the vectors (``compare``: a mask of the words
     alike everywhere; word ``rejected`` zero everywhere; each pair's counts and digests), natively
     (``csrc/common/call_header.h``, which the CUDA kernels' receive runs too). On None the caller judges
     the headers in Python (``CallAgreement.judge``) for the error every rank raises alike."""
-    R = headers.shape[0]
-    if headers.device.type != "cpu" or headers.stride() != (headers.shape[1], 1) or 8 * vector_len > headers.shape[1]:
+    R, nbytes = headers.shape
+    if headers.device.type != "cpu" or headers.stride(1) != 1 or headers.stride(0) < nbytes or \
+            nbytes < 8 * max(vector_len, 64):
         return None
-    agreed, sent = native().headers_agree(headers.data_ptr(), headers.shape[1], R, rank, num_fields, rejected, compare)
+    agreed, sent = native().headers_agree(headers.data_ptr(), headers.stride(0), R, rank, num_fields, rejected,
+                                          compare)
     return sent if agreed else None
