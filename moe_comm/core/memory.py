@@ -4,9 +4,12 @@ Large fresh allocations are mapped anew by the C library and page-faulted on fir
 measured 8x slower than copying into memory already touched (1.2 vs 10.4 GB/s for 117 MB on this
 project's CPU machine). Three remedies:
 
-* ``zeros``: low-latency outputs are large fixed-shape tensors ([E_loc, R * M, H]) of which a call
-  writes a small part. ``numpy.zeros`` gets large blocks from calloc as fresh, already-zero pages, so
-  only the pages written cost anything (``torch.zeros`` touches every page).
+* ``zeros``: large zero outputs of which a call writes a small part (the grouped GEMM's rows outside
+  every expert). ``numpy.zeros`` gets large blocks from calloc as fresh, already-zero pages, so only the
+  pages written cost anything (``torch.zeros`` touches every page) -- until glibc's mmap threshold has
+  grown past the block's size, when calloc serves it from the heap and zeroes all of it (measured
+  0.2-0.5 ms for a low-latency dispatch's 7.3 MB outputs, bench/RESULTS.md; those now come from
+  ``empty`` and their receive zeroes only the padding).
 * ``empty``: the CPU twin of torch's CUDA caching allocator. A tensor of at least 1 MiB is built on
   a block from a pool; when the last reference to it dies, its block returns to the pool, already
   faulted in, for the next output of that size class. At most ``MOE_COMM_POOL_BYTES`` (default

@@ -197,11 +197,8 @@ class CallAgreement:
         agree; else ``judge``'s verdict. The headers are first compared natively
         (``call_header.agree``); only when they differ (or are not on the CPU) are they judged in Python,
         which words the error."""
-        mask = 0
-        for field in (Field.OP, Field.CALL, *compare):
-            mask |= 1 << int(field)
-        sent = call_header.agree(headers, len(Field) + 4 * self.num_ranks, len(Field), self.rank, mask,
-                                 int(Field.REJECTED))
+        sent = call_header.agree(headers, len(Field) + 4 * self.num_ranks, len(Field), self.rank,
+                                 call_header.compare_mask(compare), int(Field.REJECTED))
         if sent is not None:
             return sent
         return self.judge(op, headers, compare).recv_counts(self.rank)

@@ -11,13 +11,14 @@ rank reaches the same verdict without a round trip on the send path.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from ..core.native import native
+from .codes import Field
 
-__all__ = ["MESSAGE_BYTES", "header_bytes", "encode", "decode", "messages", "agree"]
+__all__ = ["MESSAGE_BYTES", "header_bytes", "encode", "decode", "messages", "compare_mask", "agree"]
 
 #: a rejection's message in the header, truncated to fit
 MESSAGE_BYTES = 1024
@@ -50,11 +51,20 @@ def messages(headers: torch.Tensor, vector_len: int, ranks: list[int]) -> list[s
     return [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in texts]
 
 
+def compare_mask(compare: Sequence[Field]) -> int:
+    """The words a verdict on headers compares, as a bit mask (bit w: vector word w): the operation, the
+    call number and ``compare``."""
+    mask = 0
+    for field in (Field.OP, Field.CALL, *compare):
+        mask |= 1 << int(field)
+    return mask
+
+
 def agree(headers: torch.Tensor, vector_len: int, num_fields: int, rank: int, compare: int,
           rejected: int) -> Optional[list[int]]:
     """The rows each rank sends ``rank`` when every header of `[R, header_bytes]` (CPU, each row contiguous)
     agrees, else None: the checks of ``handshake.check`` on the vectors (``compare``: a mask of the words
-    alike everywhere; word ``rejected`` zero everywhere; each pair's counts and digests), natively
+    alike everywhere, ``compare_mask``; word ``rejected`` zero everywhere; each pair's counts and digests), natively
     (``csrc/common/call_header.h``, which the CUDA kernels' receive runs too). On None the caller judges
     the headers in Python (``CallAgreement.judge``) for the error every rank raises alike."""
     R, nbytes = headers.shape

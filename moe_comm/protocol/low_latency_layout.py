@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..core.memory import empty, zeros
+from ..core.memory import empty
 from ..core.native import cpu_threads, native
 from ..ops.fp8 import FP8_DTYPE
 from ..ops.records import RecordLayout, check_records, unpack_rows
@@ -279,24 +279,20 @@ def low_latency_unpack_reference(layout: RecordLayout, records: torch.Tensor, re
 
 
 def dispatch_outputs(local: int, num_ranks: int, m: int, hidden: int, scales: Optional[tuple[torch.dtype, int]],
-                     device: torch.device, prepadded: bool = True
+                     device: torch.device
                      ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A dispatch's outputs before any row arrives, ``rows = num_ranks * m``: recv_x `[E_loc, rows,
-    H]` (float8_e4m3fn when ``scales`` (dtype, S) is given, else bf16), recv_scales allocated `[E_loc,
-    S, rows]` and returned transposed (DeepEP's layout), src_info `[E_loc, rows]` int32, layout_range
-    `[E_loc, R]` int64 and recv_count `[E_loc]` int32. With ``prepadded`` recv_x and recv_scales are zero and
-    src_info -1, for a receive that writes the valid rows only; without, all are uninitialised (recycled
-    memory), for one that writes every row (``low_latency_unpack``). Either way rows past a count end
-    zero, so outputs are bitwise reproducible."""
+    """A dispatch's outputs before any row arrives, ``rows = num_ranks * m``, uninitialised (recycled
+    memory, ``core.memory.empty``): recv_x `[E_loc, rows, H]` (float8_e4m3fn when ``scales`` (dtype, S)
+    is given, else bf16), recv_scales allocated `[E_loc, S, rows]` and returned transposed (DeepEP's
+    layout), src_info `[E_loc, rows]` int32, layout_range `[E_loc, R]` int64 and recv_count `[E_loc]`
+    int32. The receive writes every row, the padding past each count included (``low_latency_unpack``,
+    the kernels' dispatch receive), so outputs are bitwise reproducible."""
     rows = num_ranks * m
-    make = zeros if prepadded else empty
-    recv_x = make((local, rows, hidden), torch.bfloat16 if scales is None else FP8_DTYPE, device)
+    recv_x = empty((local, rows, hidden), torch.bfloat16 if scales is None else FP8_DTYPE, device)
     recv_scales = None
     if scales is not None:
-        recv_scales = make((local, scales[1], rows), scales[0], device).transpose(1, 2)
+        recv_scales = empty((local, scales[1], rows), scales[0], device).transpose(1, 2)
     src_info = torch.empty((local, rows), dtype=torch.int32, device=device)
-    if prepadded:
-        src_info.fill_(-1)
     layout_range = torch.empty(local, num_ranks, dtype=torch.int64, device=device)
     return recv_x, recv_scales, src_info, layout_range, torch.empty(local, dtype=torch.int32, device=device)
 

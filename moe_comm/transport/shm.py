@@ -443,17 +443,18 @@ class ShmTransport(Transport):
         header = header.reshape(-1)
         if isinstance(rows, Gathered):
             self._post_natively(slot, seq, header, counts, firsts, rows_at, rows, op)
-        for dest in (() if isinstance(rows, Gathered) else self.local):
-            count = int(counts[dest])
+        else:
+            for dest in self.local:
+                count = int(counts[dest])
 
-            def write(segment: Segment, dest: int = dest, count: int = count) -> None:
-                base = segment.layout.data_slot(slot)
-                segment.view(base + me * header_bytes, header_bytes).copy_(header)
-                if count:
-                    out = segment.view(base + rows_at, count * record_bytes)
-                    rows(dest, firsts[dest], out.view(count, record_bytes))
+                def write(segment: Segment, dest: int = dest, count: int = count) -> None:
+                    base = segment.layout.data_slot(slot)
+                    segment.view(base + me * header_bytes, header_bytes).copy_(header)
+                    if count:
+                        out = segment.view(base + rows_at, count * record_bytes)
+                        rows(dest, firsts[dest], out.view(count, record_bytes))
 
-            self._send(DATA, slot, seq, dest, write, op)
+                self._send(DATA, slot, seq, dest, write, op)
         posted = _ShmPost(self, self._segments[me], slot, seq, op, header_bytes, room, record_bytes)
         self._held[(DATA, slot)] = posted
         return posted

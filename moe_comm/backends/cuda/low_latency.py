@@ -29,7 +29,7 @@ from ...core.errors import CrossRankMismatchError
 from ...core.memory import empty
 from ...ops.fp8 import GROUP
 from ...protocol.agreement import CallAgreement, mark_agreed
-from ...protocol.call_header import decode, header_bytes, messages
+from ...protocol.call_header import compare_mask, decode, header_bytes, messages
 from ...protocol.codes import UNKNOWN, Field, Fp8Format, Op
 from ...protocol.handle import LowLatencyHandle
 from ...protocol.low_latency_layout import add_stats, dispatch_outputs
@@ -143,10 +143,7 @@ class KernelLowLatencyMode(LowLatencyMode):
     def _post(self, pin: Pins, header: torch.Tensor, compare: tuple[Field, ...]) -> tuple[int, int, int, int, int]:
         """A launch's ``post`` argument for ``header`` (``call_header``): the words to compare, the
         rejected bit's and the message's places."""
-        mask = 0
-        for field in (Field.OP, Field.CALL) + compare:
-            mask |= 1 << int(field)
-        return pin(header), header.numel(), int(Field.REJECTED), 8 * self._width, mask
+        return pin(header), header.numel(), int(Field.REJECTED), 8 * self._width, compare_mask(compare)
 
     def _receive(self, op: str, kernel: Any, call: int, skip: frozenset[int], compare: tuple[Field, ...],
                  launch: Callable[[], Any]) -> None:
@@ -272,7 +269,7 @@ class KernelLowLatencyMode(LowLatencyMode):
         num_scales = (hidden // GROUP // (4 if fp8_format.ue8m0 else 1)) if fp8 else 0
         scales = (torch.int32 if fp8_format.ue8m0 else torch.float32, num_scales) if fp8 else None
         recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(local, R, m, hidden, scales,
-                                                                                   x.device, prepadded=False)
+                                                                                   x.device)
         mask, routable = self._skip_mask(skip, x.device), self._routable(topk_idx, num_experts, skip).to(torch.int64)
         args = (call, pin(mask), x.shape[0], 4 * num_scales, topk_idx.shape[1], fp8, fp8_format.round_scale,
                 fp8_format.ue8m0, pin(x.contiguous()), pin(routable.contiguous()), pin(recv_x),

@@ -259,7 +259,7 @@ class LowLatencyMode:
         hidden, device = x.shape[1], x.device
         recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(
             num_experts // self.num_ranks, self.num_ranks, m, hidden,
-            None if scales is None else (scales.dtype, scales.shape[1]), device, prepadded=False)
+            None if scales is None else (scales.dtype, scales.shape[1]), device)
 
         @self.agreement.deferred(op)
         def finish() -> None:
