@@ -162,6 +162,11 @@ class CallAgreement:
         """The number of the call running now."""
         return self._current.number
 
+    @property
+    def vector_len(self) -> int:
+        """Words of a handshake vector (``handshake.vector``) of this group: the fields, then four per rank."""
+        return len(Field) + 4 * self.num_ranks
+
     def header(self, code: Op, fields: Mapping[Field, int], send_counts: Sequence[int],
                expected: Optional[Sequence[int]] = None, sent_digests: Optional[Sequence[int]] = None,
                expected_digests: Optional[Sequence[int]] = None) -> torch.Tensor:
@@ -185,7 +190,7 @@ class CallAgreement:
         reaches it: BufferUnusableError when ranks are on different calls (the buffer breaks);
         CrossRankMismatchError, the same on every rank and leaving the buffer usable, when a rank
         rejected its arguments or the headers disagree."""
-        width = len(Field) + 4 * self.num_ranks
+        width = self.vector_len
         shake = Handshake(call_header.decode(headers, width))
         # the rejecting rank never receives its rejected call: whoever judges here did not reject it
         self._verdict(shake, op, compare, verdict, lambda rejected: call_header.messages(headers, width, rejected),
@@ -197,7 +202,7 @@ class CallAgreement:
         agree; else ``judge``'s verdict. The headers are first compared natively
         (``call_header.agree``); only when they differ (or are not on the CPU) are they judged in Python,
         which words the error."""
-        sent = call_header.agree(headers, len(Field) + 4 * self.num_ranks, len(Field), self.rank,
+        sent = call_header.agree(headers, self.vector_len, len(Field), self.rank,
                                  call_header.compare_mask(compare), int(Field.REJECTED))
         if sent is not None:
             return sent
@@ -208,7 +213,7 @@ class CallAgreement:
         transport, the handshake a peer announced instead (its header there named another operation):
         every rank's vector over the transport, then the handshake's verdict, which raises on every rank
         alike."""
-        width = len(Field) + 4 * self.num_ranks
+        width = self.vector_len
         rows, texts = self._post_vector(op, call_header.decode(header.reshape(1, -1), width)[0], None,
                                         self.transport.device)
         self._verdict(Handshake(rows), op, compare, None, lambda rejected: [texts[r] for r in rejected],

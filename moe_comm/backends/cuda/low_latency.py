@@ -85,7 +85,7 @@ class KernelLowLatencyMode(LowLatencyMode):
         self._calls = 0  # low-latency calls so far, rejected ones included: the next is number _calls + 1
         #: per half, header posts waiting for the hooked result the half holds (``_post_header_only``)
         self._after: list[list[Callable[[], None]]] = [[], []]
-        self._width = len(Field) + 4 * self.num_ranks
+        self._width = agreement.vector_len
         self._posts_headers = bool(getattr(kernels, "POSTS_LOW_LATENCY_HEADERS", False))
         if self._posts_headers:
             room = kernels.low_latency_header_bytes(self.num_ranks)

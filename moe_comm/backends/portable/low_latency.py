@@ -130,7 +130,7 @@ class LowLatencyMode:
     # ------------------------------------------------------------------ calls posted with their headers
     def _check_room(self, op: str, record_bytes: int, counts: list[int]) -> None:
         """Rows to one rank must fit where the transport posts them (a rejection, before anything moves)."""
-        room = self.transport.post_room(header_bytes(len(Field) + 4 * self.num_ranks), record_bytes)
+        room = self.transport.post_room(header_bytes(self.agreement.vector_len), record_bytes)
         if room is not None and max(counts, default=0) > room:
             rank = max(range(len(counts)), key=lambda r: counts[r])
             raise ValueError(f"{op}: {counts[rank]} rows of {record_bytes} bytes go to rank {rank}, more than the "
