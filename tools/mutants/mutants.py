@@ -273,6 +273,15 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "next message's expert output",
         hints=("tests/csrc/test_native_bounds.py", "tests/buffer/test_low_latency.py"),
     ),
+    Mutant(
+        id="topk-summary-repeats-none",
+        file="csrc/cpu/layout.cpp",
+        old="if (row[static_cast<size_t>(k)] >= 0 && row[static_cast<size_t>(k)] == row[static_cast<size_t>(k - 1)]) {",
+        new="if (row[static_cast<size_t>(k)] >= 0 && row[static_cast<size_t>(k)] == row[static_cast<size_t>(k - 1)] + 1) {",
+        description="the top-k checks' native pass looks for neighbouring experts instead of repeated ones: a row "
+                    "that picks an expert twice is let through, and rows of consecutive experts are refused",
+        hints=("tests/csrc/test_native_bounds.py", "tests/buffer/test_errors.py"),
+    ),
     # ------------------------------------------------------------------ a Triton kernel (moe_comm/ops/triton/)
     Mutant(
         id="triton-unpermute-skips-row0",
