@@ -139,6 +139,41 @@ def test_low_latency_receive_times_out_naming_the_sender():
     assert count.tolist() == [1] and ranges.tolist() == [[1, 1 << 32]]  # begin << 32 | count, as portable
 
 
+def test_a_call_number_with_a_header_is_counted_in_the_buffer():
+    """With a call header, a launch takes its call number from the count in its own buffer, not from its
+    ``call`` argument, as a CUDA graph replay needs (a replay passes the captured number again): rank 0
+    passes call 1 three times, rank 1 the numbers 1, 3, 5 of half 0, and every call agrees and delivers.
+    A launch that trusted its argument would post call 1 while rank 1 waits for call 3."""
+    R, L, M, H = 2, 1, 4, 128
+    bufs = _buffers(R, kernels.low_latency_bytes(R, L, M, H))
+    ranks = [kernels.LowLatency([b.data_ptr() for b in bufs], [os.getpid()] * R, r, 2.0, L, M, H) for r in range(R)]
+    fields, room = 24, kernels.low_latency_header_bytes(R)
+    header = torch.zeros(room // 8, dtype=torch.int64)
+    header[0] = 4  # the op word, compared (bit 0); rows and digests all 0 on every rank: alike
+    post = (header.data_ptr(), room, 2, 8 * (fields + 4 * R), 1)
+    skip = torch.zeros(R, dtype=torch.uint8)
+    x = [torch.full((1, H), float(r + 1), dtype=torch.bfloat16) for r in range(R)]
+    topk = torch.zeros(1, 1, dtype=torch.int64)  # each rank's token goes to expert 0 (rank 0)
+    outs = [(torch.zeros(L, R * M, H, dtype=torch.bfloat16), torch.zeros(L, R * M, dtype=torch.int32),
+             torch.zeros(L, R, dtype=torch.int64), torch.zeros(L, dtype=torch.int32)) for _ in range(R)]
+
+    def args(r: int, call: int) -> tuple:
+        recv_x, src, ranges, count = outs[r]
+        return (call, skip.data_ptr(), 1, 0, 1, False, False, False, x[r].data_ptr(), topk.data_ptr(),
+                recv_x.data_ptr(), 0, src.data_ptr(), ranges.data_ptr(), count.data_ptr(), post)
+
+    for n in (1, 3, 5):
+        calls = [1, n]  # rank 0 replays call 1
+        for r in range(R):
+            assert ranks[r].dispatch(False, *args(r, calls[r])) is None
+        for r in range(R):
+            assert ranks[r].dispatch(True, *args(r, calls[r])) is None, (n, r)
+        recv_x, src, _, count = outs[0]
+        assert count.tolist() == [2] and src[0, :2].tolist() == [0, 0], n
+        assert recv_x[0, 0].eq(1).all() and recv_x[0, 1].eq(2).all(), n  # by source: rank 0's row, rank 1's
+        assert outs[1][3].tolist() == [0], n
+
+
 def test_low_latency_buffers_mapped_for_num_rdma_bytes_fit_every_call_it_allows():
     """What a low_latency_mode Buffer maps at construction (``reserved_bytes`` of DeepEP's num_rdma_bytes)
     holds the kernels' layout of every call whose DeepEP size hint fits in num_rdma_bytes: no call

@@ -24,6 +24,10 @@ EXPECTED_KERNELS = {
     "ll_dispatch_send_kernel", "ll_dispatch_recv_kernel", "ll_combine_send_kernel", "ll_combine_wait_kernel",
     "ll_combine_reduce_kernel", "internode_notify_kernel", "internode_prologue_kernel", "internode_dispatch_kernel",
     "internode_combine_kernel",
+    # the header steps of a low-latency call (roles.cuh), per batch: dispatch, combine, a host rejection
+    *(f"ll_{step}_kernel[{args}]" for step in ("stage", "post", "judge", "consumed")
+      for args in ("LowLatencyDispatchArgs", "LowLatencyCombineArgs")),
+    *(f"ll_{step}_kernel[NoArgs]" for step in ("stage", "post", "consumed")),  # a rejection receives nothing
 }
 ARCHS = ("sm_90", "sm_100")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH, /usr/local/cuda/bin): "

@@ -23,7 +23,12 @@ NVCC = _nvcc()
 
 
 def short_name(mangled: str) -> str:
-    """``..._24ll_combine_reduce_kernelENS1_5Batch...`` -> ``ll_combine_reduce_kernel``."""
+    """``..._24ll_combine_reduce_kernelENS1_5Batch...`` -> ``ll_combine_reduce_kernel``; a template
+    kernel's ``..._15ll_post_kernelINS1_5BatchI...LowLatencyCombineArgsEE...`` ->
+    ``ll_post_kernel[LowLatencyCombineArgs]`` (its arguments' struct)."""
+    template = re.search(r"([a-z_]+_kernel)I.*?\d(LowLatency(?:Dispatch|Combine)Args|NoArgs)E", mangled)
+    if template:
+        return f"{template.group(1).lstrip('_')}[{template.group(2)}]"
     found = re.findall(r"[a-z_]+_kernel(?=E)", mangled)
     return found[-1].lstrip("_") if found else mangled
 

@@ -149,6 +149,16 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "read as if it agreed (rows at other offsets)",
         hints=("tests/buffer/test_ll_no_round_trip.py", "tests/buffer/test_faults.py"),
     ),
+    Mutant(
+        id="call-number-from-the-launch-argument",
+        file="csrc/cuda/kernels/low_latency.h",
+        old="    c.call = ll_call_number(k.half, *calls);",
+        new="    (void)calls;",
+        description="a launch with a call header takes its call number from its argument instead of the count "
+                    "in its buffer: a CUDA graph's replay posts the captured number again, and its peers, on "
+                    "the next call, wait for a header that never comes",
+        hints=("tests/backends/test_cuda_host.py",),
+    ),
     # ------------------------------------------------------------------ kernels' LogFMT combine (csrc/cuda/kernels/low_latency.h)
     Mutant(
         id="kernel-logfmt-row-truncated",

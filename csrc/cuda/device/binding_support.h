@@ -220,6 +220,29 @@ py::object launch_cooperative(Ranks& r, NormalKernel kernel, int64_t blocks, int
     return r.results();
 }
 
+// The call headers a device build's low-latency launches read: the caller's header (host memory) copied
+// into pinned memory mapped into the GPU, one cell per (buffer half, kind of launch), so a CUDA graph
+// captures an address whose bytes stay those of that half's call of that kind (the kernels take the call
+// number from the buffer, not from the header). The host rewrites a cell only for a later call of the
+// same half and kind, after the receive of that half's previous call has waited for its stream (the
+// backend's double buffering), so never under a launch that reads it.
+enum class HeaderKind { kDispatch = 0, kCombine = 1, kReject = 2 };
+
+struct HeaderCells {
+    MappedMemory cells;  // [2 halves][3 kinds][header_bytes], allocated at the first header
+
+    LowLatencyPost place(const LowLatencyPost& p, const LowLatencyLayout& layout, int64_t call, HeaderKind kind) {
+        if (!p.header) return p;
+        const int64_t room = layout.header_bytes;
+        if (!cells.host()) cells = MappedMemory(static_cast<size_t>(6 * room));
+        const int64_t at = (((call - 1) & 1) * 3 + static_cast<int64_t>(kind)) * room;
+        std::memcpy(static_cast<uint8_t*>(cells.host()) + at, p.header, static_cast<size_t>(p.bytes));
+        LowLatencyPost placed = p;
+        placed.header = static_cast<const uint8_t*>(cells.device()) + at;
+        return placed;
+    }
+};
+
 // A low-latency call number: 1, 2, ... below 2^31 (signals carry it in their upper 32 bits).
 inline void check_call(int64_t call) {
     if (call < 1 || call >= (int64_t{1} << 31))

@@ -75,26 +75,28 @@ struct LowLatency {
     static constexpr auto dispatch_recv = &launch_ll_dispatch_recv;
     static constexpr auto combine_send = &launch_ll_combine_send;
     static constexpr auto combine_recv = &launch_ll_combine_recv;
+    static constexpr auto reject = &launch_ll_reject;
     Ranks r;
     LowLatencyLayout layout;
+    HeaderCells headers;
 
     LowLatency(const std::vector<int64_t>& bases, std::vector<int32_t> served, bool emulate, double timeout_s, int L,
                int64_t M, int64_t H)
         : r(bases, std::move(served), emulate, timeout_s), layout(static_cast<int32_t>(bases.size()), L, M, H) {}
 
-    LowLatencyContext context(size_t i, int64_t call, const PerRank& skip) const {
+    LowLatencyContext context(size_t i, int64_t call, const PerRank& skip, const LowLatencyPost& post) const {
         return LowLatencyContext{r.ranks[i], r.num_ranks, static_cast<int32_t>((call - 1) & 1), layout,
-                                 r.peers.get(), skip.ptr<const uint8_t>(i), r.watch(i), call, LowLatencyPost{}};
+                                 r.peers.get(), skip.ptr<const uint8_t>(i), r.watch(i), call, post};
     }
 
     // Enqueues the launch and returns: the caller synchronises, then check().
     template <class Args, class Make>
-    void launch(const char* op, int64_t call, const PerRank& skip, int64_t stream, Make make,
-                cudaError_t (*fn)(const Batch<LowLatencyRank<Args>>&, cudaStream_t)) {
+    void launch(const char* op, int64_t call, const PerRank& skip, const LowLatencyPost& post, int64_t stream,
+                Make make, cudaError_t (*fn)(const Batch<LowLatencyRank<Args>>&, cudaStream_t)) {
         check_call(call);
         Batch<LowLatencyRank<Args>> b{};
         b.num_ranks = static_cast<int32_t>(r.size());
-        for (size_t i = 0; i < r.size(); ++i) b.rank[i] = LowLatencyRank<Args>{context(i, call, skip), make(i)};
+        for (size_t i = 0; i < r.size(); ++i) b.rank[i] = LowLatencyRank<Args>{context(i, call, skip, post), make(i)};
         py::gil_scoped_release unlocked;
         DeviceGuard on(r.device);
         check(fn(b, stream_of(stream)), std::string("moe_comm._cuda: ") + op + " (launch)");
@@ -143,6 +145,13 @@ PYBIND11_MODULE(_cuda, m) {
         check(cudaMemsetAsync(ptr<void>(p), value, static_cast<size_t>(bytes), stream_of(stream)), "cudaMemsetAsync");
     }, py::arg("ptr"), py::arg("value"), py::arg("bytes"), py::arg("stream") = 0,
        "Sets `bytes` bytes of device memory at `ptr` to `value`, in stream order.");
+    m.def("memcpy", [](int64_t dst, int64_t src, int64_t bytes, int64_t stream) {
+        py::gil_scoped_release unlocked;
+        check(cudaMemcpyAsync(ptr<void>(dst), ptr<const void>(src), static_cast<size_t>(bytes), cudaMemcpyDefault,
+                              stream_of(stream)), "cudaMemcpyAsync");
+        check(cudaStreamSynchronize(stream_of(stream)), "cudaStreamSynchronize");
+    }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream") = 0,
+       "Copies `bytes` bytes from `src` to `dst` (host or device memory), in stream order, and waits for it.");
     m.def("ipc_get_handle", [](int64_t base) { return py::bytes(ipc_get_handle(ptr<void>(base))); },
           py::arg("base"), "The CUDA IPC handle (bytes) of the cudaMalloc'd allocation at `base`.");
     m.def("ipc_open_handle", [](const py::bytes& handle) {

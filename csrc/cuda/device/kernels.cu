@@ -35,7 +35,8 @@ static_assert(sizeof(LayoutBatch) <= 4096 && sizeof(NotifyBatch) <= 4096 && size
                   sizeof(DispatchBatch) <= 4096 && sizeof(CombineBatch) <= 4096 &&
                   sizeof(InternodeNotifyBatch) <= 4096 && sizeof(InternodePrologueBatch) <= 4096 &&
                   sizeof(InternodeDispatchBatch) <= 4096 && sizeof(InternodeCombineBatch) <= 4096 &&
-                  sizeof(LowLatencyDispatchBatch) <= 4096 && sizeof(LowLatencyCombineBatch) <= 4096,
+                  sizeof(LowLatencyDispatchBatch) <= 4096 && sizeof(LowLatencyCombineBatch) <= 4096 &&
+                  sizeof(LowLatencyRejectBatch) <= 4096,
               "a launch's parameter fits the classic 4 KiB kernel parameter space");
 
 using roles::local_block;
@@ -173,6 +174,10 @@ cudaError_t launch_ll_combine_send(const LowLatencyCombineBatch& b, cudaStream_t
 
 cudaError_t launch_ll_combine_recv(const LowLatencyCombineBatch& b, cudaStream_t s) {
     return roles::launch_ll_combine_recv(ll_combine_wait_kernel, ll_combine_reduce_kernel, b, s);
+}
+
+cudaError_t launch_ll_reject(const LowLatencyRejectBatch& b, cudaStream_t s) {
+    return roles::launch_ll_reject(b, s);
 }
 
 int64_t cooperative_capacity(NormalKernel kernel) {

@@ -74,6 +74,7 @@ using InternodeDispatchBatch = Batch<InternodeRank<InternodeDispatchArgs>>;
 using InternodeCombineBatch = Batch<InternodeRank<InternodeCombineArgs>>;
 using LowLatencyDispatchBatch = Batch<LowLatencyRank<LowLatencyDispatchArgs>>;
 using LowLatencyCombineBatch = Batch<LowLatencyRank<LowLatencyCombineArgs>>;
+using LowLatencyRejectBatch = Batch<LowLatencyRank<NoArgs>>;
 
 // The layout kernel (get_dispatch_layout): a thread per token, ceil(T / kLayoutThreads) blocks per
 // rank; no waits, no host synchronisation.
@@ -102,10 +103,14 @@ cudaError_t launch_internode_combine(const InternodeCombineBatch& b, cudaStream_
 //   combine send:  ll_combine_send (a block per local expert)
 //   combine recv:  ll_combine_wait (a block per expert), then ll_combine_reduce (a block per token,
 //                  skipped once the rank's error record is set, as the host build returns)
+// With a call header, a send first stages it (one block per rank) and posts it (a block per
+// destination); a receive first judges the call's headers and last signals its half consumed (one block
+// per rank each); a reject is a send of its header alone, then the consumed signals (roles.cuh).
 cudaError_t launch_ll_dispatch_send(const LowLatencyDispatchBatch& b, cudaStream_t s);
 cudaError_t launch_ll_dispatch_recv(const LowLatencyDispatchBatch& b, cudaStream_t s);
 cudaError_t launch_ll_combine_send(const LowLatencyCombineBatch& b, cudaStream_t s);
 cudaError_t launch_ll_combine_recv(const LowLatencyCombineBatch& b, cudaStream_t s);
+cudaError_t launch_ll_reject(const LowLatencyRejectBatch& b, cudaStream_t s);
 
 // The blocks a normal-mode launch can hold co-resident on the current device (for the message of a
 // grid that is too large); -1 when the query fails.

@@ -13,13 +13,13 @@
 
 namespace moe_comm::cuda::device::bind {
 
-// The host build's call-header argument (moe_comm._cuda_host LowLatency.dispatch's `post`). The device
-// builds do not post headers yet (their host agrees on each call first): they take only an empty one.
-using PostArgs = std::tuple<int64_t, int64_t, int32_t, int32_t, uint64_t>;
+using python::PostArgs;
 
-inline void no_post(const PostArgs& post) {
-    if (std::get<0>(post) != 0)
-        throw py::value_error("post: the device builds' low-latency launches take no call header yet (header 0)");
+// A launch's header as its kernels read it (HeaderCells), checked against the layout's cells.
+template <class LL>
+LowLatencyPost placed(LL& l, const PostArgs& post, int64_t call, HeaderKind kind) {
+    check_call(call);
+    return l.headers.place(python::post_of(post, l.layout), l.layout, call, kind);
 }
 
 template <class LL>
@@ -30,7 +30,7 @@ void def_low_latency_launches(py::class_<LL>& cls) {
                             const PerRank& x, const PerRank& topk_idx, const PerRank& recv_x,
                             const PerRank& recv_scales, const PerRank& src_info, const PerRank& layout_range,
                             const PerRank& recv_count, const PostArgs& post, int64_t stream) {
-            no_post(post);
+            const LowLatencyPost p = placed(l, post, call, HeaderKind::kDispatch);
             auto make = [&](size_t i) {
                 return LowLatencyDispatchArgs{num_tokens.at(i), scale_bytes, num_topk,
                                               CastFormat{fp8, round_scale, ue8m0}, x.ptr<const uint16_t>(i),
@@ -39,10 +39,10 @@ void def_low_latency_launches(py::class_<LL>& cls) {
                                               layout_range.ptr<int64_t>(i), recv_count.ptr<int32_t>(i)};
             };
             if (receive)
-                l.template launch<LowLatencyDispatchArgs>("low-latency dispatch (receive)", call, skip, stream, make,
+                l.template launch<LowLatencyDispatchArgs>("low-latency dispatch (receive)", call, skip, p, stream, make,
                                                  LL::dispatch_recv);
             else
-                l.template launch<LowLatencyDispatchArgs>("low-latency dispatch (send)", call, skip, stream, make,
+                l.template launch<LowLatencyDispatchArgs>("low-latency dispatch (send)", call, skip, p, stream, make,
                                                  LL::dispatch_send);
         }, py::arg("receive"), py::arg("call"), py::arg("skip"), py::arg("num_tokens"), py::arg("scale_bytes"),
            py::arg("num_topk"), py::arg("fp8"), py::arg("round_scale"), py::arg("ue8m0"), py::arg("x"),
@@ -50,12 +50,13 @@ void def_low_latency_launches(py::class_<LL>& cls) {
            py::arg("layout_range"), py::arg("recv_count"), py::arg("post") = PostArgs{0, 0, 0, 0, 0},
            py::arg("stream") = 0,
            "Enqueues the send half (receive=False) or the receive half of a low-latency dispatch; returns None "
-           "at once (check() reads the error record).")
+           "at once (check() reads the error record). post: the call header, as moe_comm._cuda_host's (header "
+           "0: none, the host agreed first); with one, the call number is counted in the buffer.")
         .def("combine", [](LL& l, bool receive, int64_t call, const PerRank& skip, const PerRank& num_tokens,
                            int num_topk, const PerRank& x, const PerRank& src_info, const PerRank& layout_range,
                            const PerRank& topk_idx, const PerRank& topk_weights, const PerRank& out, bool logfmt,
                            const PostArgs& post, int64_t stream) {
-            no_post(post);
+            const LowLatencyPost p = placed(l, post, call, HeaderKind::kCombine);
             auto make = [&](size_t i) {
                 return LowLatencyCombineArgs{num_tokens.at(i), num_topk, x.ptr<const uint16_t>(i),
                                              src_info.ptr<const int32_t>(i), layout_range.ptr<const int64_t>(i),
@@ -63,10 +64,10 @@ void def_low_latency_launches(py::class_<LL>& cls) {
                                              out.ptr<uint16_t>(i), logfmt};
             };
             if (receive)
-                l.template launch<LowLatencyCombineArgs>("low-latency combine (receive)", call, skip, stream, make,
+                l.template launch<LowLatencyCombineArgs>("low-latency combine (receive)", call, skip, p, stream, make,
                                                 LL::combine_recv);
             else
-                l.template launch<LowLatencyCombineArgs>("low-latency combine (send)", call, skip, stream, make,
+                l.template launch<LowLatencyCombineArgs>("low-latency combine (send)", call, skip, p, stream, make,
                                                 LL::combine_send);
         }, py::arg("receive"), py::arg("call"), py::arg("skip"), py::arg("num_tokens"), py::arg("num_topk"),
            py::arg("x"), py::arg("src_info"), py::arg("layout_range"), py::arg("topk_idx"), py::arg("topk_weights"),
@@ -74,6 +75,16 @@ void def_low_latency_launches(py::class_<LL>& cls) {
            "Enqueues the send half (receive=False) or the receive half of a low-latency combine (logfmt: rows "
            "travel LogFMT-10 encoded); returns None at "
            "once (check() reads the error record).")
+        .def("reject", [](LL& l, int64_t call, const PerRank& skip, const PostArgs& post, int64_t stream) {
+            const LowLatencyPost p = placed(l, post, call, HeaderKind::kReject);
+            if (!p.header) throw py::value_error("reject: post must hold the rejected call's header (header 0)");
+            l.template launch<NoArgs>("low-latency rejection", call, skip, p, stream, [](size_t) { return NoArgs{}; },
+                                      LL::reject);
+        }, py::arg("call"), py::arg("skip"), py::arg("post"), py::arg("stream") = 0,
+           "Enqueues call `call`, rejected here on the host: its header (post, the rejected bit set) to every "
+           "rank, no rows, and this rank's half of it consumed; returns None at once.")
+        .def_property_readonly("header_offsets", [](const LL& l) { return python::header_offsets(l.layout); },
+                               "Where each header cell of this rank's buffer starts: [half * R + source].")
         .def("check", [](const LL& l) { return l.r.results(); },
              "None or the error record of this object's launches so far (a list per rank, emulated); read it "
              "after synchronising the stream. A record stays set (the buffer is broken) until clear().")

@@ -76,35 +76,16 @@ struct Internode {
     }
 };
 
-// A launch's call header: (header address or 0, bytes, rejected word, message offset, compared words).
-using PostArgs = std::tuple<int64_t, int64_t, int32_t, int32_t, uint64_t>;
-
-LowLatencyPost post_of(const PostArgs& a, const LowLatencyLayout& layout) {
-    const LowLatencyPost p{ptr<const uint8_t>(std::get<0>(a)), std::get<1>(a), std::get<2>(a), std::get<3>(a),
-                           std::get<4>(a)};
-    // the vector's words (those compared, the rejected bit) come before the message, inside the cell
-    const int64_t words = p.message_offset / 8;
-    const bool compared_inside = words >= 64 || (p.compare >> words) == 0;
-    if (p.header && (p.bytes <= 0 || p.bytes > layout.header_bytes || p.rejected_word < 0 ||
-                     p.rejected_word >= 64 || p.rejected_word >= words || !compared_inside ||
-                     p.message_offset % 8 || p.message_offset >= p.bytes))
-        throw py::value_error("post: a header of " + std::to_string(p.bytes) + " bytes (at most " +
-                              std::to_string(layout.header_bytes) + "), rejected word " +
-                              std::to_string(p.rejected_word) + " (< 64), message at byte " +
-                              std::to_string(p.message_offset) + " (after every compared word, inside the header)");
-    return p;
-}
-
 struct LowLatency {
     Peers peers;
     LowLatencyLayout layout;
     std::vector<uint8_t> remote;  // [R] peers on other nodes (sends put to them from staging); empty: none
 
     template <class F>
-    Error launch(int64_t call, int64_t skip, const PostArgs& post, F body) {
+    Error launch(int64_t call, int64_t skip, const python::PostArgs& post, F body) {
         if (call < 1 || call >= (int64_t{1} << 31))
             throw py::value_error("call must be in [1, 2^31), got " + std::to_string(call));
-        const LowLatencyPost p = post_of(post, layout);
+        const LowLatencyPost p = python::post_of(post, layout);
         ErrorRecord err{};
         LowLatencyContext k = host::low_latency_context(peers, call, layout, ptr<const uint8_t>(skip), p, &err);
         {
@@ -129,8 +110,6 @@ PYBIND11_MODULE(_cuda_host, m) {
     m.doc() = "Host build of moe-comm's CUDA kernels (csrc/cuda), for the cuda_host backend";
 
     moe_comm::cuda::python::def_layouts(m);
-    // Its low-latency launches post and judge call headers (the device builds' do not yet).
-    m.attr("POSTS_LOW_LATENCY_HEADERS") = true;
 
     m.def("layout", [](int64_t num_tokens, int num_topk, int num_ranks, int num_experts, int64_t topk_idx,
                        int64_t per_rank, int64_t per_expert, int64_t in_rank, int64_t bad) {
@@ -274,7 +253,7 @@ PYBIND11_MODULE(_cuda_host, m) {
         .def("dispatch", [](LowLatency& l, bool receive, int64_t call, int64_t skip, int64_t num_tokens,
                             int64_t scale_bytes, int num_topk, bool fp8, bool round_scale, bool ue8m0, int64_t x,
                             int64_t topk_idx, int64_t recv_x, int64_t recv_scales, int64_t src_info,
-                            int64_t layout_range, int64_t recv_count, const PostArgs& post) {
+                            int64_t layout_range, int64_t recv_count, const python::PostArgs& post) {
             LowLatencyDispatchArgs a{num_tokens, scale_bytes, num_topk, CastFormat{fp8, round_scale, ue8m0},
                                      ptr<const uint16_t>(x), ptr<const int64_t>(topk_idx), ptr<uint8_t>(recv_x),
                                      ptr<uint8_t>(recv_scales), ptr<int32_t>(src_info), ptr<int64_t>(layout_range),
@@ -285,13 +264,13 @@ PYBIND11_MODULE(_cuda_host, m) {
         }, py::arg("receive"), py::arg("call"), py::arg("skip"), py::arg("num_tokens"), py::arg("scale_bytes"),
            py::arg("num_topk"), py::arg("fp8"), py::arg("round_scale"), py::arg("ue8m0"), py::arg("x"),
            py::arg("topk_idx"), py::arg("recv_x"), py::arg("recv_scales"), py::arg("src_info"),
-           py::arg("layout_range"), py::arg("recv_count"), py::arg("post") = PostArgs{0, 0, 0, 0, 0},
+           py::arg("layout_range"), py::arg("recv_count"), py::arg("post") = python::PostArgs{0, 0, 0, 0, 0},
            "The send half (receive=False) or the receive half of low-latency call `call` (1, 2, ...; half "
            "(call - 1) % 2). post = (header, bytes, rejected word, message offset, compared words): the call "
            "header it posts and judges (kernels/low_latency.h); header 0: none, the host agreed first.")
         .def("combine", [](LowLatency& l, bool receive, int64_t call, int64_t skip, int64_t num_tokens, int num_topk,
                            int64_t x, int64_t src_info, int64_t layout_range, int64_t topk_idx, int64_t topk_weights,
-                           int64_t out, bool logfmt, const PostArgs& post) {
+                           int64_t out, bool logfmt, const python::PostArgs& post) {
             LowLatencyCombineArgs a{num_tokens, num_topk, ptr<const uint16_t>(x), ptr<const int32_t>(src_info),
                                     ptr<const int64_t>(layout_range), ptr<const int64_t>(topk_idx),
                                     ptr<const float>(topk_weights), ptr<uint16_t>(out), logfmt};
@@ -300,19 +279,14 @@ PYBIND11_MODULE(_cuda_host, m) {
             });
         }, py::arg("receive"), py::arg("call"), py::arg("skip"), py::arg("num_tokens"), py::arg("num_topk"),
            py::arg("x"), py::arg("src_info"), py::arg("layout_range"), py::arg("topk_idx"), py::arg("topk_weights"),
-           py::arg("out"), py::arg("logfmt") = false, py::arg("post") = PostArgs{0, 0, 0, 0, 0},
+           py::arg("out"), py::arg("logfmt") = false, py::arg("post") = python::PostArgs{0, 0, 0, 0, 0},
            "The send half (receive=False) or the receive half of a low-latency combine (logfmt: rows travel "
            "LogFMT-10 encoded; call and post as dispatch's).")
-        .def("reject", [](LowLatency& l, int64_t call, int64_t skip, const PostArgs& post) {
+        .def("reject", [](LowLatency& l, int64_t call, int64_t skip, const python::PostArgs& post) {
             return l.launch(call, skip, post, [&](const LowLatencyContext& k, const uint8_t*) { host::ll_reject(k); });
         }, py::arg("call"), py::arg("skip"), py::arg("post"),
            "Call `call`, rejected here on the host: posts its header (post, the rejected bit set) to every rank "
            "and no rows, and frees this rank's half of it.")
-        .def_property_readonly("header_offsets", [](const LowLatency& l) {
-            std::vector<int64_t> out;
-            for (int h = 0; h < 2; ++h)
-                for (int s = 0; s < l.layout.num_ranks; ++s) out.push_back(l.layout.header(h, s));
-            return out;
-        }, "Where each header cell of this rank's buffer starts: [half * R + source] (the host reads them "
-           "for a verdict's error).");
+        .def_property_readonly("header_offsets", [](const LowLatency& l) { return python::header_offsets(l.layout); },
+                               "Where each header cell of this rank's buffer starts: [half * R + source].");
 }

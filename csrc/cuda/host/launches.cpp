@@ -128,55 +128,43 @@ void internode_combine(const InternodeContext& k, uint8_t* const* rdma, const In
 }
 
 namespace {
-// The header steps of a send with a post: staged (`clean`: the send's checks passed), posted to every
-// rank (flow control first). Returns whether rows go out: clean, and every post's wait held.
+// The posts of a send with a header (flow control first), after its stage (`clean`: its checks
+// passed). Returns whether rows go out: clean, and every post's wait held.
 bool ll_post_all(const LowLatencyContext& k, const DirectLink<P>& link, bool clean) {
     for (int d = 0; d < k.num_ranks; ++d)
         if (!ll_post_header<P>(k, link, d)) return false;
     return clean;
 }
-
-uint8_t* staged_header(const LowLatencyContext& k, const DirectLink<P>& link) {
-    uint8_t* own = link.local(k.layout.own_header(k.half));
-    ll_stage_header(k, own);
-    return own;
-}
 }  // namespace
 
-void ll_dispatch_send(const LowLatencyContext& k, const LowLatencyDispatchArgs& a, const uint8_t* remote) {
-    const DirectLink<P> link{k.peers, k.rank, remote};
-    if (k.post.header) {
-        uint8_t* own = staged_header(k, link);
-        if (!ll_post_all(k, link, ll_check_topk(k, own, "low_latency_dispatch", a.topk_idx, a.num_tokens, a.num_topk)))
-            return;
-    }
+void ll_dispatch_send(const LowLatencyContext& call, const LowLatencyDispatchArgs& a, const uint8_t* remote) {
+    const DirectLink<P> link{call.peers, call.rank, remote};
+    const LowLatencyContext k = ll_counted(call, link, true);
+    if (k.post.header && !ll_post_all(k, link, ll_stage_dispatch(k, link, a))) return;
     for (int64_t t = 0; t < a.num_tokens; ++t) ll_cast<P>(k, link, a, t);
     const int experts = k.num_ranks * k.layout.experts_per_rank;
     for (int e = 0; e < experts; ++e) cuda::ll_dispatch_send<P>(k, link, a, e);
 }
 
-void ll_dispatch_recv(const LowLatencyContext& k, const LowLatencyDispatchArgs& a) {
-    const DirectLink<P> link{k.peers, k.rank};
+void ll_dispatch_recv(const LowLatencyContext& call, const LowLatencyDispatchArgs& a) {
+    const DirectLink<P> link{call.peers, call.rank};
+    const LowLatencyContext k = ll_counted(call, link, false);
     if (!k.post.header || ll_judge<P>(k, link))
         for (int e = 0; e < k.layout.experts_per_rank; ++e)
             if (!cuda::ll_dispatch_recv<P>(k, link, a, e)) break;
     if (k.post.header) ll_consumed<P>(k, link);
 }
 
-void ll_combine_send(const LowLatencyContext& k, const LowLatencyCombineArgs& a, const uint8_t* remote) {
-    const DirectLink<P> link{k.peers, k.rank, remote};
-    if (k.post.header) {
-        uint8_t* own = staged_header(k, link);
-        const bool clean = ll_check_topk(k, own, "low_latency_combine", a.topk_idx, a.num_tokens, a.num_topk) &&
-                           ll_check_handle(k, own, a.layout_range);
-        if (clean) ll_combine_routing(k, own, a);
-        if (!ll_post_all(k, link, clean)) return;
-    }
+void ll_combine_send(const LowLatencyContext& call, const LowLatencyCombineArgs& a, const uint8_t* remote) {
+    const DirectLink<P> link{call.peers, call.rank, remote};
+    const LowLatencyContext k = ll_counted(call, link, true);
+    if (k.post.header && !ll_post_all(k, link, ll_stage_combine(k, link, a))) return;
     for (int e = 0; e < k.layout.experts_per_rank; ++e) cuda::ll_combine_send<P>(k, link, a, e);
 }
 
-void ll_combine_recv(const LowLatencyContext& k, const LowLatencyCombineArgs& a) {
-    const DirectLink<P> link{k.peers, k.rank};
+void ll_combine_recv(const LowLatencyContext& call, const LowLatencyCombineArgs& a) {
+    const DirectLink<P> link{call.peers, call.rank};
+    const LowLatencyContext k = ll_counted(call, link, false);
     const int experts = k.num_ranks * k.layout.experts_per_rank;
     bool ok = !k.post.header || ll_judge<P>(k, link);
     for (int e = 0; ok && e < experts; ++e) ok = ll_combine_wait<P>(k, link, e);
@@ -185,10 +173,12 @@ void ll_combine_recv(const LowLatencyContext& k, const LowLatencyCombineArgs& a)
     if (k.post.header) ll_consumed<P>(k, link);
 }
 
-void ll_reject(const LowLatencyContext& k) {
-    const DirectLink<P> link{k.peers, k.rank};
-    staged_header(k, link);
-    if (ll_post_all(k, link, true)) ll_consumed<P>(k, link);
+void ll_reject(const LowLatencyContext& call) {
+    const DirectLink<P> link{call.peers, call.rank};
+    const LowLatencyContext k = ll_counted(call, link, true);
+    ll_stage_header(k, link.local(k.layout.own_header(k.half)));
+    ll_post_all(k, link, true);
+    ll_consumed<P>(k, link);  // as the device builds' (a failed post has set the record: the buffer breaks)
 }
 
 }  // namespace moe_comm::cuda::host

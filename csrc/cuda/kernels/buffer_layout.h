@@ -126,8 +126,9 @@ MC_HD int64_t low_latency_header_bytes(int32_t num_ranks) {
 // Low-latency mode. First a control area, placed by the rank count alone (so ranks whose calls disagree
 // on every other size still find each other's headers): per half and source rank the header's sequence
 // word (the call number, published after the header) and the header cell; per half and destination
-// rank the last call of that half the destination consumed of this rank's sends (flow control); and
-// this rank's own header per half (what its send posts, its in-kernel checks' verdict included).
+// rank the last call of that half the destination consumed of this rank's sends (flow control);
+// this rank's own header per half (what its send posts, its in-kernel checks' verdict included); and per
+// half the calls this rank has made in it (the call number lives where the kernels run: ll_call).
 // Then two halves, used by alternate calls. A half holds the dispatch count signals [E_loc][R], the
 // combine arrival flags [E], the dispatch receive slots [E_loc][R][M][message] or (in the same place)
 // the combine receive rows [E][M][row] (a row: bf16 [hidden], or LogFMT-10 in at most row_bytes), then
@@ -140,7 +141,7 @@ MC_HD int64_t low_latency_header_bytes(int32_t num_ranks) {
 struct LowLatencyLayout {
     int32_t num_ranks, experts_per_rank;
     int64_t max_tokens, hidden, message_bytes, row_bytes;
-    int64_t header_bytes, seqs, consumed, headers, own_headers, control;
+    int64_t header_bytes, seqs, consumed, headers, own_headers, call_counts, control;
     int64_t counts, flags, dispatch_slots, combine_rows, staging, send_rows, half_bytes, total;
 
     LowLatencyLayout() = default;  // as NormalLayout's
@@ -152,7 +153,8 @@ struct LowLatencyLayout {
         consumed = align_up(16 * static_cast<int64_t>(num_ranks), 128);
         headers = align_up(consumed + 16 * static_cast<int64_t>(num_ranks), 128);
         own_headers = headers + 2 * num_ranks * header_bytes;
-        control = align_up(own_headers + 2 * header_bytes, 4096);
+        call_counts = own_headers + 2 * header_bytes;
+        control = align_up(call_counts + 16, 4096);
         message_bytes = align_up(2 * hidden + 4 * (hidden / 128) + 4, 16);
         row_bytes = align_up(logfmt::max_row_bytes(hidden), 16);  // >= 2 * hidden: a bf16 row fits
         const int64_t experts = static_cast<int64_t>(num_ranks) * experts_per_rank;
@@ -179,6 +181,8 @@ struct LowLatencyLayout {
         return headers + (static_cast<int64_t>(h) * num_ranks + source) * header_bytes;
     }
     MC_HD int64_t own_header(int h) const { return own_headers + h * header_bytes; }
+    // How many calls this rank has made in half h (an int64 only this rank's launches touch).
+    MC_HD int64_t call_count(int h) const { return call_counts + 8 * static_cast<int64_t>(h); }
     MC_HD int64_t half(int h) const { return control + h * half_bytes; }
     MC_HD int64_t count(int h, int local_expert, int source) const {
         return half(h) + counts + 8 * (static_cast<int64_t>(local_expert) * num_ranks + source);

@@ -21,8 +21,8 @@
 // signal carries its call (wait.h call_signal: the call number beside the count), so a reader takes
 // only this call's, never a stale one, and a later call's means out of step; calls alternate between
 // the two halves (staging included), call n in half (n - 1) % 2. Readers still zero the signals they
-// took, so a CUDA graph that replays the same call numbers (the device builds: the number is a launch
-// argument) waits for fresh ones.
+// took, so a launch without a header (whose call number is its argument, the same in every replay of a
+// CUDA graph) waits for fresh ones.
 //
 // The agreement in the data path (a launch given a call header, LowLatencyPost): before any byte of
 // call n goes to rank d, the send waits until d has consumed call n - 2 (flow control: d's "consumed"
@@ -32,9 +32,10 @@
 // send then puts no rows. The receive waits for every rank's header of call n, compares the words every
 // rank must hold alike and the rejected bits, and on any difference records MISMATCH (the host then
 // reads the headers and raises the verdict, the same on every rank) and reads no row; either way it ends
-// by telling every source that call n is consumed. Without a header (the device builds, whose host
-// agreed first) the waits on signals are the only protocol. Models: tools/spin/ll_double_buffer.pml,
-// tools/spin/ll_posts.pml.
+// by telling every source that call n is consumed. With a header the call number is counted in this
+// rank's buffer (ll_counted), so the replays of a captured graph advance it as eager calls do. Without
+// a header (a shrinking Buffer, whose host agreed first) the waits on signals are the only protocol.
+// Models: tools/spin/ll_double_buffer.pml, tools/spin/ll_posts.pml.
 #pragma once
 
 #include <cstdint>
@@ -135,6 +136,24 @@ struct Text {
         add(out);
     }
 };
+
+// The call number a launch with a header uses: counted in this rank's buffer (layout.call_count), not
+// taken from the launch's arguments, so a CUDA graph's replays advance it as eager calls do (a replay
+// that reused the captured numbers would meet its peers' flow-control cells already past them). Calls
+// alternate halves, so the c-th call of half h is call 2 (c - 1) + h + 1. The first launch of a call
+// (its send, or a rejection's post) counts it, with one agent, before any other block of the call runs;
+// every later launch of the call only reads it. Without a header the launch's `call` stands.
+MC_HD int64_t ll_call_number(int half, int64_t count) { return 2 * (count - 1) + half + 1; }
+
+template <class L>
+MC_HD LowLatencyContext ll_counted(const LowLatencyContext& k, const L& link, bool count) {
+    LowLatencyContext c = k;
+    if (!k.post.header) return c;
+    int64_t* calls = link.local_flag(k.layout.call_count(k.half));
+    if (count) *calls += 1;
+    c.call = ll_call_number(k.half, *calls);
+    return c;
+}
 
 // This rank's header of the call, staged where its posts read it (one agent): a copy of post.header.
 MC_HD void ll_stage_header(const LowLatencyContext& k, uint8_t* own) { copy_one(own, k.post.header, k.post.bytes); }
@@ -266,9 +285,11 @@ MC_HD bool ll_judge(const LowLatencyContext& k, const L& link) {
     const LowLatencyLayout& l = k.layout;
     const LowLatencyPost& p = k.post;
     for (int s = 0; s < k.num_ranks; ++s)
-        if (!k.skip[s] && wait_call<P>(k.watch, link.local_flag(l.seq(k.half, s)), k.call, WaitKind::kHeader, s, -1) ==
-                              INT64_MIN)
-            return false;
+        if (!k.skip[s]) {
+            if (wait_call<P>(k.watch, link.local_flag(l.seq(k.half, s)), k.call, WaitKind::kHeader, s, -1) == INT64_MIN)
+                return false;
+            link.settle(l.seq(k.half, s), call_signal(k.call, 1));  // the header it covers is visible
+        }
     call_header::Difference diff{};  // the cells of a half lie one after another, by source
     if (call_header::agree(link.local(l.header(k.half, 0)), l.header_bytes, k.skip, k.num_ranks, k.rank,
                            ll_per_rank_words(k), p.rejected_word, p.compare, &diff))
@@ -297,6 +318,15 @@ struct LowLatencyDispatchArgs {
     int64_t* layout_range;      // [E_loc][R]
     int32_t* recv_count;        // [E_loc]
 };
+
+// The first step of a dispatch send with a header (one agent; k counted by ll_counted): this rank's
+// header staged, its top-k checked. Returns whether rows may go out (false: the rejected bit is set).
+template <class L>
+MC_HD bool ll_stage_dispatch(const LowLatencyContext& k, const L& link, const LowLatencyDispatchArgs& a) {
+    uint8_t* own = link.local(k.layout.own_header(k.half));
+    ll_stage_header(k, own);
+    return ll_check_topk(k, own, "low_latency_dispatch", a.topk_idx, a.num_tokens, a.num_topk);
+}
 
 MC_HD int64_t x_wire_bytes(int64_t hidden, bool fp8) { return fp8 ? hidden : 2 * hidden; }
 
@@ -424,6 +454,18 @@ MC_HD void ll_combine_routing(const LowLatencyContext& k, uint8_t* own, const Lo
         words[base + R + d] = j;
         words[base + 3 * R + d] = digest::finish(sum);
     }
+}
+
+// The first step of a combine send with a header (one agent; k counted): the header staged, the top-k
+// and the handle checked, the routing's words filled. Returns whether rows may go out.
+template <class L>
+MC_HD bool ll_stage_combine(const LowLatencyContext& k, const L& link, const LowLatencyCombineArgs& a) {
+    uint8_t* own = link.local(k.layout.own_header(k.half));
+    ll_stage_header(k, own);
+    const bool clean = ll_check_topk(k, own, "low_latency_combine", a.topk_idx, a.num_tokens, a.num_topk) &&
+                       ll_check_handle(k, own, a.layout_range);
+    if (clean) ll_combine_routing(k, own, a);
+    return clean;
 }
 
 // Each row is first written into this rank's buffer (from where the put reads it) when it travels

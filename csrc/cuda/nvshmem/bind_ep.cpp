@@ -115,9 +115,11 @@ struct LowLatency {
     static constexpr auto dispatch_recv = &nv::launch_ll_dispatch_recv;
     static constexpr auto combine_send = &nv::launch_ll_combine_send;
     static constexpr auto combine_recv = &nv::launch_ll_combine_recv;
+    static constexpr auto reject = &nv::launch_ll_reject;
     Ranks r;
     LowLatencyLayout layout;
     SymmetricTables peers;  // [R]
+    HeaderCells headers;
 
     LowLatency(const Symmetric& all, int rank, double timeout_s, int L, int64_t M, int64_t H,
                int /*node_ranks: the host build's interface; every layout has the staging rows now*/)
@@ -126,15 +128,15 @@ struct LowLatency {
           peers(all, rank, "LowLatency") {}
 
     template <class Args, class Make>
-    void launch(const char* op, int64_t call, const PerRank& skip, int64_t stream, Make make,
-                cudaError_t (*fn)(const device::Batch<nv::LowLatencyRank<Args>>&, cudaStream_t)) {
+    void launch(const char* op, int64_t call, const PerRank& skip, const LowLatencyPost& post, int64_t stream,
+                Make make, cudaError_t (*fn)(const device::Batch<nv::LowLatencyRank<Args>>&, cudaStream_t)) {
         require_initialized(op);
         check_call(call);
         device::Batch<nv::LowLatencyRank<Args>> b{};
         b.num_ranks = 1;
         b.rank[0] = nv::LowLatencyRank<Args>{
             LowLatencyContext{r.ranks[0], r.num_ranks, static_cast<int32_t>((call - 1) & 1), layout, nullptr,
-                              skip.ptr<const uint8_t>(0), r.watch(0), call, LowLatencyPost{}},
+                              skip.ptr<const uint8_t>(0), r.watch(0), call, post},
             peers.peers(), make(0)};
         py::gil_scoped_release unlocked;
         DeviceGuard on(r.device);

@@ -34,7 +34,8 @@ using device::kNormalThreads;
 
 static_assert(sizeof(InternodeNotifyBatch) <= 4096 && sizeof(InternodePrologueBatch) <= 4096 &&
                   sizeof(InternodeDispatchBatch) <= 4096 && sizeof(InternodeCombineBatch) <= 4096 &&
-                  sizeof(LowLatencyDispatchBatch) <= 4096 && sizeof(LowLatencyCombineBatch) <= 4096,
+                  sizeof(LowLatencyDispatchBatch) <= 4096 && sizeof(LowLatencyCombineBatch) <= 4096 &&
+                  sizeof(LowLatencyRejectBatch) <= 4096,
               "a launch's parameter fits the classic 4 KiB kernel parameter space");
 
 __global__ void __launch_bounds__(kAgentThreads, 1)
@@ -93,6 +94,10 @@ cudaError_t launch_ll_combine_send(const LowLatencyCombineBatch& b, cudaStream_t
 
 cudaError_t launch_ll_combine_recv(const LowLatencyCombineBatch& b, cudaStream_t s) {
     return roles::launch_ll_combine_recv(nv_ll_combine_wait_kernel, nv_ll_combine_reduce_kernel, b, s);
+}
+
+cudaError_t launch_ll_reject(const LowLatencyRejectBatch& b, cudaStream_t s) {
+    return roles::launch_ll_reject(b, s);
 }
 
 int64_t cooperative_capacity(device::NormalKernel kernel) {

@@ -36,6 +36,7 @@ using InternodeDispatchBatch = Batch<InternodeRank<InternodeDispatchArgs>>;
 using InternodeCombineBatch = Batch<InternodeRank<InternodeCombineArgs>>;
 using LowLatencyDispatchBatch = Batch<LowLatencyRank<LowLatencyDispatchArgs>>;
 using LowLatencyCombineBatch = Batch<LowLatencyRank<LowLatencyCombineArgs>>;
+using LowLatencyRejectBatch = Batch<LowLatencyRank<NoArgs>>;
 
 // As device::launch_internode_* (cooperative: a grid that cannot be co-resident fails to launch).
 cudaError_t launch_internode_notify(const InternodeNotifyBatch& b, cudaStream_t s);
@@ -47,6 +48,7 @@ cudaError_t launch_ll_dispatch_send(const LowLatencyDispatchBatch& b, cudaStream
 cudaError_t launch_ll_dispatch_recv(const LowLatencyDispatchBatch& b, cudaStream_t s);
 cudaError_t launch_ll_combine_send(const LowLatencyCombineBatch& b, cudaStream_t s);
 cudaError_t launch_ll_combine_recv(const LowLatencyCombineBatch& b, cudaStream_t s);
+cudaError_t launch_ll_reject(const LowLatencyRejectBatch& b, cudaStream_t s);
 
 // The blocks of an internode launch this GPU holds co-resident (-1 when the query fails).
 int64_t cooperative_capacity(device::NormalKernel kernel);

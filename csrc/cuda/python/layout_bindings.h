@@ -9,11 +9,14 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "../kernels/buffer_layout.h"
 #include "../kernels/internode.h"
 #include "../kernels/intranode.h"
+#include "../kernels/low_latency.h"
 #include "../../common/codes_bindings.h"
 #include "../protocol/wait.h"
 
@@ -29,6 +32,35 @@ inline DType combine_row_type(DType type, int64_t hidden, int64_t x_bytes) {
                                     "its size, got DType " + std::to_string(static_cast<int>(type)) + ", hidden " +
                                     std::to_string(hidden) + ", x_bytes " + std::to_string(x_bytes));
     return type;
+}
+
+// A low-latency launch's call header, as every build's launches take it: (header address or 0, bytes,
+// rejected word, message offset, compared words). Checked against the layout's header cells.
+using PostArgs = std::tuple<int64_t, int64_t, int32_t, int32_t, uint64_t>;
+
+inline LowLatencyPost post_of(const PostArgs& a, const LowLatencyLayout& layout) {
+    const LowLatencyPost p{reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(std::get<0>(a))), std::get<1>(a),
+                           std::get<2>(a), std::get<3>(a), std::get<4>(a)};
+    // the vector's words (those compared, the rejected bit) come before the message, inside the cell
+    const int64_t words = p.message_offset / 8;
+    const bool compared_inside = words >= 64 || (p.compare >> words) == 0;
+    if (p.header && (p.bytes <= 0 || p.bytes > layout.header_bytes || p.rejected_word < 0 ||
+                     p.rejected_word >= 64 || p.rejected_word >= words || !compared_inside ||
+                     p.message_offset % 8 || p.message_offset >= p.bytes))
+        throw py::value_error("post: a header of " + std::to_string(p.bytes) + " bytes (at most " +
+                              std::to_string(layout.header_bytes) + "), rejected word " +
+                              std::to_string(p.rejected_word) + " (< 64), message at byte " +
+                              std::to_string(p.message_offset) + " (after every compared word, inside the header)");
+    return p;
+}
+
+// Where each header cell of a rank's low-latency buffer starts: [half * R + source] (the host reads
+// them for a verdict's error).
+inline std::vector<int64_t> header_offsets(const LowLatencyLayout& layout) {
+    std::vector<int64_t> out;
+    for (int h = 0; h < 2; ++h)
+        for (int s = 0; s < layout.num_ranks; ++s) out.push_back(layout.header(h, s));
+    return out;
 }
 
 inline void def_layouts(py::module_& m) {

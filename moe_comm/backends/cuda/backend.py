@@ -20,14 +20,14 @@ from ...ops.rows import check_index
 from ..portable.backend import PortableBackend
 from .host_stream import HostStream
 from .kernel_errors import raise_for
-from .low_latency import KernelLowLatencyMode
+from .low_latency import KernelLowLatencyCalls, KernelLowLatencyMode
 from .normal import KernelNormalMode
 from .shared_buffers import SharedBuffers
 
 __all__ = ["CudaHostBackend"]
 
 
-class CudaHostBackend(PortableBackend):
+class CudaHostBackend(KernelLowLatencyCalls, PortableBackend):
     """The kernels' host build as a backend. Construction is collective. Arguments: as ``PortableBackend``
     (the transport carries the handshakes; the kernels' buffers are shared memory of this host)."""
 
@@ -53,13 +53,6 @@ class CudaHostBackend(PortableBackend):
         node_ranks = self.topology.ranks_per_node if self.normal.internode is not None else 0
         self.low_latency = KernelLowLatencyMode(self.transport, self.agreement, _cuda_host,
                                                 self._low_latency_buffers, self.stream, timeout_s, node_ranks)
-
-    def reserve_low_latency(self, num_rdma_bytes: int) -> None:
-        self.low_latency.reserve(num_rdma_bytes)
-
-    @property
-    def low_latency_checks_topk(self) -> bool:  # type: ignore[override]
-        return self.low_latency.agrees_in_data_path
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
         """The layout kernel's histograms (the same as the portable backend's; an id out of range is the

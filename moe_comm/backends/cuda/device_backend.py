@@ -56,7 +56,7 @@ from .device_stream import DeviceStream
 from .internode import kernels_span
 from .ipc_buffers import IpcBuffers
 from .kernel_errors import raise_for
-from .low_latency import KernelLowLatencyMode
+from .low_latency import KernelLowLatencyCalls, KernelLowLatencyMode
 from .normal import KernelNormalMode
 from .nvshmem_lib import NvshmemUnavailableError
 from .nvshmem_lib import load as load_nvshmem
@@ -65,7 +65,7 @@ from .symmetric_buffers import SymmetricBuffers, heap_bytes, join_world
 __all__ = ["CudaBackend"]
 
 
-class CudaBackend(PortableBackend):
+class CudaBackend(KernelLowLatencyCalls, PortableBackend):
     """The kernels' device build as a backend, on the current CUDA device (``torch.cuda.set_device``
     first, as with DeepEP). Construction is collective. Arguments: as ``PortableBackend`` (the transport
     carries the handshakes only, so it preallocates nothing; the kernels' buffers are GPU memory)."""

@@ -10,7 +10,8 @@ comm stream on the host and returns ``LowLatency.check()``: the record the host 
 returned. Every launch first makes the comm stream wait for the caller's current stream (the work
 that produced its inputs).
 
-Compiled and tested here with fakes only: nothing of this has run on a GPU.
+Compiled and tested here with fakes and on the host build's kernels only: nothing of this has run on
+a GPU.
 """
 from __future__ import annotations
 
@@ -75,17 +76,24 @@ class _NormalLaunches:
 
 class _LowLatencyLaunches:
     """One ``moe_comm._cuda.LowLatency``: sends enqueue and return None; receives enqueue, wait on the
-    host and return ``check()`` (None or the first error record of this object's launches)."""
+    host and return ``check()`` (None or the first error record of this object's launches; a MISMATCH
+    record, the kernels' verdict against one call, is then cleared)."""
 
-    def __init__(self, kernel: Any, comm: Any) -> None:
-        self.kernel, self.comm = kernel, comm
+    def __init__(self, kernel: Any, comm: Any, mismatch: int) -> None:
+        self.kernel, self.comm, self._mismatch = kernel, comm, mismatch
 
     def _finish(self, receive: bool) -> Any:
         if not receive:
             self.comm.leave()
             return None
         self.comm.synchronize()
-        return self.kernel.check()
+        record = self.kernel.check()
+        if record is not None and record[0] == self._mismatch:
+            # a verdict against the call (its headers differ), which the caller raises: unlike a failed
+            # wait it leaves the buffer usable, so the record must not stop the launches after it (the
+            # host build's records are per launch). Nothing is in flight: the stream was just waited for.
+            self.kernel.clear()
+        return record
 
     def dispatch(self, receive: bool, *args: Any) -> Any:
         self.kernel.dispatch(receive, *args, stream=self.comm.enter())
@@ -94,6 +102,15 @@ class _LowLatencyLaunches:
     def combine(self, receive: bool, *args: Any) -> Any:
         self.kernel.combine(receive, *args, stream=self.comm.enter())
         return self._finish(receive)
+
+    def reject(self, call: int, skip: Any, post: Any) -> Any:
+        """A call rejected on the host: its header to every rank, enqueued as a send (None at once)."""
+        self.kernel.reject(call, skip, post, stream=self.comm.enter())
+        return self._finish(False)
+
+    @property
+    def header_offsets(self) -> list[int]:
+        return self.kernel.header_offsets
 
 
 class DeviceKernels:
@@ -113,6 +130,8 @@ class DeviceKernels:
         self.normal_bytes = module.normal_bytes
         self.dispatch_slot_bytes = module.dispatch_slot_bytes
         self.low_latency_bytes = module.low_latency_bytes
+        self.low_latency_header_bytes = module.low_latency_header_bytes
+        self.low_latency_control_bytes = module.low_latency_control_bytes
         self.internode_bytes = module.internode_bytes
         self.MAX_NODES = module.MAX_NODES
         self._objects: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
@@ -148,7 +167,8 @@ class DeviceKernels:
         """``peers``: the low-latency buffers' ``peers(...)`` (as ``Internode``'s rail)."""
         key = ("low_latency", _frozen(peers), tuple(pids), rank, timeout_s, L, M, H, node_ranks)
         return self._object(key, lambda: _LowLatencyLaunches(
-            self.module.LowLatency(peers, list(pids), rank, timeout_s, L, M, H, node_ranks), self.comm))
+            self.module.LowLatency(peers, list(pids), rank, timeout_s, L, M, H, node_ranks), self.comm,
+            int(self.WaitOutcome.MISMATCH)))
 
     def forget(self) -> None:
         """Drops the kept objects (at destroy, after the last launch)."""

@@ -92,12 +92,28 @@ class IpcBuffers:
         return [r for r, base in enumerate(self.bases)
                 if not base and r not in skip and (self.reach is None or r in self.reach)]
 
-    def zero_own(self, stream: int = 0) -> None:
-        """Zeroes this rank's buffer (its peers must not be writing to it), waiting until it is done."""
+    def zero_own(self, start: int = 0, end: Optional[int] = None, stream: int = 0) -> None:
+        """Zeroes bytes [start, end) of this rank's buffer (to its end by default; its peers must not be
+        writing to it), waiting until it is done."""
         if self._own is not None:
+            stop = self._own.bytes if end is None else end
             with self._guard():
-                self.module.memset(self._own.ptr, 0, self._own.bytes, stream)
+                self.module.memset(self._own.ptr + start, 0, stop - start, stream)
                 self.module.synchronize(stream)
+
+    def own(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A copy (uint8 on the CPU) of ``nbytes`` of this rank's buffer at ``offset``, read once the
+        launches queued before it on the default stream are done."""
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        with self._guard():
+            self.module.memcpy(out.data_ptr(), self._own.ptr + offset, nbytes, 0)
+        return out
+
+    @staticmethod
+    def limit() -> Optional[int]:
+        """The most bytes a buffer may be reserved with up front: GPU memory, no cap here (the
+        allocation fails clearly when it does not fit)."""
+        return None
 
     def close_peers(self) -> None:
         """Unmaps the peers' buffers (the first step of a collective teardown). Idempotent."""

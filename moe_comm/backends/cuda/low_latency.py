@@ -7,19 +7,19 @@ double buffering (``portable.low_latency.LowLatencyMode``), the kernels' send an
     combine:   send launch: checks -> header -> rows back to their sources -> flags
                ...  receive: headers judged -> flags -> weighted fixed-order sum
 
-The host build (``moe_comm._cuda_host``, the ``cuda_host`` backend) agrees in the data path: the send
-half waits for no peer (only, as flow control, for each peer to have received call n - 2), and the
-Python path reads no tensor data: the top-k checks run in the send launch, the verdict in the
-receive launch. When the kernels find the headers unlike, this module reads them from its own buffer
-and raises ``CallAgreement.judge``'s verdict, the same on every rank. The device builds (``cuda``,
-through ``device_kernels.DeviceKernels``) do not post headers yet: there the host agrees first (the
-portable mode's handshake), then launches. Call n uses buffer half (n - 1) % 2 on every rank; outputs
-are bitwise the portable backend's.
+Every build agrees in the data path (``moe_comm._cuda_host`` for the ``cuda_host`` backend; the device
+builds ``moe_comm._cuda`` and ``moe_comm._cuda_nvshmem`` through ``device_kernels.DeviceKernels``): the
+send half waits for no peer (only, as flow control, for each peer to have received call n - 2), and
+the Python path reads no tensor data: the top-k checks run in the send launch, the verdict in the
+receive launch, and the kernels count the call number in the buffer (so a CUDA graph's replays advance
+it). When the kernels find the headers unlike, this module reads them from its own buffer and raises
+``CallAgreement.judge``'s verdict, the same on every rank. A shrinking Buffer (``enable_shrink``) agrees
+on the host first (the portable mode's handshake), then launches. Call n uses buffer half (n - 1) % 2
+on every rank; outputs are bitwise the portable backend's. What ran on a GPU: see docs/status.md.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Any, Callable, Optional
 
@@ -33,7 +33,7 @@ from ...protocol.call_header import compare_mask, decode, header_bytes, messages
 from ...protocol.codes import UNKNOWN, Field, Fp8Format, Op
 from ...protocol.handle import LowLatencyHandle
 from ...protocol.low_latency_layout import add_stats, dispatch_outputs
-from ...transport import Transport, shm_segment
+from ...transport import Transport
 from ..base import LowLatencyDispatch, Receive
 from ..portable.low_latency import LowLatencyMode
 from .host_stream import HostStream
@@ -41,7 +41,7 @@ from .kernel_errors import HeadersDisagree
 from .pins import Pins
 from .shared_buffers import SharedBuffers
 
-__all__ = ["KernelLowLatencyMode"]
+__all__ = ["KernelLowLatencyCalls", "KernelLowLatencyMode"]
 
 #: the header words every rank's must hold alike, per operation (the call and the operation first)
 _DISPATCH_COMPARED = (Field.HIDDEN, Field.NUM_EXPERTS, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK, Field.FP8_FORMAT)
@@ -69,13 +69,12 @@ def _holds_hooked(slot: Any) -> bool:
 
 class KernelLowLatencyMode(LowLatencyMode):
     """Low-latency operations of one Buffer on the kernels of ``kernels`` (moe_comm._cuda_host, or the
-    device build's adapter ``device_kernels.DeviceKernels``). Construction is collective when the
-    kernels post headers (it maps the buffers' control area, where rejections land)."""
+    device build's adapter ``device_kernels.DeviceKernels``)."""
 
     def __init__(self, transport: Transport, agreement: CallAgreement, kernels: Any,
                  buffers: SharedBuffers, stream: HostStream, timeout_s: float, node_ranks: int = 0) -> None:
-        #: the launches post and judge call headers (the host build), once ``reserve`` mapped their
-        #: buffers (a low_latency_mode Buffer); else the handshake comes first
+        #: the launches post and judge call headers once ``reserve`` mapped their buffers (a
+        #: low_latency_mode Buffer that does not shrink); else the handshake comes first
         self.agrees_in_data_path = False
         super().__init__(transport, agreement)
         self.kernels, self.buffers, self.stream, self.timeout_s = kernels, buffers, stream, timeout_s
@@ -86,27 +85,24 @@ class KernelLowLatencyMode(LowLatencyMode):
         #: per half, header posts waiting for the hooked result the half holds (``_post_header_only``)
         self._after: list[list[Callable[[], None]]] = [[], []]
         self._width = agreement.vector_len
-        self._posts_headers = bool(getattr(kernels, "POSTS_LOW_LATENCY_HEADERS", False))
-        if self._posts_headers:
-            room = kernels.low_latency_header_bytes(self.num_ranks)
-            if header_bytes(self._width) > room:
-                raise AssertionError(f"a call header of {header_bytes(self._width)} bytes outgrows the kernels' "
-                                     f"{room}-byte cells (csrc/cuda/kernels/buffer_layout.h)")
-            self._control = kernels.low_latency_control_bytes(self.num_ranks)
+        room = kernels.low_latency_header_bytes(self.num_ranks)
+        if header_bytes(self._width) > room:
+            raise AssertionError(f"a call header of {header_bytes(self._width)} bytes outgrows the kernels' "
+                                 f"{room}-byte cells (csrc/cuda/kernels/buffer_layout.h)")
+        self._control = kernels.low_latency_control_bytes(self.num_ranks)
 
     def reserve(self, num_rdma_bytes: int) -> None:
         """Maps the buffers every call of a Buffer of ``num_rdma_bytes`` may use (collective; at
-        construction), at most the host's memory. With headers no call may grow them: a growth meets
-        every rank, and ranks that disagree on sizes would grow apart. From here on, every handshake of
-        the Buffer is announced in the header cells (``_announce``). The device builds and shrinking
-        buffers (``enable_shrink``) keep the handshake first and grow on demand."""
-        if not self._posts_headers or self.agreement.shrink:
+        construction), at most the buffers' ``limit()`` (the host's shared memory for the host build).
+        With headers no call may grow them: a growth meets every rank, and ranks that disagree on sizes
+        would grow apart. From here on, every handshake of the Buffer is announced in the header cells
+        (``_announce``). Shrinking buffers (``enable_shrink``) keep the handshake first and grow on
+        demand."""
+        if self.agreement.shrink:
             return  # a shrinking buffer masks late ranks in its handshake: that comes first
-        # every rank of the host maps as much, reserved up front: at most its share of half the host's
-        # shared memory (the same figure on every rank), so a huge num_rdma_bytes is a call's error
-        shm = os.statvfs(shm_segment.SEGMENT_DIR)
-        share = shm.f_blocks * shm.f_frsize // (2 * self.num_ranks)
-        self.buffers.ensure(max(self._control, min(self._control + reserved_bytes(num_rdma_bytes), share)))
+        want, limit = self._control + reserved_bytes(num_rdma_bytes), self.buffers.limit()
+        # a huge num_rdma_bytes is then a call's error (``_launcher``), the same on every rank
+        self.buffers.ensure(max(self._control, want if limit is None else min(want, limit)))
         self.agrees_in_data_path = True
         for op in ("low_latency_dispatch", "low_latency_combine"):
             self.agreement.rejecters[op] = self._reject
@@ -346,3 +342,17 @@ class KernelLowLatencyMode(LowLatencyMode):
         if not self.agrees_in_data_path:  # with headers every signal carries its call: none is stale
             self.buffers.zero_own()
         super().clean(m, hidden, num_experts, device)
+
+
+class KernelLowLatencyCalls:
+    """What a backend on the kernels (``cuda_host``, ``cuda``) says of its low-latency calls, mixed in
+    before ``PortableBackend``: its ``low_latency`` is a ``KernelLowLatencyMode``."""
+
+    low_latency: KernelLowLatencyMode
+
+    def reserve_low_latency(self, num_rdma_bytes: int) -> None:
+        self.low_latency.reserve(num_rdma_bytes)
+
+    @property
+    def low_latency_checks_topk(self) -> bool:
+        return self.low_latency.agrees_in_data_path

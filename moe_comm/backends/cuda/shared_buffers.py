@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from ...transport import Transport
-from ...transport.shm_segment import Segment, segment_name, sweep_stale
+from ...transport.shm_segment import SEGMENT_DIR, Segment, segment_name, sweep_stale
 
 __all__ = ["SharedBuffers"]
 
@@ -77,6 +77,12 @@ class SharedBuffers:
         be writing to it)."""
         if self._segments:
             self._segments[self.transport.rank].bytes[start:end].zero_()
+
+    def limit(self) -> int:
+        """The most bytes a buffer may be reserved with up front: every rank of the host maps as much,
+        so its share of half the host's shared memory (the same figure on every rank)."""
+        shm = os.statvfs(SEGMENT_DIR)
+        return shm.f_blocks * shm.f_frsize // (2 * self.transport.num_ranks)
 
     def own(self, offset: int, nbytes: int) -> torch.Tensor:
         """``nbytes`` of this rank's buffer at ``offset`` (a view, uint8 on the CPU)."""

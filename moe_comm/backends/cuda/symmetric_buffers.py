@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
@@ -120,12 +120,26 @@ class SymmetricBuffers:
         """Every PE reaches every other: none is unmapped."""
         return []
 
-    def zero_own(self, stream: int = 0) -> None:
-        """Zeroes this rank's buffer (its peers must not be writing to it), waiting until it is done."""
+    def zero_own(self, start: int = 0, end: Optional[int] = None, stream: int = 0) -> None:
+        """Zeroes bytes [start, end) of this rank's buffer (to its end by default; its peers must not be
+        writing to it), waiting until it is done."""
         if self.base:
+            stop = self.nbytes if end is None else end
             with self._guard():
-                self.device_module.memset(self.base, 0, self.nbytes, stream)
+                self.device_module.memset(self.base + start, 0, stop - start, stream)
                 self.device_module.synchronize(stream)
+
+    def own(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A copy (uint8 on the CPU) of ``nbytes`` of this rank's buffer at ``offset``."""
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        with self._guard():
+            self.device_module.memcpy(out.data_ptr(), self.base + offset, nbytes, 0)
+        return out
+
+    @staticmethod
+    def limit() -> Optional[int]:
+        """No cap on an up-front reservation here (NVSHMEM's heap refuses what does not fit)."""
+        return None
 
     def close_peers(self) -> None:
         """Nothing is mapped per peer (NVSHMEM maps the world)."""
