@@ -285,6 +285,10 @@ def test_ipc_buffers_zero_and_close_alone():
 class _FakeComm:
     def __init__(self) -> None:
         self.events: list[str] = []
+        self.capture = False
+
+    def capturing(self) -> bool:
+        return self.capture
 
     def enter(self) -> int:
         self.events.append("enter")
@@ -408,6 +412,12 @@ def test_device_kernels_launch_on_the_comm_stream_with_the_host_builds_contract(
     ll.kernel.record = mismatch = (4, 9, 0, 1, 3, 128, 256)  # the kernels' verdict against one call
     assert ll.dispatch(True, 1, 99) == mismatch and ll.kernel.record is None  # raised by the caller, then cleared
     assert module.log[1:] == [("LowLatency", "check"), ("LowLatency", "clear")]
+    module.log.clear()
+    comm.events.clear()
+    comm.capture = True  # under CUDA graph capture a receive only enqueues: no host wait, no record read
+    assert ll.combine(True, 1, 99) is None
+    assert comm.events == ["enter", "leave"] and module.log == [("LowLatency", "combine", (True, 1, 99), 1234)]
+    comm.capture = False
     module.log.clear()
     comm.events.clear()
     assert ll.reject(3, 99, (5, 6)) is None  # a host rejection's header: enqueued like a send
@@ -676,6 +686,9 @@ class _NoStream:
 
     def leave(self) -> None:
         pass
+
+    def capturing(self) -> bool:
+        return False
 
     def synchronize(self) -> None:
         pass

@@ -17,7 +17,7 @@ from helpers.paths import ROOT
 
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
 GC = ROOT / "tools" / "gpu_check"
-ENTRY_POINTS = ("machine.py", "emulated.py", "ipc_ranks.py", "graph.py", "bench.py", "summary.py")
+ENTRY_POINTS = ("machine.py", "emulated.py", "ipc_ranks.py", "graph.py", "buffer_graph.py", "bench.py", "summary.py")
 LIMIT_S = 480  # 8 minutes: the longest one run of the script may take
 
 
@@ -127,6 +127,31 @@ def test_ipc_harness_on_the_host_build(tmp_path):
         assert all(len(c["ranks"]) == int(R[1:]) for c in check["cases"].values())
     left = {p for p in (set(Path("/dev/shm").iterdir()) - before) if "gpu_check" in p.name}
     assert not left, f"ipc_ranks.py left {left}"
+
+
+def test_buffer_graph_harness_on_the_host_build(tmp_path):
+    """buffer_graph.py's eager half on the cuda_host backend (2 and 3 processes): repeated eager steps are
+    bitwise equal, another hidden size on the last rank fails every rank at the hook, the next step works."""
+    out = tmp_path / "bg.json"
+    proc = _run(GC / "buffer_graph.py", "--ranks", 2, 3, "--backend", "cuda_host", "--timeout", 30, "--json", out,
+                timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert rec["ok"] and set(rec["checks"]) == {"R2", "R3"}
+    for check in rec["checks"].values():
+        messages = {r["mismatch"] for r in check["ranks"]}
+        assert len(messages) == 1 and "ranks disagree on hidden" in messages.pop(), check
+
+
+def test_buffer_graph_needs_the_gpu(tmp_path):
+    """buffer_graph.py's graph half off the GPU machine: a failed record saying why, never a pass."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    out = tmp_path / "bg.json"
+    proc = _run(GC / "buffer_graph.py", "--ranks", 2, "--json", out)
+    rec = json.loads(out.read_text())
+    assert proc.returncode == 1 and not rec["ok"] and "needs the GPU" in json.dumps(rec), rec
 
 
 def test_nvshmem_link_needs_the_gpu(tmp_path):

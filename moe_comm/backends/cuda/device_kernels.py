@@ -50,6 +50,10 @@ class CommStream:
         """Orders the caller's current stream after the work queued so far on the comm stream."""
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
+    def capturing(self) -> bool:
+        """Whether the caller's current stream is capturing a CUDA graph (no host wait may happen)."""
+        return torch.cuda.is_current_stream_capturing()
+
     def synchronize(self) -> None:
         """Waits on the host for everything queued on the comm stream."""
         self.stream.synchronize()
@@ -83,7 +87,9 @@ class _LowLatencyLaunches:
         self.kernel, self.comm, self._mismatch = kernel, comm, mismatch
 
     def _finish(self, receive: bool) -> Any:
-        if not receive:
+        # While a CUDA graph is captured a receive only enqueues too: no host wait, no record read (a
+        # replay's failure stays in the record, for the next receive that runs eagerly to raise).
+        if not receive or self.comm.capturing():
             self.comm.leave()
             return None
         self.comm.synchronize()

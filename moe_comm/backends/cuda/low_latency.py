@@ -127,7 +127,8 @@ class KernelLowLatencyMode(LowLatencyMode):
     def _skip_mask(self, skip: frozenset[int], device: torch.device) -> torch.Tensor:
         """``[R]`` uint8 on ``device``: 1 for the ranks this call leaves out."""
         mask = torch.zeros(self.num_ranks, dtype=torch.uint8, device=device)
-        mask[list(skip)] = 1
+        if skip:  # (an index list would be a host-to-device copy, which a CUDA graph capture refuses)
+            mask[list(skip)] = 1
         return mask
 
     def _next_call(self) -> int:
@@ -179,8 +180,12 @@ class KernelLowLatencyMode(LowLatencyMode):
             if not rejected and any(len({v[f] for v in vectors}) > 1 for f in _SIZES):
                 self._resync(op, skip, vectors)
             raise
-        raise RuntimeError(f"{op}: the kernel found call {call}'s headers unlike ({disagree}), but their verdict "
-                           f"passes")
+        # This call's headers agree: the record is older, from a call that a CUDA graph replayed (no
+        # host read its record then). Every rank's kernels judged that call's headers alike, so every
+        # rank raises here, at its next eager receive; the record is cleared, the buffer goes on.
+        raise mark_agreed(CrossRankMismatchError(
+            f"{op}: a low-latency call replayed from a CUDA graph before this one disagreed across ranks "
+            f"({disagree}); this call (number {call} here) was not run"))
 
     def _resync(self, op: str, skip: frozenset[int], vectors: list[list[int]]) -> None:
         """After a call whose ranks disagreed on sizes (so they wrote rows and signals at each other's
