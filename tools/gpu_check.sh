@@ -8,7 +8,7 @@
 # step, the benchmark's numbers beside the issue's targets). What each step proves: tools/gpu_check/README.md.
 # The time boxes add up to under 480 s, grace included (tests/tools/test_gpu_check_scripts.py checks it).
 #   OUT=/some/dir bash tools/gpu_check.sh        (PYTHON=python3 by default)
-#   SKIP="build bench_ops" ... skips those steps (recorded as skipped, rc -1: a dry run off the GPU machine)
+#   SKIP="build bench" ... skips those steps (recorded as skipped, rc -1: a dry run off the GPU machine)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
