@@ -9,9 +9,10 @@ eagerly on three input sets (the references), then capture that step in one CUDA
 into the captured tensors: every replay's outputs (received FP8 codes and scales, counts, combined
 rows) must equal the eager ones bitwise. The call numbers advance on the device (the kernels count
 them in the buffer), so replays and eager calls mix: an eager step after the replays must still equal
-its reference. Then rank R - 1 captures the step with another hidden size, every rank replays its
-graph once, and the next eager step must raise CrossRankMismatchError at its hook on every rank; the
-step after it must equal its reference again.
+its reference. Then rank R - 1 runs the step with another hidden size, eagerly (every rank must raise
+CrossRankMismatchError at its hook), then captured: every rank replays its graph once, and the next
+eager step must raise CrossRankMismatchError on every rank; the step after it must equal its
+reference again.
 
 ``--backend cuda_host`` runs the eager half (references twice, the mismatched eager step, the recovery)
 on the host build with CPU tensors: the harness without a GPU. The graph half needs the GPU: with
@@ -99,8 +100,19 @@ def rank_main(group, backend: str, replays: int, timeout_s: float) -> dict:
                 bad.append(i)
         seen["replays"], seen["replays_unequal"] = replays, bad[:10]
         seen["eager_after_replays_equal"] = _same(step(*sets[1]), refs[1])
-    # another hidden size on the last rank: captured and replayed (GPU), or eager (host build)
+    def raised(inputs: list) -> str:
+        try:
+            step(*inputs)
+            return "no error"
+        except CrossRankMismatchError as exc:
+            return f"CrossRankMismatchError: {exc}"
+        except Exception as exc:  # recorded: the check fails on it
+            return f"{type(exc).__name__}: {exc}"
+
+    # another hidden size on the last rank: eagerly (every rank raises at the hook; this also builds the
+    # launch objects of that shape, which a capture cannot allocate), then captured and replayed (GPU)
     odd = _inputs(rank, R, 7, H // 2 if rank == R - 1 else H, device)
+    seen["mismatch"] = raised(odd)
     if device == "cuda":
         graph2 = torch.cuda.CUDAGraph()
         sync()
@@ -108,16 +120,7 @@ def rank_main(group, backend: str, replays: int, timeout_s: float) -> dict:
             step(*[t.clone() for t in odd])
         graph2.replay()
         sync()
-        victim = sets[0]  # the next eager step raises the replay's verdict
-    else:
-        victim = odd
-    try:
-        step(*victim)
-        seen["mismatch"] = "no error"
-    except CrossRankMismatchError as exc:
-        seen["mismatch"] = f"CrossRankMismatchError: {exc}"
-    except Exception as exc:  # recorded: the check fails on it
-        seen["mismatch"] = f"{type(exc).__name__}: {exc}"
+        seen["replayed_mismatch"] = raised(sets[0])  # the next eager step raises the replay's verdict
     seen["recovered_equal"] = _same(step(*sets[2]), refs[2])
     sync()
     buf.destroy()
@@ -133,6 +136,7 @@ def check(R: int, backend: str, replays: int, timeout_s: float) -> dict:
     with LocalWorld(R, backend="gloo", timeout_s=timeout_s * 4, threads_per_rank=1) as world:
         ranks = world.run(rank_main, backend, replays, timeout_s)
     ok = all(r["eager_repeats_equal"] and r["recovered_equal"] and r["mismatch"].startswith("CrossRankMismatchError")
+             and r.get("replayed_mismatch", "CrossRankMismatchError").startswith("CrossRankMismatchError")
              and not r.get("replays_unequal") and r.get("eager_after_replays_equal", True) for r in ranks)
     return {"ok": ok, "ranks": ranks}
 

@@ -231,10 +231,16 @@ enum class HeaderKind { kDispatch = 0, kCombine = 1, kReject = 2 };
 struct HeaderCells {
     MappedMemory cells;  // [2 halves][3 kinds][header_bytes], allocated at the first header
 
-    LowLatencyPost place(const LowLatencyPost& p, const LowLatencyLayout& layout, int64_t call, HeaderKind kind) {
+    // Allocates the cells at the first header (on `device`; not while a graph is captured: a Buffer's
+    // first low-latency call of a shape runs eagerly before its capture, as torch's warm-up does).
+    LowLatencyPost place(const LowLatencyPost& p, const LowLatencyLayout& layout, int64_t call, HeaderKind kind,
+                         int device) {
         if (!p.header) return p;
         const int64_t room = layout.header_bytes;
-        if (!cells.host()) cells = MappedMemory(static_cast<size_t>(6 * room));
+        if (!cells.host()) {
+            DeviceGuard on(device);
+            cells = MappedMemory(static_cast<size_t>(6 * room));
+        }
         const int64_t at = (((call - 1) & 1) * 3 + static_cast<int64_t>(kind)) * room;
         std::memcpy(static_cast<uint8_t*>(cells.host()) + at, p.header, static_cast<size_t>(p.bytes));
         LowLatencyPost placed = p;

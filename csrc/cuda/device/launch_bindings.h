@@ -19,7 +19,7 @@ using python::PostArgs;
 template <class LL>
 LowLatencyPost placed(LL& l, const PostArgs& post, int64_t call, HeaderKind kind) {
     check_call(call);
-    return l.headers.place(python::post_of(post, l.layout), l.layout, call, kind);
+    return l.headers.place(python::post_of(post, l.layout), l.layout, call, kind, l.r.device);
 }
 
 template <class LL>
