@@ -87,7 +87,9 @@ void def_low_latency_launches(py::class_<LL>& cls) {
                                "Where each header cell of this rank's buffer starts: [half * R + source].")
         .def("check", [](const LL& l) { return l.r.results(); },
              "None or the error record of this object's launches so far (a list per rank, emulated); read it "
-             "after synchronising the stream. A record stays set (the buffer is broken) until clear().")
+             "after synchronising the stream. A record stays set, and stops this object's later launches of a "
+             "call with a header, until clear() (a failed wait breaks the buffer; a MISMATCH is a verdict, "
+             "which the caller clears once it has read it).")
         .def("clear", [](const LL& l) { l.r.clear(); },
              "Zeroes the error records; only while no launch of this object is in flight.");;
 }
