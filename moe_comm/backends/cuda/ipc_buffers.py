@@ -20,13 +20,14 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 
 from ...transport import Transport
+from .own_device_buffer import OwnDeviceBuffer
 
 __all__ = ["IpcBuffers"]
 
 Guard = Callable[[], ContextManager[Any]]
 
 
-class IpcBuffers:
+class IpcBuffers(OwnDeviceBuffer):
     """One named GPU buffer of every rank of ``transport`` (all on one node), mapped here.
 
     ``module`` is ``moe_comm._cuda`` (``SharedBuffer``, ``memset``, ``synchronize``); ``guard()`` makes
@@ -39,7 +40,7 @@ class IpcBuffers:
 
     def __init__(self, transport: Transport, what: str, module: Any, guard: Guard = contextlib.nullcontext,
                  reach: Optional[Sequence[int]] = None) -> None:
-        self.transport, self.what, self.module, self._guard = transport, what, module, guard
+        self.transport, self.what, self._runtime, self._guard = transport, what, module, guard
         #: the ranks whose buffers are mapped here (None: all; across hosts, the ranks of this node)
         self.reach = None if reach is None else frozenset(reach)
         self.nbytes = 0
@@ -63,7 +64,7 @@ class IpcBuffers:
         if old is not None:
             old.close_peers()
         with self._guard():
-            mine = self.module.SharedBuffer(nbytes)
+            mine = self._runtime.SharedBuffer(nbytes)
         try:
             handle = mine.handle()
             row = torch.tensor(list(handle), dtype=torch.uint8, device=self.transport.device)
@@ -92,28 +93,8 @@ class IpcBuffers:
         return [r for r, base in enumerate(self.bases)
                 if not base and r not in skip and (self.reach is None or r in self.reach)]
 
-    def zero_own(self, start: int = 0, end: Optional[int] = None, stream: int = 0) -> None:
-        """Zeroes bytes [start, end) of this rank's buffer (to its end by default; its peers must not be
-        writing to it), waiting until it is done."""
-        if self._own is not None:
-            stop = self._own.bytes if end is None else end
-            with self._guard():
-                self.module.memset(self._own.ptr + start, 0, stop - start, stream)
-                self.module.synchronize(stream)
-
-    def own(self, offset: int, nbytes: int) -> torch.Tensor:
-        """A copy (uint8 on the CPU) of ``nbytes`` of this rank's buffer at ``offset``, read once the
-        launches queued before it on the default stream are done."""
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        with self._guard():
-            self.module.memcpy(out.data_ptr(), self._own.ptr + offset, nbytes, 0)
-        return out
-
-    @staticmethod
-    def limit() -> Optional[int]:
-        """The most bytes a buffer may be reserved with up front: GPU memory, no cap here (the
-        allocation fails clearly when it does not fit)."""
-        return None
+    def _own_span(self) -> Optional[tuple[int, int]]:
+        return None if self._own is None else (self._own.ptr, self._own.bytes)
 
     def close_peers(self) -> None:
         """Unmaps the peers' buffers (the first step of a collective teardown). Idempotent."""

@@ -27,6 +27,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 
 from ...transport import Transport
+from .own_device_buffer import OwnDeviceBuffer
 
 __all__ = ["HEAP_VARIABLE", "SymmetricBuffers", "heap_bytes", "join_world"]
 
@@ -72,7 +73,7 @@ def join_world(transport: Transport, module: Any, guard: Guard = contextlib.null
         module.init(bytes(rows[0][:n].tolist()), rank, size)
 
 
-class SymmetricBuffers:
+class SymmetricBuffers(OwnDeviceBuffer):
     """One named symmetric buffer of every rank (nvshmem_malloc'd, zeroed), grown on demand.
 
     Attributes:
@@ -82,7 +83,7 @@ class SymmetricBuffers:
     def __init__(self, transport: Transport, what: str, module: Any, device_module: Any,
                  guard: Guard = contextlib.nullcontext) -> None:
         self.transport, self.what, self.module, self._guard = transport, what, module, guard
-        self.device_module = device_module  # moe_comm._cuda: memset and synchronize on raw pointers
+        self._runtime = device_module  # moe_comm._cuda: memset, memcpy and synchronize on raw pointers
         self.nbytes = 0
         self.base = 0
         self._p2p: list[int] = []
@@ -120,26 +121,8 @@ class SymmetricBuffers:
         """Every PE reaches every other: none is unmapped."""
         return []
 
-    def zero_own(self, start: int = 0, end: Optional[int] = None, stream: int = 0) -> None:
-        """Zeroes bytes [start, end) of this rank's buffer (to its end by default; its peers must not be
-        writing to it), waiting until it is done."""
-        if self.base:
-            stop = self.nbytes if end is None else end
-            with self._guard():
-                self.device_module.memset(self.base + start, 0, stop - start, stream)
-                self.device_module.synchronize(stream)
-
-    def own(self, offset: int, nbytes: int) -> torch.Tensor:
-        """A copy (uint8 on the CPU) of ``nbytes`` of this rank's buffer at ``offset``."""
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        with self._guard():
-            self.device_module.memcpy(out.data_ptr(), self.base + offset, nbytes, 0)
-        return out
-
-    @staticmethod
-    def limit() -> Optional[int]:
-        """No cap on an up-front reservation here (NVSHMEM's heap refuses what does not fit)."""
-        return None
+    def _own_span(self) -> Optional[tuple[int, int]]:
+        return (self.base, self.nbytes) if self.base else None
 
     def close_peers(self) -> None:
         """Nothing is mapped per peer (NVSHMEM maps the world)."""
