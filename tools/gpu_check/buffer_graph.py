@@ -26,8 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import common  # noqa: F401  (import path)
-from common import Record
+from common import Record  # (and the import path)
 
 T, H, K, SETS = 16, 1024, 4, 3  # tokens per rank, hidden, top-k, input sets
 

@@ -15,10 +15,10 @@ namespace moe_comm::cuda::device::bind {
 
 using python::PostArgs;
 
-// A launch's header as its kernels read it (HeaderCells), checked against the layout's cells.
+// A launch's header as its kernels read it (HeaderCells), checked against the layout's cells (the
+// launch checks `call`).
 template <class LL>
 LowLatencyPost placed(LL& l, const PostArgs& post, int64_t call, HeaderKind kind) {
-    check_call(call);
     return l.headers.place(python::post_of(post, l.layout), l.layout, call, kind, l.r.device);
 }
 

@@ -104,7 +104,7 @@ template <class L>
 __device__ __forceinline__ bool ll_stops(const LowLatencyContext& k, const L& link) {
     if (!k.post.header) return false;
     int stop = 0;
-    if (G::leader()) stop = failed<P>(k.watch) || ll_rejected(k, link.local(k.layout.own_header(k.half)));
+    if (G::leader()) stop = failed<P>(k.watch) || ll_rejected(k, link);
     return G::broadcast(stop) != 0;
 }
 
@@ -120,7 +120,7 @@ __device__ __forceinline__ void ll_stage_of(const LowLatencyContext& k, const L&
 }
 template <class L>
 __device__ __forceinline__ void ll_stage_of(const LowLatencyContext& k, const L& link, const NoArgs&) {
-    ll_stage_header(k, link.local(k.layout.own_header(k.half)));  // a rejection: its header says so
+    ll_stage_header(k, link);  // a rejection: its header says so
 }
 
 // One agent per rank: counts the call, stages the header, runs the send's checks.

@@ -176,7 +176,7 @@ void ll_combine_recv(const LowLatencyContext& call, const LowLatencyCombineArgs&
 void ll_reject(const LowLatencyContext& call) {
     const DirectLink<P> link{call.peers, call.rank};
     const LowLatencyContext k = ll_counted(call, link, true);
-    ll_stage_header(k, link.local(k.layout.own_header(k.half)));
+    ll_stage_header(k, link);
     ll_post_all(k, link, true);
     ll_consumed<P>(k, link);  // as the device builds' (a failed post has set the record: the buffer breaks)
 }

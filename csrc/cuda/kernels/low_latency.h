@@ -155,8 +155,19 @@ MC_HD LowLatencyContext ll_counted(const LowLatencyContext& k, const L& link, bo
     return c;
 }
 
-// This rank's header of the call, staged where its posts read it (one agent): a copy of post.header.
-MC_HD void ll_stage_header(const LowLatencyContext& k, uint8_t* own) { copy_one(own, k.post.header, k.post.bytes); }
+// This rank's staged header of the call's half, in its own buffer (where its posts read it).
+template <class L>
+MC_HD uint8_t* ll_own_header(const LowLatencyContext& k, const L& link) {
+    return link.local(k.layout.own_header(k.half));
+}
+
+// Stages this rank's header of the call (one agent): a copy of post.header. Returns where it is.
+template <class L>
+MC_HD uint8_t* ll_stage_header(const LowLatencyContext& k, const L& link) {
+    uint8_t* own = ll_own_header(k, link);
+    copy_one(own, k.post.header, k.post.bytes);
+    return own;
+}
 
 // Sets the staged header's rejected bit; returns where its message goes.
 MC_HD Text ll_rejection(const LowLatencyContext& k, uint8_t* own, const char* op) {
@@ -265,15 +276,16 @@ MC_HD bool ll_post_header(const LowLatencyContext& k, const L& link, int dest) {
                                  dest, -1);
         if (G::broadcast(v) == INT64_MIN) return false;
     }
-    link.template put<G>(dest, l.header(k.half, k.rank), link.local(l.own_header(k.half)), k.post.bytes);
+    link.template put<G>(dest, l.header(k.half, k.rank), ll_own_header(k, link), k.post.bytes);
     link.template publish<G>(dest, l.seq(k.half, k.rank), call_signal(k.call, 1));
     return true;
 }
 
 // Whether this rank's staged header of the call carries the rejected bit (its send then puts no rows).
-MC_HD bool ll_rejected(const LowLatencyContext& k, const uint8_t* own) {
+template <class L>
+MC_HD bool ll_rejected(const LowLatencyContext& k, const L& link) {
     int64_t v;
-    copy_one(&v, own + 8 * static_cast<int64_t>(k.post.rejected_word), 8);
+    copy_one(&v, ll_own_header(k, link) + 8 * static_cast<int64_t>(k.post.rejected_word), 8);
     return v != 0;
 }
 
@@ -323,8 +335,7 @@ struct LowLatencyDispatchArgs {
 // header staged, its top-k checked. Returns whether rows may go out (false: the rejected bit is set).
 template <class L>
 MC_HD bool ll_stage_dispatch(const LowLatencyContext& k, const L& link, const LowLatencyDispatchArgs& a) {
-    uint8_t* own = link.local(k.layout.own_header(k.half));
-    ll_stage_header(k, own);
+    uint8_t* own = ll_stage_header(k, link);
     return ll_check_topk(k, own, "low_latency_dispatch", a.topk_idx, a.num_tokens, a.num_topk);
 }
 
@@ -460,8 +471,7 @@ MC_HD void ll_combine_routing(const LowLatencyContext& k, uint8_t* own, const Lo
 // and the handle checked, the routing's words filled. Returns whether rows may go out.
 template <class L>
 MC_HD bool ll_stage_combine(const LowLatencyContext& k, const L& link, const LowLatencyCombineArgs& a) {
-    uint8_t* own = link.local(k.layout.own_header(k.half));
-    ll_stage_header(k, own);
+    uint8_t* own = ll_stage_header(k, link);
     const bool clean = ll_check_topk(k, own, "low_latency_combine", a.topk_idx, a.num_tokens, a.num_topk) &&
                        ll_check_handle(k, own, a.layout_range);
     if (clean) ll_combine_routing(k, own, a);
