@@ -150,6 +150,25 @@ MUTANTS: Tuple[Mutant, ...] = (
         hints=("tests/buffer/test_ll_no_round_trip.py", "tests/buffer/test_faults.py"),
     ),
     Mutant(
+        id="mismatch-record-kept",
+        file="moe_comm/backends/cuda/device_kernels.py",
+        old="            self.kernel.clear()",
+        new="            pass",
+        description="the device builds' adapter keeps a MISMATCH record after its verdict was raised: the "
+                    "buffer should go on, but every later receive reports the old mismatch (and, on a GPU, "
+                    "the record stops every later launch)",
+        hints=("tests/backends/test_cuda_backend.py",),
+    ),
+    Mutant(
+        id="capture-waits-on-the-host",
+        file="moe_comm/backends/cuda/device_kernels.py",
+        old="        if not receive or self.comm.capturing():",
+        new="        if not receive:",
+        description="a receive under CUDA-graph capture synchronises the comm stream and reads the record on "
+                    "the host, which a capture refuses: a Buffer-level low-latency step cannot be captured",
+        hints=("tests/backends/test_cuda_backend.py",),
+    ),
+    Mutant(
         id="call-number-from-the-launch-argument",
         file="csrc/cuda/kernels/low_latency.h",
         old="    c.call = ll_call_number(k.half, *calls);",
