@@ -6,10 +6,11 @@ from typing import Optional
 
 import torch
 
+from ..core.library import define, op
 from ..core.memory import zeros
 from .fp8 import GROUP
-from .grouped_gemm import GemmArgs, grouped_gemm, launch_gemm, native_gemm, segments_reference
-from .impl import resolve
+from .grouped_gemm import GemmArgs, check_gemm, grouped_gemm, launch_gemm, native_gemm, segments_reference
+from .impl import renamed_impl, resolve
 from .quant import quantize
 
 __all__ = ["expert_ffn", "expert_ffn_reference"]
@@ -24,6 +25,13 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, expert_o
     computed from the fp32 products and rounded once to bf16; with FP8 (all three scales given, I a
     multiple of 128) it is quantized per 128 channels (E4M3) before the second GEMM. Returns bf16 with
     x's leading shape and H columns; rows outside the experts are zero. Reference ``expert_ffn_reference``."""
+    _check_weights(w13, w2, x_scales)
+    check_gemm("expert_ffn", x, w13, expert_offsets, masked_m, x_scales, w13_scales)
+    return op("expert_ffn")(x, w13, w2, expert_offsets, masked_m, x_scales, w13_scales, w2_scales,
+                            renamed_impl("expert_ffn", "impl", impl, backend))
+
+
+def _check_weights(w13: torch.Tensor, w2: torch.Tensor, x_scales: Optional[torch.Tensor]) -> None:
     if not isinstance(w13, torch.Tensor) or w13.dim() != 3 or w13.shape[1] % 2:
         raise ValueError(f"expert_ffn: w13 must be [E, 2I, H], got "
                          f"{list(w13.shape) if isinstance(w13, torch.Tensor) else type(w13).__name__}")
@@ -32,19 +40,37 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, expert_o
     if not isinstance(w2, torch.Tensor) or tuple(w2.shape) != (num_experts, hidden, inter):
         raise ValueError(f"expert_ffn: w2 must be [{num_experts}, {hidden}, {inter}] for w13 {list(w13.shape)}, got "
                          f"{list(w2.shape) if isinstance(w2, torch.Tensor) else type(w2).__name__}")
-    fp8 = x_scales is not None
-    if fp8 and inter % GROUP:
+    if x_scales is not None and inter % GROUP:
         raise ValueError(f"expert_ffn: FP8 needs the intermediate size I to be a multiple of {GROUP}, got {inter}")
+    if w2.device != w13.device:
+        raise ValueError(f"expert_ffn: w2 must be on w13's device {w13.device}, got {w2.device}")
+
+
+def _expert_ffn_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: Optional[torch.Tensor],
+                     masked_m: Optional[torch.Tensor], x_scales: Optional[torch.Tensor],
+                     w13_scales: Optional[torch.Tensor], w2_scales: Optional[torch.Tensor],
+                     impl: Optional[str]) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w2.shape[1]), dtype=torch.bfloat16)
+
+
+@define("expert_ffn(Tensor x, Tensor w13, Tensor w2, Tensor? expert_offsets, Tensor? masked_m, Tensor? x_scales, "
+        "Tensor? w13_scales, Tensor? w2_scales, str? impl) -> Tensor", _expert_ffn_fake)
+def _expert_ffn_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert_offsets: Optional[torch.Tensor],
+                   masked_m: Optional[torch.Tensor], x_scales: Optional[torch.Tensor],
+                   w13_scales: Optional[torch.Tensor], w2_scales: Optional[torch.Tensor],
+                   impl: Optional[str]) -> torch.Tensor:
+    _check_weights(w13, w2, x_scales)
+    inter = w13.shape[1] // 2
     first = GemmArgs("expert_ffn", x, w13, expert_offsets, masked_m, x_scales, w13_scales, inter)
     h = zeros((first.a.shape[0], inter), torch.bfloat16, x.device)
-    chosen = resolve("expert_ffn", x.device, impl, backend)
+    chosen = resolve("expert_ffn", x.device, impl)
     if chosen == "triton":
         launch_gemm(first, h, swiglu=True)
     else:
         native_gemm(first, h, swiglu=True)
     h = h.view(first.out_shape)
     h_scales = None
-    if fp8:
+    if x_scales is not None:
         q, h_scales = quantize(h.reshape(-1, inter), "e4m3", impl=chosen)
         h, h_scales = q.view(h.shape), h_scales.view(*h.shape[:-1], inter // GROUP)
     return grouped_gemm(h, w2, expert_offsets=expert_offsets, masked_m=masked_m, a_scales=h_scales,

@@ -17,7 +17,8 @@ import torch
 
 from ..core.memory import zeros
 from .fp8 import GROUP
-from .impl import kernels, resolve
+from ..core.library import define, op
+from .impl import kernels, renamed_impl, resolve
 from .npu import grouped_gemm_npu, torch_npu_for
 from .quant import dequantize
 from .weight_cache import fp32_weights
@@ -33,7 +34,7 @@ class GemmArgs:
     def __init__(self, op: str, a: torch.Tensor, b: torch.Tensor, expert_offsets: Optional[torch.Tensor],
                  masked_m: Optional[torch.Tensor], a_scales: Optional[torch.Tensor], b_scales: Optional[torch.Tensor],
                  n_out: int) -> None:
-        check_gemm(op, a, b, expert_offsets, masked_m, a_scales, b_scales)
+        check_gemm(op, a, b, expert_offsets, masked_m, a_scales, b_scales, read_values=True)
         self.masked = masked_m is not None
         self.num_experts, self.b_rows, self.k = b.shape
         self.n_out = n_out
@@ -52,9 +53,10 @@ class GemmArgs:
 
 
 def check_gemm(op: str, a: torch.Tensor, b: torch.Tensor, expert_offsets: Optional[torch.Tensor],
-               masked_m: Optional[torch.Tensor], a_scales: Optional[torch.Tensor], b_scales: Optional[torch.Tensor]
-               ) -> None:
-    """Raises ValueError/TypeError naming the argument, the expectation and what was given."""
+               masked_m: Optional[torch.Tensor], a_scales: Optional[torch.Tensor], b_scales: Optional[torch.Tensor],
+               read_values: bool = False) -> None:
+    """Raises ValueError/TypeError naming the argument, the expectation and what was given; ``read_values``
+    also checks the values of CPU ``expert_offsets`` (the op does, when it runs)."""
     if not isinstance(b, torch.Tensor) or b.dim() != 3:
         raise ValueError(f"{op}: b must be [E, N, K], got "
                          f"{list(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}")
@@ -77,7 +79,7 @@ def check_gemm(op: str, a: torch.Tensor, b: torch.Tensor, expert_offsets: Option
     for tensor, what in ((b, "b"), (index, name)):
         if tensor.device != a.device:
             raise ValueError(f"{op}: {what} must be on a's device {a.device}, got {tensor.device}")
-    if expert_offsets is not None and a.device.type == "cpu" and num_experts:
+    if read_values and expert_offsets is not None and a.device.type == "cpu" and num_experts:
         steps = expert_offsets[1:] - expert_offsets[:-1]
         if int(expert_offsets[0]) < 0 or int(steps.min()) < 0 or int(expert_offsets[-1]) > a.shape[0]:
             raise ValueError(f"{op}: expert_offsets must be non-decreasing within [0, {a.shape[0]}] (a's rows), "
@@ -173,11 +175,29 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, *, expert_offsets: Optional[t
     """``a @ b[e].T`` per expert in the contiguous (``expert_offsets`` `[E + 1]`) or masked (``masked_m``
     `[E]`) layout; fp32 accumulation, rounded to ``out_dtype``. Returns `[M, N]` or `[E, M, N]`; rows
     outside the experts' ranges are zero. Reference ``grouped_gemm_reference`` (fp64)."""
+    check_gemm("grouped_gemm", a, b, expert_offsets, masked_m, a_scales, b_scales)
+    if not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"grouped_gemm: out_dtype must be a torch.dtype, got {out_dtype!r}")
+    return op("grouped_gemm")(a, b, expert_offsets, masked_m, a_scales, b_scales, out_dtype,
+                              renamed_impl("grouped_gemm", "impl", impl, backend))
+
+
+def _grouped_gemm_fake(a: torch.Tensor, b: torch.Tensor, expert_offsets: Optional[torch.Tensor],
+                       masked_m: Optional[torch.Tensor], a_scales: Optional[torch.Tensor],
+                       b_scales: Optional[torch.Tensor], out_dtype: torch.dtype, impl: Optional[str]) -> torch.Tensor:
+    return a.new_empty((*a.shape[:-1], b.shape[1]), dtype=out_dtype)
+
+
+@define("grouped_gemm(Tensor a, Tensor b, Tensor? expert_offsets, Tensor? masked_m, Tensor? a_scales, "
+        "Tensor? b_scales, ScalarType out_dtype, str? impl) -> Tensor", _grouped_gemm_fake)
+def _grouped_gemm_op(a: torch.Tensor, b: torch.Tensor, expert_offsets: Optional[torch.Tensor],
+                     masked_m: Optional[torch.Tensor], a_scales: Optional[torch.Tensor], b_scales: Optional[torch.Tensor],
+                     out_dtype: torch.dtype, impl: Optional[str]) -> torch.Tensor:
     args = GemmArgs("grouped_gemm", a, b, expert_offsets, masked_m, a_scales, b_scales, b.shape[1])
     # NOTES: fresh zero pages on CPU: the masked layout's unused rows (most of [E, M, N] at decode) cost nothing
     out = zeros((args.a.shape[0], args.n_out), out_dtype, a.device)
     torch_npu = torch_npu_for(a)
-    if resolve("grouped_gemm", a.device, impl, backend) == "triton":
+    if resolve("grouped_gemm", a.device, impl) == "triton":
         launch_gemm(args, out, swiglu=False)
     elif torch_npu is not None and not args.masked and args.a_scales is None:
         grouped_gemm_npu(torch_npu, args.a, args.b, args.starts, args.ends, out)  # segments back to back

@@ -6,8 +6,9 @@ from typing import Optional
 
 import torch
 
+from ..core.library import define, op
 from ..core.native import cpu_threads, native
-from .impl import kernels, next_pow2, resolve
+from .impl import kernels, next_pow2, renamed_impl, resolve
 from .rows import check_index
 
 __all__ = ["DispatchLayout", "dispatch_layout", "dispatch_layout_reference", "SendPlan", "plan_sends", "token_channels",
@@ -55,6 +56,10 @@ class DispatchLayout:
         assert self.num_tokens_per_expert.dtype == torch.int32
         assert self.is_token_in_rank.dtype == torch.bool
 
+    def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three tensors, in declaration order."""
+        return self.num_tokens_per_rank, self.num_tokens_per_expert, self.is_token_in_rank
+
 
 def dispatch_layout(topk_idx: torch.Tensor, num_ranks: int, num_experts: int, *, impl: Optional[str] = None,
                     backend: Optional[str] = None
@@ -70,11 +75,39 @@ def dispatch_layout(topk_idx: torch.Tensor, num_ranks: int, num_experts: int, *,
     Reference: ``dispatch_layout_reference`` (tests compare exactly). Backends: ``_C`` on CPU, torch ops
     on other devices, or the Triton kernel.
     """
+    _check_layout(topk_idx, num_ranks, num_experts)
+    return DispatchLayout(*op("dispatch_layout")(topk_idx, num_ranks, num_experts,
+                                                 renamed_impl("dispatch_layout", "impl", impl, backend)))
+
+
+def _check_layout(topk_idx: torch.Tensor, num_ranks: int, num_experts: int) -> None:
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
+        raise ValueError(f"dispatch_layout: topk_idx must be a 2-D tensor [num_tokens, num_topk], got "
+                         f"{list(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}")
+    for name, value in (("num_ranks", num_ranks), ("num_experts", num_experts)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"dispatch_layout: {name} must be a positive int, got {value!r}")
+    if num_experts % num_ranks:
+        raise ValueError(f"dispatch_layout: num_experts must be a multiple of num_ranks ({num_ranks}), got "
+                         f"{num_experts}")
+
+
+def _dispatch_layout_fake(topk_idx: torch.Tensor, num_ranks: int, num_experts: int,
+                          impl: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (topk_idx.new_empty(num_ranks, dtype=torch.int32), topk_idx.new_empty(num_experts, dtype=torch.int32),
+            topk_idx.new_empty(topk_idx.shape[0], num_ranks, dtype=torch.bool))
+
+
+@define("dispatch_layout(Tensor topk_idx, int num_ranks, int num_experts, str? impl) -> (Tensor, Tensor, Tensor)",
+        _dispatch_layout_fake)
+def _dispatch_layout_op(topk_idx: torch.Tensor, num_ranks: int, num_experts: int,
+                        impl: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_layout(topk_idx, num_ranks, num_experts)
     num_tokens, num_topk = topk_idx.shape
-    if resolve("dispatch_layout", topk_idx.device, impl, backend) == "triton":
+    if resolve("dispatch_layout", topk_idx.device, impl) == "triton":
         return _layout_triton(topk_idx, num_ranks, num_experts)
     if topk_idx.device.type != "cpu":
-        return dispatch_layout_reference(topk_idx, num_ranks, num_experts)
+        return dispatch_layout_reference(topk_idx, num_ranks, num_experts).fields()
     if topk_idx.dtype != torch.int64:
         raise ValueError(f"dispatch_layout: topk_idx must be int64, got {topk_idx.dtype}")
     topk_idx = topk_idx.contiguous()
@@ -83,10 +116,11 @@ def dispatch_layout(topk_idx: torch.Tensor, num_ranks: int, num_experts: int, *,
     in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool)
     native().dispatch_layout(per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(), topk_idx.data_ptr(),
                              num_tokens, num_topk, num_ranks, num_experts, cpu_threads())
-    return DispatchLayout(per_rank, per_expert, in_rank)
+    return per_rank, per_expert, in_rank
 
 
-def _layout_triton(topk_idx: torch.Tensor, num_ranks: int, num_experts: int) -> DispatchLayout:
+def _layout_triton(topk_idx: torch.Tensor, num_ranks: int, num_experts: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     num_tokens, num_topk = topk_idx.shape
     device = topk_idx.device
     per_rank = torch.zeros(num_ranks, dtype=torch.int32, device=device)
@@ -97,7 +131,7 @@ def _layout_triton(topk_idx: torch.Tensor, num_ranks: int, num_experts: int) -> 
         kernels("layout").dispatch_layout_kernel[(-(-num_tokens // block),)](
             topk_idx.contiguous(), per_rank, per_expert, in_rank.view(torch.uint8), num_tokens, NUM_TOPK=num_topk,
             NUM_RANKS=num_ranks, EXPERTS_PER_RANK=num_experts // num_ranks, BLOCK_T=block)
-    return DispatchLayout(per_rank, per_expert, in_rank)
+    return per_rank, per_expert, in_rank
 
 
 def dispatch_layout_reference(topk_idx: torch.Tensor, num_ranks: int, num_experts: int) -> DispatchLayout:

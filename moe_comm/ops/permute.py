@@ -7,10 +7,11 @@ from typing import Optional
 
 import torch
 
+from ..core.library import define, no_tensor, op
 from ..core.native import NATIVE_DTYPES
-from .impl import kernels, resolve
+from .impl import kernels, renamed_impl, resolve
 from .npu import permute_npu, torch_npu_for
-from .quant import check_quant_args, launch_rows, native_rows, quantize_reference
+from .quant import FORMATS, check_quant_args, launch_rows, native_rows, quantize_reference, scales_shape
 from .rows import take_rows
 
 __all__ = ["Permutation", "permute", "permute_reference", "max_permuted_rows"]
@@ -54,8 +55,6 @@ def _check(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, alignment:
         raise ValueError(f"permute: num_experts must be a positive int, got {num_experts!r}")
     if not isinstance(alignment, int) or alignment <= 0:
         raise ValueError(f"permute: alignment must be a positive int, got {alignment!r}")
-    if topk_idx.device.type == "cpu":  # elsewhere it would cost a host sync
-        _check_ids(topk_idx, num_experts)
 
 
 def _check_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
@@ -89,15 +88,56 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, alignm
     ``[0, num_experts)``, -1 = skip). ``quant`` (``e4m3``, ``e5m2``, ``int8``) casts in the same pass,
     with the same bits as ``quantize`` of the unquantized permutation. ``num_rows`` fixes the output
     size (at least the rows needed; ``max_permuted_rows`` is always enough); None sizes it exactly.
-    Deterministic; reference ``permute_reference`` (tests compare every field exactly)."""
+    Deterministic; reference ``permute_reference`` (tests compare every field exactly). Runs as
+    ``torch.ops.moe_comm.permute`` (without ``num_rows`` a compiled graph sizes the rows when it runs)."""
     _check(x, topk_idx, num_experts, alignment)
     check_quant_args("permute", x.shape[1], quant, round_scale, use_ue8m0)
-    if resolve("permute", x.device, impl, backend) == "triton":
-        return _permute_triton(x, topk_idx, num_experts, alignment, quant, round_scale, use_ue8m0, num_rows)
+    if num_rows is not None and (isinstance(num_rows, bool) or not isinstance(num_rows, int)):
+        raise ValueError(f"permute: num_rows must be an int or None, got {num_rows!r}")
+    impl = renamed_impl("permute", "impl", impl, backend)
+    out, scales, *rest = op("permute")(x, topk_idx, num_experts, alignment, quant, round_scale, use_ue8m0, num_rows,
+                                       impl)
+    return Permutation(out, scales if quant is not None else None, *rest)
+
+
+def _permute_fake(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, alignment: int, quant: Optional[str],
+                  round_scale: bool, use_ue8m0: bool, num_rows: Optional[int], impl: Optional[str]) -> tuple:
+    rows = torch.library.get_ctx().new_dynamic_size() if num_rows is None else num_rows
+    hidden = x.shape[-1]
+    if quant is None:
+        scales = no_tensor(x, torch.float32)
+    else:
+        shape, dtype = scales_shape(rows, hidden, quant, use_ue8m0)
+        scales = x.new_empty(shape, dtype=dtype)
+    index = topk_idx.new_empty
+    return (x.new_empty(rows, hidden, dtype=FORMATS[quant] if quant else x.dtype), scales,
+            index(num_experts + 1, dtype=torch.int64), index(num_experts, dtype=torch.int32),
+            index(topk_idx.shape, dtype=torch.int64), index(rows, dtype=torch.int64), index(rows, dtype=torch.int32))
+
+
+@define("permute(Tensor x, Tensor topk_idx, int num_experts, int alignment, str? quant, bool round_scale, "
+        "bool use_ue8m0, SymInt? num_rows, str? impl) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        _permute_fake)
+def _permute_op(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, alignment: int, quant: Optional[str],
+                round_scale: bool, use_ue8m0: bool, num_rows: Optional[int], impl: Optional[str]) -> tuple:
+    """``permute``'s fields as a tuple (scales empty without ``quant``), after every check (an op may be called
+    directly), those that read ``topk_idx`` included."""
+    _check(x, topk_idx, num_experts, alignment)
+    check_quant_args("permute", x.shape[1], quant, round_scale, use_ue8m0)
+    if topk_idx.device.type == "cpu":  # elsewhere it would cost a host sync
+        _check_ids(topk_idx, num_experts)
+    if resolve("permute", x.device, impl) == "triton":
+        fields = _permute_triton(x, topk_idx, num_experts, alignment, quant, round_scale, use_ue8m0, num_rows)
+    else:
+        fields = _permute_native(x, topk_idx, num_experts, alignment, quant, round_scale, use_ue8m0, num_rows)
+    return (fields[0], no_tensor(x, torch.float32) if fields[1] is None else fields[1], *fields[2:])
+
+
+def _permute_native(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, alignment: int,
+                    quant: Optional[str], round_scale: bool, use_ue8m0: bool, num_rows: Optional[int]) -> tuple:
     torch_npu = torch_npu_for(x)
     if torch_npu is not None and alignment == 1 and quant in (None, "int8"):
-        return Permutation(*permute_npu(torch_npu, x, topk_idx, num_experts, quant,
-                                        lambda offsets: _num_rows(offsets, num_rows)))
+        return permute_npu(torch_npu, x, topk_idx, num_experts, quant, lambda offsets: _num_rows(offsets, num_rows))
     flat = topk_idx.reshape(-1)
     experts, order = torch.sort(flat, stable=True)  # -1 first, then by expert, flat order within
     skipped = int((flat < 0).sum())
@@ -118,12 +158,11 @@ def permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, alignm
         take_rows(out, x, torch.where(source >= 0, source // topk_idx.shape[1], -1))
         if quant is not None:
             out, scales = quantize_reference(out, quant, round_scale=round_scale, use_ue8m0=use_ue8m0)
-    return Permutation(out, scales, offsets, per_expert.to(torch.int32), row_of.view_as(topk_idx), source,
-                       expert_of_row)
+    return (out, scales, offsets, per_expert.to(torch.int32), row_of.view_as(topk_idx), source, expert_of_row)
 
 
 def _permute_triton(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, alignment: int,
-                    quant: Optional[str], round_scale: bool, use_ue8m0: bool, num_rows: Optional[int]) -> Permutation:
+                    quant: Optional[str], round_scale: bool, use_ue8m0: bool, num_rows: Optional[int]) -> tuple:
     k = kernels("permute")
     flat = topk_idx.contiguous().reshape(-1)
     blocks = max(1, -(-flat.numel() // _INDEX_BLOCK))
@@ -141,8 +180,7 @@ def _permute_triton(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, a
         k.permute_index_kernel[(blocks,)](flat, block_base.contiguous(), row_of, source, expert_of_row, flat.numel(),
                                           NUM_EXPERTS=num_experts, BLOCK=_INDEX_BLOCK)
     out, scales = launch_rows(x, rows, quant, round_scale, use_ue8m0, source=source, source_div=topk_idx.shape[1])
-    return Permutation(out, scales, offsets, per_expert.to(torch.int32), row_of.view_as(topk_idx), source,
-                       expert_of_row)
+    return (out, scales, offsets, per_expert.to(torch.int32), row_of.view_as(topk_idx), source, expert_of_row)
 
 
 def permute_reference(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, alignment: int = 1,

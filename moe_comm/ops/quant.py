@@ -15,10 +15,11 @@ import torch
 
 from ..core.native import NATIVE_DTYPES, cpu_threads, native, native_dtype, native_format
 from .fp8 import AMAX_FLOOR, GROUP, per_token_cast_back, per_token_cast_to_fp8
-from .impl import kernels, next_pow2, resolve
+from ..core.library import define, op
+from .impl import kernels, next_pow2, renamed_impl, resolve
 
 __all__ = ["FORMATS", "quantize", "quantize_reference", "dequantize", "dequantize_reference", "launch_rows",
-           "native_rows", "check_quant_args"]
+           "native_rows", "check_quant_args", "scales_shape"]
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "int8": torch.int8}
 _INT8_MAX = torch.tensor(127.0, dtype=torch.float32)
@@ -57,7 +58,8 @@ def _check_x(op: str, x: torch.Tensor) -> None:
         raise TypeError(f"{op}: x must be bfloat16, float16 or float32, got {x.dtype}")
 
 
-def _scales_shape(rows: int, hidden: int, fmt: str, use_ue8m0: bool) -> tuple[tuple[int, ...], torch.dtype]:
+def scales_shape(rows: int, hidden: int, fmt: str, use_ue8m0: bool) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of the scales of ``rows`` tokens of ``hidden`` channels in ``fmt`` (``fp8`` for either FP8)."""
     if fmt == "int8":
         return (rows,), torch.float32
     if use_ue8m0:
@@ -70,7 +72,7 @@ def _row_outputs(x: torch.Tensor, num_rows: int, fmt: Optional[str], use_ue8m0: 
     out = torch.empty(num_rows, x.shape[1], dtype=FORMATS[fmt] if fmt else x.dtype, device=x.device)
     if fmt is None:
         return out, None
-    shape, dtype = _scales_shape(num_rows, x.shape[1], fmt, use_ue8m0)
+    shape, dtype = scales_shape(num_rows, x.shape[1], fmt, use_ue8m0)
     return out, torch.empty(shape, dtype=dtype, device=x.device)
 
 
@@ -125,9 +127,30 @@ def quantize(x: torch.Tensor, fmt: str = "e4m3", *, round_scale: bool = False, u
         INT8: ``(q [T, H] int8, scales [T] fp32)``.
     Same bits on every backend; reference ``quantize_reference``.
     """
+    _check_quantize(x, fmt, round_scale, use_ue8m0)
+    q, scales = op("quantize")(x, fmt, round_scale, use_ue8m0, renamed_impl("quantize", "impl", impl, backend))
+    return q, scales
+
+
+def _check_quantize(x: torch.Tensor, fmt: Optional[str], round_scale: bool, use_ue8m0: bool) -> None:
     _check_x("quantize", x)
+    if fmt is None:
+        raise ValueError(f"quantize: fmt must be one of {sorted(FORMATS)}, got None")
     check_quant_args("quantize", x.shape[1], fmt, round_scale, use_ue8m0)
-    if resolve("quantize", x.device, impl, backend) == "triton":
+
+
+def _quantize_fake(x: torch.Tensor, fmt: str, round_scale: bool, use_ue8m0: bool,
+                   impl: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    shape, dtype = scales_shape(x.shape[0], x.shape[-1], fmt, use_ue8m0)
+    return x.new_empty(x.shape, dtype=FORMATS.get(fmt, torch.int8)), x.new_empty(shape, dtype=dtype)
+
+
+@define("quantize(Tensor x, str fmt, bool round_scale, bool use_ue8m0, str? impl) -> (Tensor, Tensor)",
+        _quantize_fake)
+def _quantize_op(x: torch.Tensor, fmt: str, round_scale: bool, use_ue8m0: bool,
+                 impl: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_quantize(x, fmt, round_scale, use_ue8m0)
+    if resolve("quantize", x.device, impl) == "triton":
         return launch_rows(x, x.shape[0], fmt, round_scale, use_ue8m0)
     if x.device.type == "cpu":
         return native_rows(x, x.shape[0], fmt, round_scale, use_ue8m0)
@@ -151,17 +174,37 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch
                impl: Optional[str] = None, backend: Optional[str] = None) -> torch.Tensor:
     """``q * scale`` in fp32, rounded to ``dtype``: `[T, H]`. ``q`` FP8 with fp32 `[T, H / 128]` or UE8M0
     int32 `[T, H / 512]` scales, or int8 with fp32 `[T]` scales. Reference ``dequantize_reference``."""
+    _check_dequantize(q, scales)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dequantize: dtype must be a torch.dtype, got {dtype!r}")
+    return op("dequantize")(q, scales, dtype, renamed_impl("dequantize", "impl", impl, backend))
+
+
+def _check_dequantize(q: torch.Tensor, scales: torch.Tensor) -> None:
     if q.dim() != 2 or q.dtype not in FORMATS.values():
         raise ValueError(f"dequantize: q must be [T, H] float8_e4m3fn, float8_e5m2 or int8, got "
                          f"{q.dtype} {list(q.shape)}")
     fmt = "int8" if q.dtype == torch.int8 else "fp8"
     use_ue8m0 = scales.dtype == torch.int32
-    expected, _ = _scales_shape(q.shape[0], q.shape[1], fmt, use_ue8m0)
+    expected, _ = scales_shape(q.shape[0], q.shape[1], fmt, use_ue8m0)
     if tuple(scales.shape) != expected or scales.dtype not in (torch.float32, torch.int32) or \
             (fmt == "int8" and use_ue8m0):
         raise ValueError(f"dequantize: scales for {q.dtype} {list(q.shape)} must be float32 {list(expected)}"
                          f"{' (or UE8M0 int32)' if fmt == 'fp8' else ''}, got {scales.dtype} {list(scales.shape)}")
-    if resolve("dequantize", q.device, impl, backend) != "triton":
+    if scales.device != q.device:
+        raise ValueError(f"dequantize: scales must be on q's device {q.device}, got {scales.device}")
+
+
+def _dequantize_fake(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, impl: Optional[str]) -> torch.Tensor:
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+@define("dequantize(Tensor q, Tensor scales, ScalarType dtype, str? impl) -> Tensor", _dequantize_fake)
+def _dequantize_op(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, impl: Optional[str]) -> torch.Tensor:
+    _check_dequantize(q, scales)
+    fmt = "int8" if q.dtype == torch.int8 else "fp8"
+    use_ue8m0 = scales.dtype == torch.int32
+    if resolve("dequantize", q.device, impl) != "triton":
         if q.device.type == "cpu" and dtype in NATIVE_DTYPES:
             return _native_dequantize(q, scales, dtype, fmt, use_ue8m0)
         return dequantize_reference(q, scales, dtype)

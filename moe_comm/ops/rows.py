@@ -9,6 +9,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from ..core.library import define, op
 from ..core.native import cpu_threads, native
 
 __all__ = ["take_rows", "take_rows_reference", "check_index", "check_on_cpu", "check_rows_index"]
@@ -52,14 +53,32 @@ def take_rows(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
     the entry otherwise). Local. (On CPU the native row copy, whose large copies bypass the cache;
     ``torch.index_select`` does not.)
     Reference: ``take_rows_reference``."""
+    _check_take(out, src, rows)
+    op("take_rows")(out, src, rows)
+
+
+def _check_take(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
+    if out.device.type == "cpu":
+        check_on_cpu("take_rows", {"src": src, "rows": rows})
+    elif src.device != out.device or rows.device != out.device:
+        raise ValueError(f"take_rows: src and rows must be on out's device {out.device}, got {src.device} and "
+                         f"{rows.device}")
     if (out.dim() != 2 or src.dim() != 2 or out.shape[1] != src.shape[1] or out.element_size() != src.element_size()
             or rows.shape != (out.shape[0],) or out.stride(1) != 1):
         raise ValueError(f"take_rows: out {list(out.shape)} {out.dtype} (strides {out.stride()}), src "
                          f"{list(src.shape)} {src.dtype} and rows {list(rows.shape)} do not fit")
+
+
+def _take_rows_fake(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
+    return None
+
+
+@define("take_rows(Tensor(a!) out, Tensor src, Tensor rows) -> ()", _take_rows_fake)
+def _take_rows_op(out: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
+    _check_take(out, src, rows)
     if out.device.type != "cpu":
         return take_rows_reference(out, src, rows)
     check_rows_index("take_rows", "rows", rows, out.shape[0])
-    check_on_cpu("take_rows", {"src": src, "rows": rows})
     item = src.element_size()
     rows = rows.contiguous()
     segment = (src.data_ptr(), src.stride(0) * item, src.stride(1) * item, item, src.shape[1], 0, src.shape[0])

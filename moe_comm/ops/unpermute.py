@@ -7,7 +7,8 @@ import torch
 
 from ..core.native import NATIVE_DTYPES
 from .combine_reduce import combine_reduce
-from .impl import kernels, next_pow2, resolve
+from ..core.library import define, op
+from .impl import kernels, next_pow2, renamed_impl, resolve
 from .records import Field, RecordLayout
 
 __all__ = ["unpermute_reduce", "unpermute_reduce_reference"]
@@ -29,8 +30,6 @@ def _check(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor) ->
     if row_of.device != y.device or topk_weights.device != y.device:
         raise ValueError(f"unpermute_reduce: row_of and topk_weights must be on y's device {y.device}, got "
                          f"{row_of.device} and {topk_weights.device}")
-    if y.device.type == "cpu":  # elsewhere it would cost a host sync
-        _check_rows(y, row_of)
 
 
 def _check_rows(y: torch.Tensor, row_of: torch.Tensor) -> None:
@@ -49,9 +48,26 @@ def unpermute_reduce(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.
     order makes results repeat bit for bit on a backend; backends may differ by fp32 rounding (FMA).
     Reference ``unpermute_reduce_reference`` (fp64)."""
     _check(y, row_of, topk_weights)
-    out_dtype = out_dtype or y.dtype
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"unpermute_reduce: out_dtype must be a torch.dtype or None, got {out_dtype!r}")
+    return op("unpermute_reduce")(y, row_of, topk_weights, out_dtype or y.dtype,
+                                  renamed_impl("unpermute_reduce", "impl", impl, backend))
+
+
+def _unpermute_reduce_fake(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype,
+                           impl: Optional[str]) -> torch.Tensor:
+    return y.new_empty(row_of.shape[0], y.shape[-1], dtype=out_dtype)
+
+
+@define("unpermute_reduce(Tensor y, Tensor row_of, Tensor topk_weights, ScalarType out_dtype, str? impl) -> Tensor",
+        _unpermute_reduce_fake)
+def _unpermute_reduce_op(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype,
+                         impl: Optional[str]) -> torch.Tensor:
+    _check(y, row_of, topk_weights)
+    if y.device.type == "cpu":  # elsewhere it would cost a host sync
+        _check_rows(y, row_of)
     num_tokens, num_topk = row_of.shape
-    if resolve("unpermute_reduce", y.device, impl, backend) == "triton":
+    if resolve("unpermute_reduce", y.device, impl) == "triton":
         out = torch.empty(num_tokens, y.shape[1], dtype=out_dtype, device=y.device)
         if out.numel():
             block = min(_BLOCK_H, next_pow2(y.shape[1]))
