@@ -20,6 +20,7 @@ from ..core.errors import bad_argument
 from ..protocol.handle import NormalHandle
 from ..protocol.internode_layout import check_tokens_per_node, tokens_per_node
 from ..transport.mpi import as_comm
+from . import library
 from .event import EventHandle, EventOverlap
 from .low_latency import LowLatencyAPI, XType
 from .low_latency_args import low_latency_buffer_bytes
@@ -127,6 +128,8 @@ class Buffer(LowLatencyAPI):
         self.rank, self.group_size = self.runtime.rank, self.runtime.num_ranks
         #: DeepEP's node split of the group: its internode forms apply when ``topology.internode``
         self.topology = self.runtime.topology
+        #: how a compiled graph names this buffer: an id, and the state tensor its calls write (``library``)
+        self._op_id, self._op_state = library.register(self)
 
     def __repr__(self) -> str:
         return (f"Buffer(rank {self.rank} of {self.group_size}, {self.backend_choice}"
@@ -225,6 +228,7 @@ class Buffer(LowLatencyAPI):
         return EventOverlap()
 
     # ------------------------------------------------------------------ normal mode
+    @library.traced_as(library.get_dispatch_layout)
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False
@@ -253,6 +257,7 @@ class Buffer(LowLatencyAPI):
         event = EventOverlap(EventHandle()) if async_finish else EventOverlap()
         return layout.num_tokens_per_rank, per_node, layout.num_tokens_per_expert, layout.is_token_in_rank, event
 
+    @library.traced_as(library.dispatch)
     @agreed_call("dispatch")
     def dispatch(self, x: XType, handle: Optional[tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
@@ -321,6 +326,7 @@ class Buffer(LowLatencyAPI):
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
                 handle_out, event)
 
+    @library.traced_as(library.combine)
     @agreed_call("combine")
     def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None] = None,

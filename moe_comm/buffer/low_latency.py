@@ -11,6 +11,7 @@ from ..backends.base import Backend, agreed_call
 from ..core.checks import check_bools, check_int, check_tensor
 from ..core.errors import bad_argument
 from ..protocol.handle import LowLatencyHandle
+from . import library
 from .event import EventHandle, EventOverlap
 from .low_latency_args import check_ll_combine, check_ll_counts, check_ll_dispatch, check_ll_sizes, check_rdma_bytes
 from .variant_knobs import LOW_LATENCY_COMBINE, LOW_LATENCY_DISPATCH, reject_unsupported
@@ -38,6 +39,7 @@ class LowLatencyAPI:
         if not self.low_latency_mode:
             raise RuntimeError(f"{op}: needs a Buffer created with low_latency_mode=True (as DeepEP requires)")
 
+    @library.traced_as(library.clean_low_latency_buffer)
     @agreed_call("clean_low_latency_buffer")
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """DeepEP's reset of both low-latency buffers. Collective: a barrier with the deadline.
@@ -47,6 +49,7 @@ class LowLatencyAPI:
         check_ll_sizes(op, num_max_dispatch_tokens_per_rank, hidden, num_experts, self.group_size, self.num_rdma_bytes)
         self.runtime.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
+    @library.traced_as(library.low_latency_dispatch)
     @agreed_call("low_latency_dispatch")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -100,6 +103,7 @@ class LowLatencyAPI:
         event, hook = self._ll_end(result.receive, async_finish, return_recv_hook, (args.x, args.topk_idx) + outputs)
         return recv_x, result.recv_count, result.handle.as_tuple(), event, hook
 
+    @library.traced_as(library.low_latency_combine)
     @agreed_call("low_latency_combine")
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
@@ -147,6 +151,7 @@ class LowLatencyAPI:
         event, hook = self._ll_end(receive, async_finish, return_recv_hook, (x, topk_idx, topk_weights, combined))
         return combined, event, hook
 
+    @library.traced_as(library.get_next_low_latency_combine_buffer)
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
         """The bf16 `[E_loc, R * M, H]` buffer that a following ``low_latency_combine(...,
         zero_copy=True)`` reads: write the expert outputs into it, then combine, with no other

@@ -24,11 +24,10 @@ def check_tensor(op: str, name: str, t: Any, *, shape: Sequence[Optional[int]],
                  dtype: Optional[DTypes] = None, device: Optional[torch.device] = None) -> torch.Tensor:
     """Checks that ``t`` is a tensor of ``shape`` (None = any size), ``dtype`` (one or several) on
     ``device``; returns it."""
-    dims = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
     if not isinstance(t, torch.Tensor):
-        bad_argument(op, name, f"a tensor {dims}", describe(t), kind=TypeError)
+        bad_argument(op, name, f"a tensor {_dims(shape)}", describe(t), kind=TypeError)
     if t.dim() != len(shape) or any(s is not None and s != got for s, got in zip(shape, t.shape)):
-        bad_argument(op, name, f"shaped {dims}", describe(t))
+        bad_argument(op, name, f"shaped {_dims(shape)}", describe(t))
     if dtype is not None:
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if t.dtype not in allowed:
@@ -37,6 +36,11 @@ def check_tensor(op: str, name: str, t: Any, *, shape: Sequence[Optional[int]],
     if device is not None and t.device != device:
         bad_argument(op, name, f"on {device} (the device of x)", describe(t))
     return t
+
+
+def _dims(shape: Sequence[Optional[int]]) -> str:
+    # Worded only on failure: a compiled graph's symbolic sizes cannot be turned into text.
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
 
 
 def check_int(op: str, name: str, value: Any, *, minimum: int) -> int:

@@ -115,7 +115,8 @@ def _pick(table: dict[int, tuple[int, int, int, int]], num_ranks: int, num_sms: 
     check_int(op, "num_ranks", num_ranks, minimum=1)
     # No whitelist: a rank count DeepEP never tuned takes the nearest tuned entry at or above it
     # (the largest for bigger groups); 1 rank takes the 2-rank entry.
-    key = min((k for k in table if k >= num_ranks), default=max(table))
+    at_or_above = [k for k in table if k >= num_ranks]  # (a list, not min(generator, default=): torch.compile traces it)
+    key = min(at_or_above) if at_or_above else max(table)
     return Config(num_sms, *table[key])
 
 

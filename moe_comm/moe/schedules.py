@@ -29,12 +29,9 @@ def num_micro_batches(mode: str, num_chunks: int) -> int:
 def micro_batches(num_tokens: int, count: int) -> list[slice]:
     """``count`` consecutive token ranges, the first ``num_tokens % count`` one token longer (some may
     be empty); the split every mode and the reference use."""
-    size, extra = divmod(num_tokens, count)
-    bounds, start = [], 0
-    for i in range(count):
-        end = start + size + (i < extra)
-        bounds.append(slice(start, end))
-        start = end
+    # (no divmod: torch.compile traces this with a symbolic num_tokens)
+    size, extra = num_tokens // count, num_tokens % count
+    bounds = [slice(i * size + min(i, extra), (i + 1) * size + min(i + 1, extra)) for i in range(count)]
     return bounds
 
 
