@@ -1,0 +1,245 @@
+"""moe-comm under ``torch.compile``, run inside ranks: the Buffer's calls and the EP-MoE layer compiled with
+``fullgraph=True`` against the same calls run eagerly, ``torch.library.opcheck`` of the Buffer's ops, and
+bad input inside a compiled call. Every function resets Dynamo first: the ranks of a pooled world live
+across tests."""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from moe_comm.buffer import library
+from moe_comm.core.library import op
+
+from helpers.low_latency_cases import ll_buffer, routing
+from helpers.moe_cases import global_experts, make_buffer, max_tokens, rank_inputs
+
+#: opcheck's checks: the schema (declared mutation and aliasing), the autograd registration, the fake
+#: against the real outputs, and the op traced by AOTAutograd with dynamic shapes
+OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+#: the ops ``buffer_opchecks`` checks (on ranks: they communicate)
+BUFFER_OPS = {"low_latency_dispatch", "low_latency_combine", "low_latency_receive", "clean_low_latency_buffer",
+              "get_next_low_latency_combine_buffer", "get_dispatch_layout", "dispatch", "cached_dispatch", "combine"}
+
+
+def bits(t: Any) -> str:
+    """A digest of the bytes of a tensor, a tuple of them, or None."""
+    if t is None:
+        return "None"
+    if isinstance(t, (tuple, list)):
+        return ",".join(bits(p) for p in t)
+    if not isinstance(t, torch.Tensor):
+        return repr(t)
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16] + str(list(t.shape))
+
+
+def raised(fn: Callable[[], Any]) -> str:
+    """``type: message`` of what ``fn`` raises, or ``no exception``."""
+    try:
+        fn()
+    except Exception as exc:  # the test compares type and message
+        return f"{type(exc).__name__}: {exc}"
+    return "no exception"
+
+
+def _compiled(fn: Callable, **kw: Any) -> Callable:
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- low-latency
+def low_latency_steps(group: dist.ProcessGroup, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``clean_low_latency_buffer -> low_latency_dispatch -> low_latency_combine`` compiled and eager (twice
+    each, alternating):
+    outputs, handles and stats bit for bit, with hooks or without, BF16 or FP8."""
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    t, h, k, e = cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"]
+    hook, fp8 = cfg["hook"], cfg["fp8"]
+    buf = ll_buffer(group, t, h, e)
+    torch.manual_seed(100 + rank)
+    x = torch.randn(t, h).bfloat16()
+    topk_idx, topk_weights = routing(t, e, k, 100 + rank)
+
+    def step(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, stats: torch.Tensor):
+        buf.clean_low_latency_buffer(t, h, e)
+        recv, count, handle, _, recv_hook = buf.low_latency_dispatch(
+            x, topk_idx, t, e, cumulative_local_expert_recv_stats=stats, use_fp8=fp8, return_recv_hook=hook)
+        if hook:
+            recv_hook()
+        rows = (recv[0].float() * recv[1].repeat_interleave(128, dim=2)).bfloat16() if fp8 else recv * 2
+        out, _, combine_hook = buf.low_latency_combine(rows, topk_idx, topk_weights, handle, return_recv_hook=hook)
+        if hook:
+            combine_hook()
+        return recv, count, handle[0], handle[1], out
+
+    compiled = _compiled(step)
+    results: dict[str, list[str]] = {"eager": [], "compiled": []}
+    try:
+        for _ in range(2):
+            for name, fn in (("eager", step), ("compiled", compiled)):
+                stats = torch.zeros(e // ranks, dtype=torch.int32)
+                results[name].append(bits(fn(x, topk_idx, topk_weights, stats)) + bits(stats))
+    finally:
+        buf.destroy()
+    return results
+
+
+def low_latency_bad_input(group: dist.ProcessGroup) -> dict[str, str]:
+    """Rank 1 routes to an expert that does not exist, eagerly then inside a compiled call: what each rank
+    raises, then whether the next (good) compiled call still matches eager."""
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    t, h, e = 8, 256, 4 * ranks
+    buf = ll_buffer(group, t, h, e)
+    x = torch.randn(t, h).bfloat16()
+    good, weights = routing(t, e, 2, rank)
+    bad = good.clone()
+    if rank == 1:
+        bad[3, 0] = e + 5
+
+    def step(x: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        recv, _, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, t, e, use_fp8=False)
+        return buf.low_latency_combine(recv, topk_idx.clamp(min=-1), weights, handle)[0]
+
+    compiled = _compiled(step)
+    try:
+        out = {"eager": raised(lambda: step(x, bad)), "compiled": raised(lambda: compiled(x, bad))}
+        out["next_equal"] = bits(compiled(x, good)) == bits(step(x, good))
+    finally:
+        buf.destroy()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- normal mode
+def normal_steps(group: dist.ProcessGroup, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``get_dispatch_layout -> dispatch -> cached dispatch -> combine`` compiled (an unbacked receive size,
+    or ``num_worst_tokens``) and eager, twice each: every output bit for bit."""
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    t, h, k, e, worst, fp8 = cfg["tokens"][rank], cfg["hidden"], cfg["topk"], cfg["experts"], cfg["worst"], cfg["fp8"]
+    buf = moe_comm.Buffer(group, explicitly_destroy=True, timeout_s=60)
+    torch.manual_seed(200 + rank)
+    x = torch.randn(t, h).bfloat16()
+    topk_idx, topk_weights = routing(t, e, k, 200 + rank)
+
+    def step(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, e)
+        data = moe_comm.ops.quantize(x, "e4m3") if fp8 else x
+        recv, recv_idx, recv_weights, counts, handle, event = buf.dispatch(
+            data, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=worst, async_finish=True)
+        event.current_stream_wait()
+        again = buf.dispatch(data, handle=handle)[0]
+        rows = moe_comm.ops.dequantize(*recv) if fp8 else recv
+        combined, combined_weights, _ = buf.combine(rows, handle, topk_weights=recv_weights)
+        return recv, again, recv_idx, recv_weights, counts, handle, combined, combined_weights
+
+    compiled = _compiled(step)
+    results: dict[str, list[str]] = {"eager": [], "compiled": []}
+    try:
+        for _ in range(2):
+            for name, fn in (("eager", step), ("compiled", compiled)):
+                outs = list(fn(x, topk_idx, topk_weights))
+                outs[4] = torch.as_tensor(outs[4], dtype=torch.int32)  # the per-expert list is a tensor when compiled
+                results[name].append(bits(tuple(outs)))
+    finally:
+        buf.destroy()
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- opcheck
+def buffer_opchecks(group: dist.ProcessGroup) -> dict[str, str]:
+    """``torch.library.opcheck`` of every Buffer op with real arguments on every rank (each check runs
+    the op, so every rank runs the same checks in the same order); the receive gets a new send per check.
+    Returns the failures (empty when every check passed) and which ops were checked."""
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    t, h, k, e = 6, 256, 2, 2 * ranks
+    failures: dict[str, str] = {}
+    checked: list[str] = []
+
+    def check(name: str, args: tuple, utils: tuple = OPCHECKS) -> None:
+        checked.append(name)
+        try:
+            torch.library.opcheck(op(name), args, test_utils=utils)
+        except Exception as exc:  # reported by name
+            failures[f"{name} {utils}"] = f"{type(exc).__name__}: {exc}; caused by {exc.__cause__!r}"[:1500]
+
+    torch.manual_seed(rank)
+    x = torch.randn(t, h).bfloat16()
+    topk_idx, topk_weights = routing(t, e, k, rank)
+    ll = ll_buffer(group, t, h, e)
+    normal = moe_comm.Buffer(group, explicitly_destroy=True, timeout_s=60)
+    try:
+        i, s = ll._op_id, ll._op_state
+        stats = torch.zeros(e // ranks, dtype=torch.int32)
+        for fp8 in (False, True):
+            check("low_latency_dispatch", (i, s, x, topk_idx, t, e, stats, None, fp8, False, False, False))
+        recv, _, _, src_info, layout_range, *_ = op("low_latency_dispatch")(i, s, x, topk_idx, t, e, None, None,
+                                                                            False, False, False, False)
+        check("low_latency_combine", (i, s, recv, topk_idx, topk_weights, src_info, layout_range, t, h, e, False,
+                                      None, None, False))
+        check("low_latency_combine", (i, s, recv, topk_idx, topk_weights, src_info, layout_range, t, h, e, False,
+                                      torch.empty(t, h, dtype=torch.bfloat16), None, False))
+        check("get_next_low_latency_combine_buffer", (i, s, src_info, layout_range, t, h, e))
+        check("clean_low_latency_buffer", (i, s, t, h, e))
+        # A receive runs once: a new send for each check (received at once if the check did not). Not
+        # test_aot_dispatch_dynamic, which runs the op twice on the same arguments; the compiled hook calls of
+        # low_latency_steps run the receive inside AOTAutograd's graphs instead.
+        for util in (c for c in OPCHECKS if c != "test_aot_dispatch_dynamic"):
+            sent = op("low_latency_dispatch")(i, s, x, topk_idx, t, e, None, None, False, False, False, True)
+            check("low_latency_receive", (i, s, sent[5], list(sent[:5])), (util,))
+            if int(sent[5]) in library._RECEIVES:  # the check did not run the op: receive, as every rank must
+                op("low_latency_receive")(i, s, sent[5], list(sent[:5]))
+        i, s = normal._op_id, normal._op_state
+        check("get_dispatch_layout", (i, topk_idx, e))
+        per_rank, _, per_expert, in_rank = op("get_dispatch_layout")(i, topk_idx, e)
+        config = [20, 6, 256, 6, 256]
+        for worst in (0, 3 * t):
+            check("dispatch", (i, s, x, None, per_rank, in_rank, per_expert, topk_idx, topk_weights, 1, worst,
+                               config, None))
+        out = op("dispatch")(i, s, x, None, per_rank, in_rank, per_expert, topk_idx, topk_weights, 1, 0, config, None)
+        handle = list(out[5:11])
+        check("cached_dispatch", (i, s, x, None, handle, config))
+        check("combine", (i, s, out[0], handle, out[3], None, None, config))
+    finally:
+        ll.destroy()
+        normal.destroy()
+    return {"failures": failures, "checked": sorted(set(checked))}
+
+
+# ---------------------------------------------------------------------------------------------- EP-MoE
+def compiled_layer(group: dist.ProcessGroup, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``EPMoE`` in ``cfg["mode"]`` compiled with ``fullgraph=True`` against eager, bit for bit, on two token
+    counts and then the first again; how many frames compiled; ``torch._dynamo.explain``'s graph breaks
+    (normal modes with ``capture_dynamic_output_shape_ops``, which ``fullgraph=True`` implies: their receive
+    size is data)."""
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    mode, fp8, experts, hidden = cfg["mode"], cfg["fp8"], cfg["experts"], cfg["hidden"]
+    first, second = cfg["tokens"], cfg["tokens_again"]
+    m = max(max_tokens(mode, first), max_tokens(mode, second))
+    everything = global_experts(experts, hidden, cfg["inter"], fp8, cfg["seed"])
+    local = experts // ranks
+    inputs = [rank_inputs(tokens, hidden, cfg["topk"], experts, cfg["seed"] + i) for i, tokens in
+              enumerate((first, second))]
+    mine = [tuple(part[rank] for part in drawn) for drawn in inputs]
+    buffer = make_buffer(group, mode, m, hidden, experts)
+    layer = moe_comm.EPMoE(buffer, everything.select(rank * local, local), experts, mode=mode, num_chunks=2,
+                           num_max_dispatch_tokens_per_rank=m)
+    normal = mode not in moe_comm.moe.LOW_LATENCY_MODES
+    try:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=normal):
+            explained = torch._dynamo.explain(layer)(*mine[0])
+        counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+        compiled = _compiled(layer, backend=counter, dynamic=True)
+        outs = [compiled(*mine[0])]
+        frames_after_first = counter.frame_count
+        outs += [compiled(*mine[0]), compiled(*mine[1]), compiled(*mine[0])]
+        eager = [layer(*mine[0]), layer(*mine[1])]
+    finally:
+        buffer.destroy()
+    return {"equal": [bits(o) == bits(eager[j]) for o, j in zip(outs, (0, 0, 1, 0))],
+            "graph_breaks": explained.graph_break_count, "graphs": explained.graph_count,
+            "frames_after_first": frames_after_first, "frames": counter.frame_count}
