@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import torch
 
 from ..core.config import Config
-from ..core.library import define, no_tensor, op
+from ..core.library import NAMESPACE, define, no_tensor, op
 from .event import EventOverlap
 
 __all__ = ["register", "traced_as", "low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer",
@@ -464,3 +464,62 @@ def combine(self: Any, x: torch.Tensor, handle: tuple, topk_weights: Optional[to
 def _not_traceable(name: str, what: str) -> None:
     raise NotImplementedError(f"{name}: {what} cannot be compiled with torch.compile; call it outside the compiled "
                               f"region")
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+# Normal mode's two calls are each other's adjoints (DeepEP's and Megatron-Core's convention): the gradient
+# of a dispatch is the combine of its received rows' gradients (with the received weights' gradients where
+# the dispatch kept a weight: the slots of the receiving rank's experts), and the gradient of a combine is
+# a cached dispatch of its outputs' gradients. A backward call chains from the state its forward call
+# returned; backward calls are ordered among themselves by the gradients they pass on.
+def _dispatch_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, topk_weights = inputs[2], inputs[8]
+    ctx.buffer, ctx.config, ctx.weighted = inputs[0], inputs[11], topk_weights is not None
+    ctx.hidden, ctx.dtype = x.shape[1], x.dtype
+    ctx.save_for_backward(output[2], *output[5:12])  # recv_topk_idx, the handle, the state
+
+
+def _dispatch_backward(ctx: Any, grad_x: Optional[torch.Tensor], _scales: Any, _idx: Any,
+                       grad_weights: Optional[torch.Tensor], *_rest: Any) -> tuple:
+    recv_idx, *handle, state = ctx.saved_tensors
+    if grad_x is None:
+        grad_x = torch.zeros((handle[3].shape[0], ctx.hidden), dtype=ctx.dtype, device=recv_idx.device)
+    weights = None
+    if ctx.weighted and ctx.needs_input_grad[8]:
+        weights = torch.zeros(recv_idx.shape, dtype=torch.float32, device=recv_idx.device) if grad_weights is None \
+            else torch.where(recv_idx >= 0, grad_weights, 0.0)
+    combined, combined_weights, _ = op("combine")(ctx.buffer, state, grad_x.contiguous(), handle, weights, None, None,
+                                                  ctx.config)
+    return (None, None, combined if ctx.needs_input_grad[2] else None, None, None, None, None, None,
+            combined_weights if weights is not None else None, None, None, None, None)
+
+
+def _combine_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x = inputs[2]
+    ctx.buffer, ctx.config, ctx.hidden, ctx.dtype = inputs[0], inputs[7], x.shape[1], x.dtype
+    ctx.given = tuple(t is not None for t in inputs[4:7])  # topk_weights, bias0, bias1
+    ctx.num_topk = 0 if inputs[4] is None else inputs[4].shape[1]
+    ctx.save_for_backward(*inputs[3], output[2])  # the handle, the state
+
+
+def _combine_backward(ctx: Any, grad_out: Optional[torch.Tensor], grad_weights: Optional[torch.Tensor],
+                      _state: Any) -> tuple:
+    *handle, state = ctx.saved_tensors
+    tokens, device = handle[4].shape[0], handle[4].device
+    if grad_out is None:
+        grad_out = torch.zeros((tokens, ctx.hidden), dtype=ctx.dtype, device=device)
+    grad_out = grad_out.contiguous()
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[2]:
+        grad_x, _, state = op("cached_dispatch")(ctx.buffer, state, grad_out, None, handle, ctx.config)
+    if ctx.given[0] and ctx.needs_input_grad[4]:
+        if grad_weights is None:
+            grad_weights = torch.zeros((tokens, ctx.num_topk), dtype=torch.float32, device=device)
+        grad_w, _, _ = op("cached_dispatch")(ctx.buffer, state, grad_weights.contiguous(), None, handle, ctx.config)
+    bias = tuple(grad_out if given and needed else None for given, needed in zip(ctx.given[1:],
+                                                                                  ctx.needs_input_grad[5:7]))
+    return (None, None, grad_x, [None] * len(handle), grad_w) + bias + (None,)
+
+
+torch.library.register_autograd(f"{NAMESPACE}::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
+torch.library.register_autograd(f"{NAMESPACE}::combine", _combine_backward, setup_context=_combine_setup)

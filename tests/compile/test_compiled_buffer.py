@@ -1,12 +1,14 @@
 """``Buffer``'s calls under ``torch.compile`` on real ranks: each is a ``torch.ops.moe_comm`` op that passes
 ``torch.library.opcheck``; low-latency and normal-mode steps compiled with ``fullgraph=True`` give eager's
-bits (hooks, FP8, stats, cached dispatch, an unbacked receive size or ``num_worst_tokens``); a rank's bad
-input inside a compiled call raises what it raises eagerly, on every rank, and the next call works."""
+bits (hooks, FP8, stats, cached dispatch, an unbacked receive size or ``num_worst_tokens``); normal mode's
+gradients are the adjoints of its calls; a rank's bad input inside a compiled call raises what it raises
+eagerly, on every rank, and the next call works."""
 from __future__ import annotations
 
 import pytest
 
-from helpers.compile_cases import BUFFER_OPS, buffer_opchecks, low_latency_bad_input, low_latency_steps, normal_steps
+from helpers.compile_cases import (BUFFER_OPS, buffer_opchecks, low_latency_bad_input, low_latency_steps,
+                                   normal_adjoints, normal_steps)
 from helpers.tiers import exhaustive
 
 
@@ -39,3 +41,12 @@ def test_bad_input_in_a_compiled_call_fails_every_rank_as_eager(worlds):
         assert result["eager"].startswith("ValueError: " if rank == 1 else "CrossRankMismatchError: "), result
         assert "topk_idx must be expert ids in [-1, 8)" in result["eager"]
         assert result["next_equal"]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager_ops"])
+def test_normal_mode_gradients_are_the_adjoint_calls(worlds, compiled):
+    for result in worlds(2).run(normal_adjoints, compiled):
+        assert result["dispatch"][0] == result["dispatch"][1]   # sum <dispatch(x), g> == sum <x, grad>
+        assert result["combine"][0] == result["combine"][1]
+        assert result["dispatch_grad_is_a_combine"] and result["combine_grad_is_a_cached_dispatch"]
+        assert result["nonzero"]

@@ -203,6 +203,12 @@ def buffer_opchecks(group: dist.ProcessGroup) -> dict[str, str]:
         handle = list(out[5:11])
         check("cached_dispatch", (i, s, x, None, handle, config))
         check("combine", (i, s, out[0], handle, out[3], None, None, config))
+        # the autograd formulas: float32 inputs that require grad
+        xf, wf = x.float().requires_grad_(), topk_weights.clone().requires_grad_()
+        check("dispatch", (i, s, xf, None, per_rank, in_rank, per_expert, topk_idx, wf, 1, 0, config, None))
+        rows = out[0].float().requires_grad_()
+        bias = torch.randn(t, h).requires_grad_()
+        check("combine", (i, s, rows, handle, out[3].clone().requires_grad_(), bias, bias.detach().clone(), config))
     finally:
         ll.destroy()
         normal.destroy()
@@ -243,3 +249,68 @@ def compiled_layer(group: dist.ProcessGroup, cfg: dict[str, Any]) -> dict[str, A
     return {"equal": [bits(o) == bits(eager[j]) for o, j in zip(outs, (0, 0, 1, 0))],
             "graph_breaks": explained.graph_break_count, "graphs": explained.graph_count,
             "frames_after_first": frames_after_first, "frames": counter.frame_count}
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+def _dot(pairs: list[tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup) -> float:
+    """Sum over ranks of sum(a * b) over ``pairs``, in float64 (the inputs hold small integers: exact)."""
+    total = torch.tensor([sum(float((a.double() * b.double()).sum()) for a, b in pairs)], dtype=torch.float64)
+    dist.all_reduce(total, group=group)
+    return float(total)
+
+
+def normal_adjoints(group: dist.ProcessGroup, compiled: bool) -> dict[str, Any]:
+    """Gradients of a dispatch and of a combine (compiled with ``fullgraph=True``, or the ops called eagerly):
+    each is the adjoint of its forward map, ``sum <f(x), g> == sum <x, grad>`` over ranks, exactly on
+    integer-valued float32 data, and equals Megatron-Core's convention computed with eager Buffer calls
+    (a combine of the gradients; a cached dispatch)."""
+    rank = dist.get_rank(group)
+    t, h, k, e = 7 + 3 * rank, 128, 3, 8
+    buf = moe_comm.Buffer(group, explicitly_destroy=True, timeout_s=60)
+    gen = torch.Generator().manual_seed(300 + rank)
+    ints = lambda *shape: torch.randint(-3, 4, shape, generator=gen).float()  # noqa: E731
+    topk_idx, _ = routing(t, e, k, 300 + rank)
+    x, w = ints(t, h).requires_grad_(), ints(t, k).requires_grad_()
+
+    def dispatch(x: torch.Tensor, w: torch.Tensor):
+        recv, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=topk_idx, topk_weights=w, num_experts=e)
+        return recv, recv_w, handle
+
+    def combine(rows: torch.Tensor, rows_w: torch.Tensor, handle: tuple):
+        out, out_w, _ = buf.combine(rows, handle, topk_weights=rows_w)
+        return out, out_w
+
+    if compiled:
+        torch._dynamo.reset()
+        dispatch, combine = (torch.compile(f, fullgraph=True) for f in (dispatch, combine))
+    else:  # the ops themselves, eagerly: the Buffer methods are not differentiable outside a graph
+        def dispatch(x: torch.Tensor, w: torch.Tensor):  # noqa: F811
+            per_rank, _, per_expert, in_rank = op("get_dispatch_layout")(buf._op_id, topk_idx, e)
+            out = op("dispatch")(buf._op_id, buf._op_state, x, None, per_rank, in_rank, per_expert, topk_idx, w, 1, 0,
+                                 [20, 6, 256, 6, 256], e)
+            return out[0], out[3], tuple(out[5:11])
+
+        def combine(rows: torch.Tensor, rows_w: torch.Tensor, handle: tuple):  # noqa: F811
+            out = op("combine")(buf._op_id, buf._op_state, rows, list(handle), rows_w, None, None, [20, 6, 256, 6, 256])
+            return out[0], out[1]
+    try:
+        recv, recv_w, handle = dispatch(x, w)
+        g_recv, g_recv_w = ints(*recv.shape), ints(*recv_w.shape)
+        ((recv * g_recv).sum() + (recv_w * g_recv_w).sum()).backward()
+        rows, rows_w = ints(*recv.shape).requires_grad_(), ints(*recv_w.shape).requires_grad_()
+        out, out_w = combine(rows, rows_w, handle)
+        g_out, g_out_w = ints(*out.shape), ints(*out_w.shape)
+        ((out * g_out).sum() + (out_w * g_out_w).sum()).backward()
+        eager_handle = tuple(t.detach() for t in handle)
+        megatron_dispatch_grad = buf.combine(g_recv, eager_handle)[0]
+        megatron_combine_grad = buf.dispatch(g_out, handle=eager_handle)[0]
+        return {
+            "dispatch": (_dot([(recv.detach(), g_recv), (recv_w.detach(), g_recv_w)], group),
+                         _dot([(x.detach(), x.grad), (w.detach(), w.grad)], group)),
+            "combine": (_dot([(out.detach(), g_out), (out_w.detach(), g_out_w)], group),
+                        _dot([(rows.detach(), rows.grad), (rows_w.detach(), rows_w.grad)], group)),
+            "dispatch_grad_is_a_combine": torch.equal(x.grad, megatron_dispatch_grad),
+            "combine_grad_is_a_cached_dispatch": torch.equal(rows.grad, megatron_combine_grad),
+            "nonzero": bool(x.grad.abs().sum() > 0 and w.grad.abs().sum() > 0 and rows_w.grad.abs().sum() > 0)}
+    finally:
+        buf.destroy()
