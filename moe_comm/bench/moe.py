@@ -11,7 +11,10 @@ arrived); and overlap efficiency = (t_comm + t_comp - t_layer) / min(t_comm, t_c
 when the shorter part is hidden completely. ``cpu/wall`` is the CPU time a rank's process used per
 second of the case (1.0 = one core busy), which shows whether communication leaves a core free for
 compute to overlap into; ``overlap_bound`` is the speed-up a perfect overlap could reach on that
-basis. Outputs are checked bit for bit against ``ep_moe_reference`` before timing.
+basis. Outputs are checked bit for bit against ``ep_moe_reference`` before timing. With ``--compile``,
+each (transport, mode) also times the layer compiled (``torch.compile(EPMoE, fullgraph=True,
+dynamic=True)``, checked bit for bit like the eager one) and reports its compile time (the first
+call's, the slowest rank).
 """
 from __future__ import annotations
 
@@ -99,6 +102,7 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
 
     checks: dict[str, float] = {}
     cases: dict[str, Callable[[], Any]] = {}
+    compile_s: dict[str, float] = {}
     for mode in cfg["modes"]:
         expected = ep_moe_reference(xs, idxs, weights, experts, mode, chunks)[rank]
         for name in cfg["transports"]:
@@ -114,6 +118,16 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
             cases[f"{name}_{mode}_comm"] = functools.partial(schedules.run, mode, comm_only, x, idx, w, chunks)
             cases[f"{name}_{mode}_compute"] = functools.partial(
                 lambda stages, got: [stages.compute(r) for r in got], recording.stages, recording.received)
+            if cfg["compile"]:
+                compiled = torch.compile(moe_comm.EPMoE(bufs[name], mine, E, mode=mode, num_chunks=chunks,
+                                                        num_max_dispatch_tokens_per_rank=m), fullgraph=True,
+                                         dynamic=True)
+                start = time.perf_counter()
+                out = compiled(x, idx, w)
+                compile_s[f"{name}_{mode}"] = time.perf_counter() - start
+                checks[f"{name}_{mode}_compiled_mismatched"] = float(not torch.equal(out.view(torch.int16),
+                                                                                     expected.view(torch.int16)))
+                cases[f"{name}_{mode}_compiled"] = functools.partial(compiled, x, idx, w)
     require_all_ranks(not any(checks.values()), "moe", rank, checks, group)
 
     cpu: dict[str, list[float]] = {name: [] for name in cases}
@@ -129,10 +143,13 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     times = time_cases({n: with_cpu(n, fn) for n, fn in cases.items()}, group, cfg["warmup"], cfg["iters"])
     cpu_median = torch.tensor([percentile(cpu[n][cfg["warmup"]:], 50) for n in cases], dtype=torch.float64)
     dist.all_reduce(cpu_median, group=group)  # mean over ranks, below
+    slowest_compile = torch.tensor(list(compile_s.values()), dtype=torch.float64)
+    dist.all_reduce(slowest_compile, op=dist.ReduceOp.MAX, group=group)
     res = gather_results(times, {n: 0.0 for n in cases}, checks, group)
     if res is None:
         return None
     res["cpu_s"] = dict(zip(cases, (cpu_median / R).tolist()))
+    res["compile_s"] = dict(zip(compile_s, slowest_compile.tolist()))
     return {**res, "threads_per_rank": torch.get_num_threads(), "kernel_threads_per_rank": cpu_threads()}
 
 
@@ -156,6 +173,11 @@ def _rows(res: dict[str, Any], cfg: dict[str, Any]) -> tuple[list[dict[str, Any]
                          "overlap_bound": (t_comm + t_comp) / max(t_comm, t_comp, (cpu_comm + cpu_comp) / cores),
                          "times_us": {part: by[f"{name}_{mode}_{part}"]["times_us"]
                                       for part in ("layer", "comm", "compute")}})
+            if f"{name}_{mode}_compiled" in by:
+                compiled = by[f"{name}_{mode}_compiled"]
+                rows[-1].update(compiled_us=compiled["median_us"], compiled_vs_eager=t_layer / compiled["median_us"],
+                                compile_s=res["compile_s"][f"{name}_{mode}"])
+                rows[-1]["times_us"]["compiled"] = compiled["times_us"]
     base = {r["transport"]: r["layer_us"] for r in rows if r["mode"] == "sequential"}
     for r in rows:
         if r["transport"] in base and r["mode"] in ("sequential", "chunked"):
@@ -180,7 +202,8 @@ COLUMNS = [("transport", "transport"), ("mode", "mode"), ("layer_us", "layer_us"
            ("sum_us", "comm+compute_us"), ("overlap_eff", "overlap_eff"), ("vs_sequential", "vs_sequential(x)"),
            ("cpu_per_wall_comm", "cpu/wall comm"), ("cpu_per_wall_compute", "cpu/wall compute"),
            ("cpu_per_wall_layer", "cpu/wall layer"),
-           ("overlap_bound", "overlap_bound(x)")]
+           ("overlap_bound", "overlap_bound(x)"), ("compiled_us", "compiled_us"),
+           ("compiled_vs_eager", "eager/compiled(x)"), ("compile_s", "compile_s")]
 
 
 def report(results: list[dict[str, Any]], command: str, launcher: str, *, cfgs: Sequence[dict[str, Any]],
@@ -235,6 +258,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="also time the layer under torch.compile(fullgraph=True, dynamic=True), and its compile time")
     add_output_args(p, "moe")
     return p.parse_args(argv)
 
@@ -243,4 +268,4 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m moe_comm.b
     """Parses ``argv``, runs every token count on the launched (or spawned) ranks and reports."""
     launch_token_counts("moe", run_rank, report, parse_args(argv, prog),
                         ("hidden", "inter", "topk", "experts", "num_chunks", "fp8", "modes", "warmup", "iters", "seed",
-                         "transports"), command_line(prog, argv))
+                         "transports", "compile"), command_line(prog, argv))

@@ -255,3 +255,14 @@ def test_routing_benchmarks_refuse_a_bad_shape_before_launching(bench, flags, me
     done = subprocess.run([sys.executable, "-m", "moe_comm.bench", bench, "--ranks", "2", *flags],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and f"{bench}: {message}" in done.stderr, done.stderr[-2000:]
+
+
+def test_moe_benchmark_times_the_compiled_layer(tmp_path):
+    _bench("moe", "--compile", "--modes", "sequential", "low_latency", cwd=tmp_path)
+    record = json.loads((tmp_path / "moe_comm_bench_out" / "moe.json").read_text())
+    run = record["runs"][0]
+    assert record["config"]["compile"] is True
+    assert not any(run["checks_max_over_ranks"].values())  # the compiled layer too, bit for bit
+    assert {f"{r['transport']}_{r['mode']}_compiled_mismatched" for r in run["rows"]} <= set(run["checks_max_over_ranks"])
+    for row in run["rows"]:
+        assert row["compiled_us"] > 0 and row["compile_s"] > 0 and row["compiled_vs_eager"] > 0, row
