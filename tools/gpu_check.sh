@@ -66,7 +66,7 @@ assert c.device_count() > 0, 'moe_comm._cuda sees no GPU'"
 
 # --- correctness of moe_comm._cuda against moe_comm._cuda_host, bitwise
 # emulated ranks (one launch serves R ranks), R = 2, 4, 8: normal bf16 / FP8, low latency bf16 / FP8 / UE8M0
-TAIL=30 step pytest_emulated 55 "$PY" -m pytest -q -p no:cacheprovider tests/csrc/test_cuda_build.py -k emulat \
+TAIL=30 step pytest_emulated 44 "$PY" -m pytest -q -p no:cacheprovider tests/csrc/test_cuda_build.py -k emulat \
   --junitxml "$OUT/pytest_emulated.xml"
 # 2 and 4 processes on the one GPU, buffers shared over CUDA IPC (intranode, internode over IPC, low latency)
 TAIL=20 step ipc 45 "$PY" $GC/ipc_ranks.py --ranks 2 4 --timeout 8 --deadline 20 --json "$OUT/ipc.json"
@@ -75,13 +75,16 @@ TAIL=20 step ipc 45 "$PY" $GC/ipc_ranks.py --ranks 2 4 --timeout 8 --deadline 20
 TAIL=20 step nvshmem 40 "$PY" $GC/ipc_ranks.py --link nvshmem --ranks 2 4 --timeout 8 --deadline 18 \
   --cases internode_bf16 internode_fp8 ll_bf16 ll_fp8 --json "$OUT/nvshmem.json"
 # CUDA-graph capture and replay of the low-latency launches, 8 emulated ranks
-step graph 25 "$PY" $GC/graph.py --ranks 8 --replays 3 --json "$OUT/graph.json"
+step graph 20 "$PY" $GC/graph.py --ranks 8 --replays 3 --json "$OUT/graph.json"
 # the Buffer-level decode step (dispatch + hook + combine + hook) captured in one CUDA graph by 2 processes,
 # replayed 100 times against eager; then a replay with another hidden size on one rank must fail every rank
-step buffer_graph 40 "$PY" $GC/buffer_graph.py --ranks 2 --replays 100 --timeout 10 --json "$OUT/buffer_graph.json"
+step buffer_graph 35 "$PY" $GC/buffer_graph.py --ranks 2 --replays 100 --timeout 10 --json "$OUT/buffer_graph.json"
+# the same step under torch.compile(mode="reduce-overhead", fullgraph=True): Inductor's CUDA graphs over the
+# torch.ops.moe_comm ops, 20 calls against eager
+step compiled_graph 30 "$PY" $GC/buffer_graph.py --ranks 2 --compiled 20 --timeout 10 --json "$OUT/compiled_graph.json"
 
 # --- the benchmark (DeepEP's shapes and byte formulas, the device's copy bandwidth of the same run)
-TAIL=30 step bench 60 "$PY" $GC/bench.py --budget-s 32 --json "$OUT/bench.json"
+TAIL=30 step bench 50 "$PY" $GC/bench.py --budget-s 24 --json "$OUT/bench.json"
 
 # --- compute-sanitizer on the emulated R=2 case (it may refuse the device: the log says so). Without torch's
 # caching allocator every tensor is its own cudaMalloc, so an access past a tensor's end is one memcheck sees.

@@ -364,3 +364,14 @@ def test_stand_in_refuses_a_list_where_cuda_takes_one_value():
     with pytest.raises(AssertionError, match="argument 1"):
         fake._split("combine", (1, [256, 256], 512, 0, 0, *([0] * 12), 0))
     assert fake._split("prologue", (3, 0)) == [(3,), (3,)]
+
+
+def test_buffer_graph_compiled_calls_on_the_host_build(tmp_path):
+    """buffer_graph.py --compiled on the cuda_host backend: the decode step under torch.compile (without CUDA
+    graphs: CPU tensors) equals the eager step bitwise on every call, and an eager step after it too."""
+    out = tmp_path / "cg.json"
+    proc = _run(GC / "buffer_graph.py", "--ranks", 2, "--backend", "cuda_host", "--compiled", 4, "--timeout", 30,
+                "--json", out, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert rec["ok"] and all(r["compiled"] == 4 and not r["compiled_unequal"] for r in rec["checks"]["R2"]["ranks"])

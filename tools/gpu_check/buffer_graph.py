@@ -14,11 +14,18 @@ CrossRankMismatchError at its hook), then captured: every rank replays its graph
 eager step must raise CrossRankMismatchError on every rank; the step after it must equal its
 reference again.
 
+``--compiled N`` runs, instead of the capture and the mismatch, the same step under
+``torch.compile(step, mode="reduce-overhead", fullgraph=True)`` (Inductor's CUDA graphs over the
+``torch.ops.moe_comm`` ops) N times on the input sets in turn, each call's outputs against the eager
+ones bitwise, then an eager step after them.
+
 ``--backend cuda_host`` runs the eager half (references twice, the mismatched eager step, the recovery)
-on the host build with CPU tensors: the harness without a GPU. The graph half needs the GPU: with
-``--backend cuda`` and no GPU the record fails, saying so.
+and the compiled calls (compiled without CUDA graphs: the tensors are on the CPU) on the host build: the
+harness without a GPU. The graph half needs the GPU: with ``--backend cuda`` and no GPU the record
+fails, saying so.
 
     python tools/gpu_check/buffer_graph.py --ranks 2 --replays 100 --json OUT.json
+    python tools/gpu_check/buffer_graph.py --ranks 2 --compiled 20 --json OUT.json
     python tools/gpu_check/buffer_graph.py --ranks 2 --backend cuda_host
 """
 from __future__ import annotations
@@ -51,8 +58,9 @@ def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(torch.equal(bits(u), bits(v)) for u, v in zip(a, b))
 
 
-def rank_main(group, backend: str, replays: int, timeout_s: float) -> dict:
-    """One rank: its references, graph replays and the mismatch; returns what it saw."""
+def rank_main(group, backend: str, replays: int, timeout_s: float, compiled: int = 0) -> dict:
+    """One rank: its references, then graph replays and the mismatch, or ``compiled`` compiled calls;
+    returns what it saw."""
     import torch
 
     import moe_comm
@@ -82,6 +90,19 @@ def rank_main(group, backend: str, replays: int, timeout_s: float) -> dict:
     refs = [[t.clone() for t in step(*s)] for s in sets]
     sync()
     seen: dict = {"rank": rank, "eager_repeats_equal": all(_same(step(*s), r) for s, r in zip(sets, refs))}
+    if compiled:
+        fast = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        bad = []
+        for i in range(compiled):
+            outs = fast(*sets[i % SETS])
+            sync()
+            if not _same(outs, refs[i % SETS]):
+                bad.append(i)
+        seen["compiled"], seen["compiled_unequal"] = compiled, bad[:10]
+        seen["recovered_equal"] = _same(step(*sets[2]), refs[2])  # an eager step after the compiled ones
+        sync()
+        buf.destroy()
+        return seen
     if device == "cuda":
         static = [t.clone() for t in sets[0]]
         graph = torch.cuda.CUDAGraph()
@@ -126,14 +147,17 @@ def rank_main(group, backend: str, replays: int, timeout_s: float) -> dict:
     return seen
 
 
-def check(R: int, backend: str, replays: int, timeout_s: float) -> dict:
+def check(R: int, backend: str, replays: int, timeout_s: float, compiled: int = 0) -> dict:
     from moe_comm.launch import LocalWorld
     if backend == "cuda":
         import torch
         if not torch.cuda.is_available():
             return {"ok": False, "error": "the graph half needs the GPU (torch.cuda.is_available() is False)"}
     with LocalWorld(R, backend="gloo", timeout_s=timeout_s * 4, threads_per_rank=1) as world:
-        ranks = world.run(rank_main, backend, replays, timeout_s)
+        ranks = world.run(rank_main, backend, replays, timeout_s, compiled)
+    if compiled:
+        ok = all(r["eager_repeats_equal"] and r["recovered_equal"] and not r["compiled_unequal"] for r in ranks)
+        return {"ok": ok, "ranks": ranks}
     ok = all(r["eager_repeats_equal"] and r["recovered_equal"] and r["mismatch"].startswith("CrossRankMismatchError")
              and r.get("replayed_mismatch", "CrossRankMismatchError").startswith("CrossRankMismatchError")
              and not r.get("replays_unequal") and r.get("eager_after_replays_equal", True) for r in ranks)
@@ -146,11 +170,13 @@ def main(argv=None) -> int:
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--backend", choices=("cuda", "cuda_host"), default="cuda")
     ap.add_argument("--timeout", type=float, default=10.0, help="each Buffer's deadline (s)")
+    ap.add_argument("--compiled", type=int, default=0,
+                    help="instead of the capture: this many calls of the step under torch.compile(mode='reduce-overhead')")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    rec = Record(args.json, backend=args.backend, replays=args.replays)
+    rec = Record(args.json, backend=args.backend, replays=args.replays, compiled=args.compiled)
     for R in args.ranks:
-        rec.check(f"R{R}", lambda R=R: check(R, args.backend, args.replays, args.timeout))
+        rec.check(f"R{R}", lambda R=R: check(R, args.backend, args.replays, args.timeout, args.compiled))
     return rec.finish()
 
 
