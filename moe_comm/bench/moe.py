@@ -119,6 +119,14 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
             cases[f"{name}_{mode}_compute"] = functools.partial(
                 lambda stages, got: [stages.compute(r) for r in got], recording.stages, recording.received)
             if cfg["compile"]:
+                # Every (transport, mode) is another EPMoE on the one code object EPMoE.forward: raise Dynamo's
+                # limit of compiled versions per code object (8) above their count, and drop the versions of
+                # an earlier token count's buffers. (Layers of one model that share a Buffer and a mode share
+                # one compiled version.)
+                if not compile_s:
+                    torch._dynamo.reset()
+                limit = len(cfg["transports"]) * len(cfg["modes"]) + 1
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
                 compiled = torch.compile(moe_comm.EPMoE(bufs[name], mine, E, mode=mode, num_chunks=chunks,
                                                         num_max_dispatch_tokens_per_rank=m), fullgraph=True,
                                          dynamic=True)

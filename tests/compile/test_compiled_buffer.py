@@ -24,6 +24,9 @@ def test_low_latency_steps_compile_with_eager_bits(worlds, hook, fp8):
     for result in worlds(2).run(low_latency_steps, cfg):
         assert result["compiled"] == result["eager"]
         assert len(set(result["eager"])) == 1  # the same bits on every call
+        # two compiled steps of clean, dispatch, combine (and two receives with hooks), each call in the
+        # buffer's chain (eager calls do not go through the ops)
+        assert result["op_calls"] == 2 * (5 if hook else 3)
 
 
 @pytest.mark.parametrize("worst,fp8", [(0, False), (40, True), exhaustive(0, True), exhaustive(40, False)])

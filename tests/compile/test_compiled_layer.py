@@ -1,6 +1,7 @@
 """``EPMoE`` under ``torch.compile(fullgraph=True, dynamic=True)`` in every mode on real ranks: bit for bit
 eager on two token counts, one frame compiled (no recompile for another token count or the same shapes
-again), and ``torch._dynamo.explain`` finds one graph and no break."""
+again, nor for another layer on the same buffer in the same mode), and ``torch._dynamo.explain`` finds
+one graph and no break."""
 from __future__ import annotations
 
 import pytest
@@ -25,3 +26,4 @@ def test_layer_compiles_into_one_graph_with_eager_bits(worlds, world_size, mode,
         assert result["equal"] == [True] * 4
         assert (result["graphs"], result["graph_breaks"]) == (1, 0)
         assert result["frames_after_first"] == result["frames"] == 1
+        assert result["other_layer_equal"] and result["frames_with_another_layer"] == 1

@@ -77,12 +77,13 @@ def low_latency_steps(group: dist.ProcessGroup, cfg: dict[str, Any]) -> dict[str
         return recv, count, handle[0], handle[1], out
 
     compiled = _compiled(step)
-    results: dict[str, list[str]] = {"eager": [], "compiled": []}
+    results: dict[str, Any] = {"eager": [], "compiled": []}
     try:
         for _ in range(2):
             for name, fn in (("eager", step), ("compiled", compiled)):
                 stats = torch.zeros(e // ranks, dtype=torch.int32)
                 results[name].append(bits(fn(x, topk_idx, topk_weights, stats)) + bits(stats))
+        results["op_calls"] = int(buf._op_state[0])  # the state counts the calls made through ops
     finally:
         buf.destroy()
     return results
@@ -244,11 +245,19 @@ def compiled_layer(group: dist.ProcessGroup, cfg: dict[str, Any]) -> dict[str, A
         frames_after_first = counter.frame_count
         outs += [compiled(*mine[0]), compiled(*mine[1]), compiled(*mine[0])]
         eager = [layer(*mine[0]), layer(*mine[1])]
+        frames = counter.frame_count
+        # another layer of the model (other weights) on the same buffer, in the same mode, compiled apart:
+        # it runs the first layer's compiled code (its weights are inputs of the graph)
+        other = moe_comm.EPMoE(buffer, global_experts(experts, hidden, cfg["inter"], fp8, cfg["seed"] + 9).select(
+            rank * local, local), experts, mode=mode, num_chunks=2, num_max_dispatch_tokens_per_rank=m)
+        other_equal = bits(torch.compile(other, fullgraph=True, backend=counter, dynamic=True)(*mine[1])) == \
+            bits(other(*mine[1]))
     finally:
         buffer.destroy()
     return {"equal": [bits(o) == bits(eager[j]) for o, j in zip(outs, (0, 0, 1, 0))],
             "graph_breaks": explained.graph_break_count, "graphs": explained.graph_count,
-            "frames_after_first": frames_after_first, "frames": counter.frame_count}
+            "frames_after_first": frames_after_first, "frames": frames, "other_layer_equal": other_equal,
+            "frames_with_another_layer": counter.frame_count}
 
 
 # ---------------------------------------------------------------------------------------------- autograd

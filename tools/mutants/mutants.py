@@ -330,4 +330,32 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "term left out): other bits than torch's casts",
         hints=("tests/ops/test_fused_ops.py",),
     ),
+    # ------------------------------------------------------------------ torch.compile (moe_comm/buffer/library.py)
+    Mutant(
+        id="fake-scales-row-major",
+        file="moe_comm/buffer/library.py",
+        old="scales = x.new_empty((local, width, rows), dtype=dtype).transpose(1, 2)",
+        new="scales = x.new_empty((local, rows, width), dtype=dtype)",
+        description="the fake of the low-latency dispatch gives its FP8 scales row-major where the call returns "
+                    "them column-major (DeepEP's layout): a compiled graph assumes the wrong strides",
+        hints=("tests/compile/test_compiled_buffer.py",),
+    ),
+    Mutant(
+        id="state-not-chained",
+        file="moe_comm/buffer/library.py",
+        old="    *outputs, buffer._op_state = result\n",
+        new="    *outputs, _ = result\n",
+        description="a compiled call drops the state its op returns: the buffer's calls no longer form one "
+                    "chain, so the compiler may reorder them or drop one whose outputs go unused",
+        hints=("tests/compile/test_compiled_buffer.py",),
+    ),
+    Mutant(
+        id="dispatch-backward-unmasked-weights",
+        file="moe_comm/buffer/library.py",
+        old="else torch.where(recv_idx >= 0, grad_weights, 0.0)",
+        new="else grad_weights",
+        description="the dispatch's backward sums the received weights' gradients at every slot, also where the "
+                    "dispatch set the weight to 0 (another rank's expert): wrong top-k weight gradients",
+        hints=("tests/compile/test_compiled_buffer.py",),
+    ),
 )
