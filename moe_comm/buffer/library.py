@@ -385,12 +385,16 @@ def _dispatch_op(buffer: int, state: torch.Tensor, x: torch.Tensor, x_scales: Op
         (_next(state),)
 
 
+def _rows_fake(x: torch.Tensor, rows: Any, extra: Optional[torch.Tensor], state: torch.Tensor) -> tuple:
+    """The fake outputs of a call that returns ``rows`` rows of ``x``, the same rows of ``extra`` (or an empty
+    float32 tensor), and the state."""
+    second = no_tensor(x, torch.float32) if extra is None else x.new_empty((rows, extra.shape[1]), dtype=extra.dtype)
+    return x.new_empty((rows, x.shape[1])), second, torch.empty_like(state)
+
+
 def _cached_dispatch_fake(buffer: int, state: torch.Tensor, x: torch.Tensor, x_scales: Optional[torch.Tensor],
                           handle: list[torch.Tensor], config: list[int]) -> tuple[torch.Tensor, ...]:
-    rows = handle[3].shape[0]
-    scales = no_tensor(x, torch.float32) if x_scales is None else \
-        x.new_empty((rows, x_scales.shape[1]), dtype=x_scales.dtype)
-    return x.new_empty((rows, x.shape[1])), scales, torch.empty_like(state)
+    return _rows_fake(x, handle[3].shape[0], x_scales, state)  # the rows of the handle's dispatch
 
 
 @define("cached_dispatch(int buffer, Tensor state, Tensor x, Tensor? x_scales, Tensor[] handle, int[] config) "
@@ -430,10 +434,7 @@ def dispatch(self: Any, x: Any, handle: Optional[tuple] = None, num_tokens_per_r
 def _combine_fake(buffer: int, state: torch.Tensor, x: torch.Tensor, handle: list[torch.Tensor],
                   topk_weights: Optional[torch.Tensor], bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor],
                   config: list[int]) -> tuple[torch.Tensor, ...]:
-    tokens = handle[4].shape[0]
-    weights = no_tensor(x, torch.float32) if topk_weights is None else \
-        x.new_empty((tokens, topk_weights.shape[1]), dtype=torch.float32)
-    return x.new_empty((tokens, x.shape[1])), weights, torch.empty_like(state)
+    return _rows_fake(x, handle[4].shape[0], topk_weights, state)  # the tokens of the handle's dispatch
 
 
 @define("combine(int buffer, Tensor state, Tensor x, Tensor[] handle, Tensor? topk_weights, Tensor? bias0, "

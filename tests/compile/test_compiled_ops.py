@@ -12,7 +12,8 @@ import torch
 from moe_comm import ops
 from moe_comm.core.library import NAMESPACE, op
 
-from helpers.compile_cases import BUFFER_OPS, OPCHECKS, raised
+from helpers.compile_cases import BUFFER_OPS, OPCHECKS
+from helpers.ll_hook_cases import _raises
 
 T, H, I, E, K = 16, 256, 128, 4, 2
 
@@ -120,10 +121,10 @@ def _decreasing_offsets(d):
                          ids=lambda f: f.__name__.strip("_"))
 def test_bad_values_raise_the_eager_error_inside_a_compiled_call(case):
     d = _inputs(3)
-    eager = raised(lambda: case(d))
+    eager = _raises(lambda: case(d))
     assert eager.startswith("ValueError: "), eager
     torch._dynamo.reset()
-    assert raised(lambda: torch.compile(case, fullgraph=True)(d)) == eager
+    assert _raises(lambda: torch.compile(case, fullgraph=True)(d)) == eager
 
 
 def _direct_calls() -> list:

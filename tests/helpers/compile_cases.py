@@ -14,6 +14,7 @@ import moe_comm
 from moe_comm.buffer import library
 from moe_comm.core.library import op
 
+from helpers.ll_hook_cases import _raises
 from helpers.low_latency_cases import ll_buffer, routing
 from helpers.moe_cases import global_experts, make_buffer, max_tokens, rank_inputs
 
@@ -35,15 +36,6 @@ def bits(t: Any) -> str:
     if not isinstance(t, torch.Tensor):
         return repr(t)
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16] + str(list(t.shape))
-
-
-def raised(fn: Callable[[], Any]) -> str:
-    """``type: message`` of what ``fn`` raises, or ``no exception``."""
-    try:
-        fn()
-    except Exception as exc:  # the test compares type and message
-        return f"{type(exc).__name__}: {exc}"
-    return "no exception"
 
 
 def _compiled(fn: Callable, **kw: Any) -> Callable:
@@ -107,7 +99,7 @@ def low_latency_bad_input(group: dist.ProcessGroup) -> dict[str, str]:
 
     compiled = _compiled(step)
     try:
-        out = {"eager": raised(lambda: step(x, bad)), "compiled": raised(lambda: compiled(x, bad))}
+        out = {"eager": _raises(lambda: step(x, bad)), "compiled": _raises(lambda: compiled(x, bad))}
         out["next_equal"] = bits(compiled(x, good)) == bits(step(x, good))
     finally:
         buf.destroy()
@@ -118,7 +110,7 @@ def low_latency_bad_input(group: dist.ProcessGroup) -> dict[str, str]:
 def normal_steps(group: dist.ProcessGroup, cfg: dict[str, Any]) -> dict[str, Any]:
     """``get_dispatch_layout -> dispatch -> cached dispatch -> combine`` compiled (an unbacked receive size,
     or ``num_worst_tokens``) and eager, twice each: every output bit for bit."""
-    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     t, h, k, e, worst, fp8 = cfg["tokens"][rank], cfg["hidden"], cfg["topk"], cfg["experts"], cfg["worst"], cfg["fp8"]
     buf = moe_comm.Buffer(group, explicitly_destroy=True, timeout_s=60)
     torch.manual_seed(200 + rank)
