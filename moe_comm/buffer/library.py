@@ -117,6 +117,12 @@ def _next(state: torch.Tensor) -> torch.Tensor:
     return state + 1
 
 
+def _filled(outputs: Sequence[torch.Tensor], *stats: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    """What a hook call's receive fills, in the order the op and its twin both name them: the send's
+    outputs, then the stats tensors given."""
+    return list(outputs) + [t for t in stats if t is not None]
+
+
 def _ticket(receive: Callable[[], None], filled: list[torch.Tensor]) -> torch.Tensor:
     ticket = next(_TICKETS)
     _RECEIVES[ticket] = (receive, filled)
@@ -184,8 +190,7 @@ def _ll_dispatch_op(buffer: int, state: torch.Tensor, x: torch.Tensor, topk_idx:
         use_ue8m0=use_ue8m0, return_recv_hook=send_only)
     data, scales = recv_x if use_fp8 else (recv_x, no_tensor(x, torch.float32))
     outputs = (data, scales, count, handle[0], handle[1])
-    filled = list(outputs) + [t for t in (recv_stats, wait_stats) if t is not None]
-    ticket = _ticket(hook, filled) if send_only else torch.zeros(1, dtype=torch.int64)
+    ticket = _ticket(hook, _filled(outputs, recv_stats, wait_stats)) if send_only else torch.zeros(1, dtype=torch.int64)
     return _fresh(outputs, (x, topk_idx)) + (ticket, _next(state))
 
 
@@ -204,9 +209,8 @@ def low_latency_dispatch(self: Any, x: torch.Tensor, topk_idx: torch.Tensor, num
     handle = (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
     hook = None
     if return_recv_hook:
-        filled = [recv_x, scales, count, src_info, layout_range] + \
-            [t for t in (cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats) if t is not None]
-        hook = _hook(self, ticket, filled)
+        hook = _hook(self, ticket, _filled((recv_x, scales, count, src_info, layout_range),
+                                           cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats))
     return (recv_x, scales) if use_fp8 else recv_x, count, handle, _event(async_finish), hook
 
 
@@ -230,8 +234,7 @@ def _ll_combine_op(buffer: int, state: torch.Tensor, x: torch.Tensor, topk_idx: 
     combined, _, hook = _buffer(buffer, "low_latency_combine").low_latency_combine(
         x, topk_idx, topk_weights, (src_info, layout_range, m, hidden, num_experts), use_logfmt=use_logfmt,
         out=out, combine_wait_recv_cost_stats=wait_stats, return_recv_hook=send_only)
-    filled = [combined] + [t for t in (wait_stats,) if t is not None]
-    ticket = _ticket(hook, filled) if send_only else torch.zeros(1, dtype=torch.int64)
+    ticket = _ticket(hook, _filled((combined,), wait_stats)) if send_only else torch.zeros(1, dtype=torch.int64)
     return (no_tensor(x) if out is not None else _fresh((combined,), (x, topk_idx, topk_weights))[0]), ticket, \
         _next(state)
 
@@ -246,20 +249,20 @@ def low_latency_combine(self: Any, x: torch.Tensor, topk_idx: torch.Tensor, topk
     if zero_copy:
         _not_traceable("low_latency_combine", "zero_copy=True (a graph cannot see writes into the buffer "
                        "get_next_low_latency_combine_buffer returned); pass the rows with zero_copy=False")
-    src_info, layout_range, m, hidden, num_experts = _ll_handle(handle)
+    src_info, layout_range, m, hidden, num_experts = _ll_handle("low_latency_combine", handle)
     combined, ticket = _call(self, "low_latency_combine", x, topk_idx, topk_weights, src_info, layout_range, m, hidden,
                              num_experts, use_logfmt, out, combine_wait_recv_cost_stats, return_recv_hook)
     if out is not None:
         combined = out
     hook = None
     if return_recv_hook:
-        hook = _hook(self, ticket, [combined] + [t for t in (combine_wait_recv_cost_stats,) if t is not None])
+        hook = _hook(self, ticket, _filled((combined,), combine_wait_recv_cost_stats))
     return combined, _event(async_finish), hook
 
 
-def _ll_handle(handle: Any) -> tuple:
+def _ll_handle(name: str, handle: Any) -> tuple:
     if not isinstance(handle, (tuple, list)) or len(handle) != 5:
-        _not_traceable("low_latency_combine", "a handle that is not the 5-tuple low_latency_dispatch returned")
+        _not_traceable(name, "a handle that is not the 5-tuple low_latency_dispatch returned")
     return tuple(handle)
 
 
@@ -280,7 +283,7 @@ def _next_buffer_op(buffer: int, state: torch.Tensor, src_info: torch.Tensor, la
 
 def get_next_low_latency_combine_buffer(self: Any, handle: tuple) -> torch.Tensor:
     """``Buffer.get_next_low_latency_combine_buffer`` while tracing."""
-    src_info, layout_range, m, hidden, num_experts = _ll_handle(handle)
+    src_info, layout_range, m, hidden, num_experts = _ll_handle("get_next_low_latency_combine_buffer", handle)
     return _call(self, "get_next_low_latency_combine_buffer", src_info, layout_range, m, hidden, num_experts)[0]
 
 

@@ -15,9 +15,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..core.library import define, op
 from ..core.memory import zeros
 from .fp8 import GROUP
-from ..core.library import define, op
 from .impl import kernels, renamed_impl, resolve
 from .npu import grouped_gemm_npu, torch_npu_for
 from .quant import dequantize

@@ -71,7 +71,7 @@ def renamed_impl(op: str, name: str, impl: Optional[str], backend: Optional[str]
     if backend is None:
         return impl
     warnings.warn(f"{op}: the keyword backend= is deprecated, use {name}= (backend= names a Buffer backend)",
-                  DeprecationWarning, stacklevel=4)
+                  DeprecationWarning, stacklevel=3)  # the line that called the public function
     if impl is not None and impl != backend:
         raise ValueError(f"{op}: {name}={impl!r} and its deprecated name backend={backend!r} disagree")
     return backend

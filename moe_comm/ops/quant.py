@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch
 
+from ..core.library import define, op
 from ..core.native import NATIVE_DTYPES, cpu_threads, native, native_dtype, native_format
 from .fp8 import AMAX_FLOOR, GROUP, per_token_cast_back, per_token_cast_to_fp8
-from ..core.library import define, op
 from .impl import kernels, next_pow2, renamed_impl, resolve
 
 __all__ = ["FORMATS", "quantize", "quantize_reference", "dequantize", "dequantize_reference", "launch_rows",
@@ -128,8 +128,7 @@ def quantize(x: torch.Tensor, fmt: str = "e4m3", *, round_scale: bool = False, u
     Same bits on every backend; reference ``quantize_reference``.
     """
     _check_quantize(x, fmt, round_scale, use_ue8m0)
-    q, scales = op("quantize")(x, fmt, round_scale, use_ue8m0, renamed_impl("quantize", "impl", impl, backend))
-    return q, scales
+    return op("quantize")(x, fmt, round_scale, use_ue8m0, renamed_impl("quantize", "impl", impl, backend))
 
 
 def _check_quantize(x: torch.Tensor, fmt: Optional[str], round_scale: bool, use_ue8m0: bool) -> None:

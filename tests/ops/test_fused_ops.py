@@ -209,8 +209,9 @@ def test_the_old_name_of_impl_still_works_and_warns(monkeypatch):
     """``backend=`` (ops) and MOE_COMM_OPS_BACKEND are impl's old names: same result, a DeprecationWarning,
     and an error when they contradict the new name; ``ops.BACKENDS`` likewise."""
     want = ops.quantize(_X, "e4m3", impl="native")
-    with pytest.warns(DeprecationWarning, match=r"quantize: the keyword backend= is deprecated, use impl="):
+    with pytest.warns(DeprecationWarning, match=r"quantize: the keyword backend= is deprecated, use impl=") as seen:
         got = ops.quantize(_X, "e4m3", backend="native")
+    assert seen[0].filename == __file__  # the warning names the caller's line
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
     with pytest.warns(DeprecationWarning), \
             pytest.raises(ValueError, match=r"quantize: impl='native' and its deprecated name backend='triton' disagree"):
