@@ -6,7 +6,7 @@
         x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts)
     y, _, _ = buf.combine(expert_out, handle)
 """
-from .buffer import Buffer, EventHandle, EventOverlap, topk_idx_t
+from .buffer import Buffer, ElasticBuffer, EPHandle, EventHandle, EventOverlap, topk_idx_t
 from .core.config import Config
 from .core.errors import (BackendUnavailableError, BufferUnusableError, CommTimeoutError, CrossRankMismatchError,
                           PeerExitedError)
@@ -16,6 +16,6 @@ from .moe import EPMoE, Experts, ep_moe
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "BackendUnavailableError", "BufferUnusableError",
+__all__ = ["Buffer", "ElasticBuffer", "EPHandle", "Config", "EventHandle", "EventOverlap", "BackendUnavailableError", "BufferUnusableError",
            "CommTimeoutError", "CrossRankMismatchError", "PeerExitedError",
            "topk_idx_t", "build_info", "EPMoE", "Experts", "ep_moe", "init_from_env", "spawn", "__version__"]

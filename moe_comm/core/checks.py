@@ -57,3 +57,12 @@ def check_bools(op: str, **flags: Any) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             bad_argument(op, name, "a bool", describe(value), kind=TypeError)
+
+
+def check_flags(op: str, **flags: Any) -> dict[str, bool]:
+    """Like ``check_bools``, but also takes the ints 0 and 1 (DeepEP V2's own callers pass them); returns
+    the values as bools."""
+    for name, value in flags.items():
+        if not isinstance(value, bool) and not (isinstance(value, int) and value in (0, 1)):
+            bad_argument(op, name, "a bool (or 0 or 1)", describe(value), kind=TypeError)
+    return {name: bool(value) for name, value in flags.items()}

@@ -1,7 +1,10 @@
-"""Runs one of DeepEP v1's own test scripts, unmodified, on CPU ranks against moe-comm.
+"""Runs one of DeepEP's own test scripts (V1's and V2's), unmodified, on CPU ranks against moe-comm.
 
-    python tools/deepep_tests/run.py DEEPEP/tests/test_low_latency.py -- --num-processes 4 --use-logfmt
-    python tools/deepep_tests/run.py DEEPEP/tests/test_internode.py --nodes 2 -- --num-processes 8
+    python tools/deepep_tests/run.py DEEPEP/tests/legacy/test_low_latency.py -- --num-processes 4 --use-logfmt
+    python tools/deepep_tests/run.py DEEPEP/tests/legacy/test_internode.py --nodes 2 -- --num-processes 8
+    python tools/deepep_tests/run.py DEEPEP/tests/elastic/test_ep.py -- --num-processes 2 --num-tokens 64
+
+V2's tests (``tests/elastic``) import DeepEP's test utilities from the same checkout (``deep_ep/utils``).
 
 The script runs as DeepEP documents (``python tests/test_x.py ...`` from its folder; with ``--nodes N``,
 N copies with ``WORLD_SIZE=N RANK=i``, as on N machines), with ``cuda_on_cpu/sitecustomize.py`` first
@@ -36,6 +39,9 @@ def main(argv: list[str]) -> int:
                MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()),
                WORLD_SIZE=str(opts.nodes))
     env.setdefault("MOE_COMM_NUM_THREADS", "1")
+    utils = script.parent.parent.parent / "deep_ep" / "utils"  # V2's tests/elastic/*.py use DeepEP's utilities
+    if script.parent.name == "elastic" and utils.is_dir():
+        env["MOE_COMM_DEEPEP_UTILS"] = str(utils)
     procs = [subprocess.Popen([sys.executable, script.name, *args], cwd=script.parent, start_new_session=True,
                               env=dict(env, RANK=str(node))) for node in range(opts.nodes)]
     deadline = time.monotonic() + opts.timeout

@@ -1,11 +1,12 @@
-"""DeepEP v1's module surface (``import deep_ep``), backed by moe-comm.
+"""DeepEP's module surface (``import deep_ep``), backed by moe-comm: V1's ``Buffer`` and V2's
+``ElasticBuffer``.
 
-The names are moe-comm's own objects, not copies: ``deep_ep.Buffer is moe_comm.Buffer``. Like
-DeepEP before its V2 rewrite, there is no ``ElasticBuffer``, so engines that probe for it (vLLM's
-``has_deep_ep_v2``, SGLang's ``deepep_v2`` backend) keep to the v1 API.
-``moe_comm.integrations.install_deep_ep_alias()`` registers this module as ``deep_ep``.
+The names are moe-comm's own objects, not copies: ``deep_ep.Buffer is moe_comm.Buffer``,
+``deep_ep.ElasticBuffer is moe_comm.ElasticBuffer``. ``moe_comm.integrations.install_deep_ep_alias()``
+registers this module as ``deep_ep``.
 """
 from moe_comm.buffer import Buffer, topk_idx_t
+from moe_comm.buffer.elastic import EPHandle, ElasticBuffer, get_logical_domain_size, get_physical_domain_size
 from moe_comm.buffer.event import EventHandle, EventOverlap
 from moe_comm.core.config import Config
 
@@ -14,4 +15,5 @@ from . import utils
 #: Set on this module only, so code can tell moe-comm's ``deep_ep`` from DeepEP's.
 MOE_COMM = True
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t", "utils"]
+__all__ = ["Buffer", "Config", "ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap", "get_logical_domain_size",
+           "get_physical_domain_size", "topk_idx_t", "utils"]

@@ -7,7 +7,11 @@ What it maps, and nothing else:
 - CUDA devices become the CPU: ``device='cuda'`` in any torch call, ``.cuda()``, ``.to('cuda')``,
   ``torch.set_default_device('cuda')``; ``torch.cuda.set_device/synchronize/current_device`` are no-ops.
 - ``dist.init_process_group('nccl', device_id=...)`` becomes gloo, and ``dist.all_gather_into_tensor``
-  takes NCCL's output shapes (``[R, T, K]`` for a ``[T, K]`` input).
+  takes NCCL's output shapes (``[R, T, K]`` for a ``[T, K]`` input); ``dist.all_to_all_single`` sends
+  float8 tensors as their bytes (gloo has no float8 type).
+- For DeepEP V2's tests (``tests/elastic``), ``deep_ep.utils`` also finds DeepEP's own test utilities
+  in the checkout (``MOE_COMM_DEEPEP_UTILS``, set by ``run.py``), and ``deep_ep._C`` is a stand-in for
+  the few native calls they make (an NCCL communicator, the domain sizes).
 - DeepEP's GPU timing helpers (``bench``: CUDA events and an L2 flush; ``bench_kineto``: a CUDA
   kineto trace parsed by kernel name) become one timed call on the CPU, because the tests' tuning
   loops call them thousands of times and bench_kineto's traces hold no CUDA kernels here. Their return
@@ -17,8 +21,10 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import time
+import types
 from typing import Any
 
 
@@ -83,6 +89,17 @@ def _install_torch() -> None:
 
     dist.all_gather_into_tensor = all_gather_into_tensor
 
+    all_to_all = dist.all_to_all_single
+
+    def all_to_all_single(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        # gloo has no float8 type: its bytes travel instead (DeepEP V2's reference dispatch sends FP8 data)
+        if output.dtype in _FLOAT8 and input.dtype == output.dtype:
+            output, input = output.view(torch.uint8), input.view(torch.uint8)
+        return all_to_all(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = all_to_all_single
+    _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
 
 def _bench(fn: Any, num_warmups: int = 50, num_tests: int = 50, post_fn: Any = None) -> tuple[float, float, float]:
     start = time.perf_counter()
@@ -95,7 +112,8 @@ def _bench(fn: Any, num_warmups: int = 50, num_tests: int = 50, post_fn: Any = N
 
 def _bench_kineto(fn: Any, kernel_names: Any, num_tests: int = 30, suppress_kineto_output: bool = False,
                   trace_path: Any = None, barrier_comm_profiling: bool = False,
-                  num_kernels_per_period: int = 1) -> Any:
+                  num_kernels_per_period: int = 1, **kwargs: Any) -> Any:
+    # kwargs: V2's further keywords (its ``barrier``) only shape the GPU trace
     start = time.perf_counter()
     fn()
     elapsed = time.perf_counter() - start
@@ -106,7 +124,7 @@ def _bench_kineto(fn: Any, kernel_names: Any, num_tests: int = 30, suppress_kine
     return times if isinstance(kernel_names, tuple) else times[0]
 
 
-_TIMING_MODULES = ("utils",)  # DeepEP v1 tests/utils.py
+_TIMING_MODULES = ("utils", "deep_ep.utils.testing")  # DeepEP V1's tests/utils.py, V2's deep_ep/utils/testing.py
 
 
 class _PatchTimers(importlib.abc.MetaPathFinder):
@@ -132,11 +150,55 @@ class _PatchTimers(importlib.abc.MetaPathFinder):
         return spec
 
 
+class _NativeStandIn(types.ModuleType):
+    """``deep_ep._C`` for DeepEP V2's test utilities (``deep_ep/utils/envs.py`` and ``comm.py`` import it):
+    the NCCL communicator they make becomes a number standing for (ranks, rank), and the domain sizes
+    come from the harness's nodes (``WORLD_SIZE`` copies of the script), as DeepEP derives them from NCCL."""
+
+    def __init__(self) -> None:
+        super().__init__("deep_ep._C")
+        import moe_comm
+        self.EventHandle, self.Config, self.topk_idx_t = moe_comm.EventHandle, moe_comm.Config, moe_comm.topk_idx_t
+        self._comms: list[tuple[int, int]] = []
+
+    @staticmethod
+    def get_local_nccl_unique_id() -> bytes:
+        return b"moe-comm"
+
+    def create_nccl_comm(self, unique_id: Any, num_ranks: int, rank: int) -> int:
+        self._comms.append((num_ranks, rank))
+        return len(self._comms) - 1
+
+    @staticmethod
+    def destroy_nccl_comm(comm: int) -> None:
+        return None
+
+    def get_physical_domain_size(self, comm: int) -> tuple[int, int]:
+        num_ranks = self._comms[comm][0]
+        nodes = int(os.environ.get("WORLD_SIZE", "1"))
+        return (nodes, num_ranks // nodes) if num_ranks % nodes == 0 else (1, num_ranks)
+
+    def get_logical_domain_size(self, comm: int, allow_hybrid_mode: bool = True) -> tuple[int, int]:
+        nodes, per_node = self.get_physical_domain_size(comm)
+        return (nodes, per_node) if allow_hybrid_mode and nodes > 1 else (1, nodes * per_node)
+
+
+def _install_deepep_utils(folder: str) -> None:
+    """DeepEP V2's tests import DeepEP's own test utilities (``deep_ep.utils.math``, ``refs``, ``gate``,
+    ``envs``, ``testing``): they are found in ``folder`` (a DeepEP checkout's ``deep_ep/utils``)."""
+    import deep_ep
+    sys.modules["deep_ep._C"] = deep_ep._C = _NativeStandIn()  # type: ignore[attr-defined]
+    deep_ep.utils.__path__ = [folder]  # type: ignore[attr-defined]
+
+
 def _install() -> None:
     _install_torch()
     from moe_comm.integrations import install_deep_ep_alias
     install_deep_ep_alias()
     sys.meta_path.insert(0, _PatchTimers())
+    folder = os.environ.get("MOE_COMM_DEEPEP_UTILS")
+    if folder:
+        _install_deepep_utils(folder)
 
 
 _install()
