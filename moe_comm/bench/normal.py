@@ -5,6 +5,7 @@ reduce-scatter baseline, the raw all-to-all and the memory-copy floor.
     torchrun --nproc-per-node 4 -m moe_comm.bench normal         # launcher detected from the environment
     mpirun -n 4 python -m moe_comm.bench normal                  # adds the mpi transport and MPI_Alltoallv
     python -m moe_comm.bench normal --tokens 128 512 2048 --plot normal.png
+    python -m moe_comm.bench normal --elastic                    # adds DeepEP V2's ElasticBuffer calls
 
 Every case runs in the same launch on the same inputs; rank 0 prints a table per token count and
 writes one JSON record. Time of one iteration = max over ranks of (perf_counter around the op,
@@ -45,6 +46,8 @@ BANDWIDTH_RULE = ("GB/s per rank = (mean over ranks of that rank's bytes) / medi
                   "aggregate bytes = sum over ranks (in JSON)")
 #: The moe-comm ops timed on every transport (cases ``<transport>_<op>``).
 OPS = ("dispatch_bf16", "dispatch_fp8", "combine_bf16", "dispatch+combine")
+#: With ``--elastic``: DeepEP V2's ``ElasticBuffer`` calls on the same inputs (``_nosync``: ``do_cpu_sync=False``).
+V2_OPS = ("v2_dispatch_bf16", "v2_dispatch_bf16_nosync", "v2_combine_bf16")
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names in favour of *_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -150,12 +153,40 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     if "mpi" in bufs:
         cases["a2a_ceiling_mpi"] = mpi_all_to_all(a2a_out, send_rows, rc, sc)
         mine_bytes["a2a_ceiling_mpi"] = bf16
+    if cfg.get("elastic"):
+        ok &= _elastic_cases(group, cfg, x, topk_idx, topk_weights, outputs, expected, checks, cases, mine_bytes, bf16)
+        require_all_ranks(ok, "normal (ElasticBuffer)", rank, checks, group)
     times = time_cases(cases, group, cfg["warmup"], cfg["iters"])
     res = gather_results(times, mine_bytes, checks, group)
     if res is None:
         return None
     return {**res, "recv_rows_rank0": recv_x.shape[0], "threads_per_rank": torch.get_num_threads(),
             "kernel_threads_per_rank": cpu_threads(), "memcpy_GBps": bandwidth}
+
+
+def _elastic_cases(group: dist.ProcessGroup, cfg: dict[str, Any], x: torch.Tensor, topk_idx: torch.Tensor,
+                   topk_weights: torch.Tensor, outputs: dict[str, Any], expected: torch.Tensor,
+                   checks: dict[str, float], cases: dict[str, Callable[[], Any]], mine_bytes: dict[str, float],
+                   bf16: int) -> bool:
+    """Adds DeepEP V2's calls (``ElasticBuffer``, one per transport) beside V1's, after checking that its
+    dispatch receives V1's rows bitwise and its combine sums them as V1's does; returns that check."""
+    ok = True
+    T, E = x.shape[0], cfg["experts"]
+    routing = dict(topk_idx=topk_idx, topk_weights=topk_weights, num_experts=E)
+    for name in cfg["transports"]:
+        eb = moe_comm.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=x.shape[1], num_topk=topk_idx.shape[1],
+                                    **runs_on(name))
+        v2_x, _, _, v2_handle, _ = eb.dispatch(x, **routing)
+        ok &= torch.equal(v2_x, outputs[name][0])
+        v2_out, _, _ = eb.combine(v2_x, v2_handle)
+        checks[f"{name}_v2_combine_bf16_calc_diff"] = calc_diff(v2_out, expected)
+        ok &= checks[f"{name}_v2_combine_bf16_calc_diff"] < 5e-6
+        cases.update({f"{name}_v2_dispatch_bf16": functools.partial(eb.dispatch, x, **routing),
+                      f"{name}_v2_dispatch_bf16_nosync": functools.partial(eb.dispatch, x, do_cpu_sync=False,
+                                                                           **routing),
+                      f"{name}_v2_combine_bf16": functools.partial(eb.combine, v2_x, v2_handle)})
+        mine_bytes.update({f"{name}_{op}": bf16 for op in V2_OPS})
+    return ok
 
 
 # ---------------------------------------------------------------------------- reporting
@@ -168,13 +199,13 @@ def _rows(res: dict[str, Any], cfg: dict[str, Any]) -> list[dict[str, Any]]:
                   "GBps_per_rank": r["bytes_per_rank_mean"] / (r["median_us"] * 1e-6) / 1e9})
     by = {r["case"]: r for r in rows}
     for r in rows:
-        op = (split_case(r["case"]) or ("", ""))[1]
+        op = (split_case(r["case"]) or ("", ""))[1].removeprefix("v2_")
         base = by.get("naive_dispatch" if op.startswith("dispatch_") else "naive_combine" if op == "combine_bf16"
                       else "")
         r["vs_baseline"] = base["median_us"] / r["median_us"] if base else None
         r["vs_ceiling"] = r["GBps_per_rank"] / by["a2a_ceiling"]["GBps_per_rank"]
     vs_transport(rows)
-    floor_columns(rows, res["memcpy_GBps"], OPS)
+    floor_columns(rows, res["memcpy_GBps"], OPS + V2_OPS)
     return rows
 
 
@@ -268,6 +299,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--elastic", action="store_true",
+                   help="also time DeepEP V2's ElasticBuffer dispatch and combine on the same inputs")
     add_output_args(p, "normal")
     return p.parse_args(argv)
 
@@ -275,4 +308,4 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None)
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m moe_comm.bench normal") -> None:
     """Parses ``argv``, runs every token count on the launched (or spawned) ranks and reports."""
     launch_token_counts("normal", run_rank, report, parse_args(argv, prog),
-                        ("hidden", "topk", "experts", "warmup", "iters", "seed", "transports"), command_line(prog, argv))
+                        ("hidden", "topk", "experts", "warmup", "iters", "seed", "transports", "elastic"), command_line(prog, argv))

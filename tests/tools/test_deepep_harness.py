@@ -1,7 +1,8 @@
 """The harness that runs DeepEP's own tests on CPU ranks (tools/deepep_tests): it runs a script
 written the way DeepEP's are (CUDA devices, NCCL, torch.multiprocessing.spawn, ``import deep_ep``)
-and reports its failures; with MOE_COMM_DEEPEP_TESTS naming DeepEP v1's tests/ folder it runs those
-(README, "DeepEP's own tests", has the results and how to get the folder)."""
+and reports its failures and which of its asserts ran; with MOE_COMM_DEEPEP_TESTS naming DeepEP v1's
+tests/ folder it runs those, with MOE_COMM_DEEPEP_V2 naming a checkout of DeepEP's main branch its V2
+tests (docs/engines.md, "DeepEP's own tests", has the results and how to get the folders)."""
 import os
 import subprocess
 import sys
@@ -63,6 +64,16 @@ def test_harness_runs_a_deepep_style_script_and_reports_failures(tmp_path, resul
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     else:
         assert done.returncode != 0 and "planted failure" in done.stderr, done.stderr[-3000:]
+    # the report counts the asserts the ranks ran (the script's three, the last of them failing or not)
+    assert "test_style.py: 3 of 3 asserts ran" in done.stderr, done.stderr[-3000:]
+
+
+def test_harness_reports_asserts_that_did_not_run(tmp_path):
+    script = tmp_path / "test_style.py"
+    script.write_text(SCRIPT.replace("assert RESULT", "if False:\n            assert False").replace("RESULT", "True"))
+    done = _run(script, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "test_style.py: 2 of 3 asserts ran; not run: line" in done.stderr, done.stderr[-3000:]
 
 
 DEEPEP_TESTS = os.environ.get("MOE_COMM_DEEPEP_TESTS")
@@ -91,7 +102,40 @@ DEEPEP_RUNS = [
 @pytest.mark.parametrize("script,options,args,env", DEEPEP_RUNS,
                          ids=lambda v: " ".join(v) if isinstance(v, list) else v if isinstance(v, str) else "")
 def test_deepep_own_tests(script, options, args, env):
-    path = Path(DEEPEP_TESTS) / script
+    _own_test(Path(DEEPEP_TESTS) / script, options, args, env)
+
+
+def _own_test(path: Path, options: list, args: list, env: dict) -> None:
     done = subprocess.run([sys.executable, str(RUN), str(path), *options, "--timeout", "1200", "--", *args],
                           capture_output=True, text=True, timeout=1300, env={**os.environ, **env})
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    print(done.stderr.splitlines()[-1])  # the assert report
+
+
+DEEPEP_V2 = os.environ.get("MOE_COMM_DEEPEP_V2")
+needs_deepep_v2 = pytest.mark.skipif(not DEEPEP_V2, reason="set MOE_COMM_DEEPEP_V2 to a DeepEP checkout of its main "
+                                     "branch (tests/elastic and deep_ep/utils; not shipped) to run DeepEP V2's own tests")
+_SMALL = ["--num-tokens", "32", "--hidden", "256", "--num-experts", "8", "--num-topk", "4"]
+# (script, harness options, script arguments, environment): test_ep.py's 144 cases each, 1-3 minutes on 2 cores
+DEEPEP_V2_RUNS = [
+    ("test_ep.py", [], ["--num-processes", "2", *_SMALL], {}),
+    ("test_ep.py", [], ["--num-processes", "2", *_SMALL, "--masked-ratio", "0.1"], {"MOE_COMM_BACKEND": "cuda_host"}),
+    ("test_ep.py", [], ["--num-processes", "2", *_SMALL, "--do-cpu-sync", "0", "--masked-ratio", "0.2",
+                        "--skip-perf-test"], {}),
+    ("test_ep.py", [], ["--num-processes", "2", *_SMALL, "--deterministic", "--skip-perf-test"], {}),
+    ("test_ep.py", [], ["--num-processes", "3", "--num-tokens", "24", "--hidden", "128", "--num-experts", "12",
+                        "--num-topk", "4", "--allow-multiple-reduction", "0", "--skip-perf-test"], {}),
+    ("test_ep.py", [], ["--num-processes", "4", "--num-tokens", "16", "--hidden", "256", "--num-experts", "16",
+                        "--num-topk", "6", "--masked-ratio", "0.1", "--skip-perf-test"], {}),
+    ("test_ep.py", ["--nodes", "2"], ["--num-processes", "2", "--num-tokens", "16", "--hidden", "256",
+                                      "--num-experts", "16", "--num-topk", "6", "--skip-perf-test"], {}),
+    ("test_barrier.py", [], ["--num-processes", "2"], {}),
+]
+
+
+@needs_deepep_v2
+@pytest.mark.parametrize("script,options,args,env", DEEPEP_V2_RUNS,
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else v if isinstance(v, str) else
+                         " ".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else "")
+def test_deepep_v2_own_tests(script, options, args, env):
+    _own_test(Path(DEEPEP_V2) / "tests" / "elastic" / script, options, args, env)

@@ -12,6 +12,8 @@ What it maps, and nothing else:
 - For DeepEP V2's tests (``tests/elastic``), ``deep_ep.utils`` also finds DeepEP's own test utilities
   in the checkout (``MOE_COMM_DEEPEP_UTILS``, set by ``run.py``), and ``deep_ep._C`` is a stand-in for
   the few native calls they make (an NCCL communicator, the domain sizes).
+- Which of the script's ``assert`` statements ran, in any rank, is recorded (a line trace of the script's
+  own file) for ``run.py`` to report.
 - DeepEP's GPU timing helpers (``bench``: CUDA events and an L2 flush; ``bench_kineto``: a CUDA
   kineto trace parsed by kernel name) become one timed call on the CPU, because the tests' tuning
   loops call them thousands of times and bench_kineto's traces hold no CUDA kernels here. Their return
@@ -191,7 +193,34 @@ def _install_deepep_utils(folder: str) -> None:
     deep_ep.utils.__path__ = [folder]  # type: ignore[attr-defined]
 
 
+def _count_asserts(script: str, folder: str) -> None:
+    """Records which ``assert`` statements of ``script`` run in this process (a line trace of that file
+    only), written at exit to ``folder/asserts.<pid>`` for ``run.py`` to report."""
+    import ast
+    import atexit
+    import json
+    import threading
+    with open(script) as f:
+        lines = {n.lineno for n in ast.walk(ast.parse(f.read())) if isinstance(n, ast.Assert)}
+    hit: set[int] = set()
+
+    def in_script(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno in lines:
+            hit.add(frame.f_lineno)
+        return in_script
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        return in_script if os.path.abspath(frame.f_code.co_filename) == script else None
+
+    sys.settrace(on_call)
+    threading.settrace(on_call)
+    atexit.register(lambda: open(os.path.join(folder, f"asserts.{os.getpid()}"), "w").write(json.dumps(sorted(hit))))
+
+
 def _install() -> None:
+    script, folder = os.environ.get("MOE_COMM_DEEPEP_SCRIPT"), os.environ.get("MOE_COMM_DEEPEP_ASSERTS")
+    if script and folder:
+        _count_asserts(script, folder)
     _install_torch()
     from moe_comm.integrations import install_deep_ep_alias
     install_deep_ep_alias()
