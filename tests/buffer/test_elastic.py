@@ -14,6 +14,8 @@ CASES = [
     (3, 16, 256, 4, 12, dict(fp8=True, expand=True, alignment=4, tma_sf=True, cpu_sync=False)),
     (4, 12, 128, 6, 16, dict(masked=True, cpu_sync=False)),
     (2, 1, 128, 2, 4, dict(expand=True)),
+    (4, 16, 128, 6, 16, dict(ranks_per_node=2, num_bias=2, masked=True)),   # hybrid: 2 nodes of 2
+    (4, 16, 128, 4, 8, dict(ranks_per_node=2, expand=True, alignment=4)),
     exhaustive(4, 32, 512, 8, 32, dict(fp8=True, expand=True, alignment=16, masked=True, num_bias=2)),
 ]
 

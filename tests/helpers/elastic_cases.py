@@ -3,6 +3,7 @@ DeepEP V2's documented semantics (every rank's inputs are gathered, so each rank
 receive and what its tokens must sum to), and bad arguments on one rank."""
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -53,13 +54,46 @@ def _last_slots(groups: torch.Tensor) -> list[int]:
 def roundtrip(group: dist.ProcessGroup, num_tokens: int, hidden: int, num_topk: int, num_experts: int,
               options: dict) -> dict:
     """One dispatch (then its cached repeat) and one combine, every output checked; returns the checks made.
-    ``options``: fp8, expand, alignment, cpu_sync (default True), masked, num_bias, tma_sf."""
-    return _roundtrip(group, num_tokens, hidden, num_topk, num_experts, **options)
+    ``options``: fp8, expand, alignment, cpu_sync (default True), masked, num_bias, tma_sf, and
+    ranks_per_node (the group split into nodes by LOCAL_WORLD_SIZE: hybrid mode)."""
+    options = dict(options)
+    per_node = options.pop("ranks_per_node", None)
+    if per_node is None:
+        return _roundtrip(group, num_tokens, hidden, num_topk, num_experts, **options)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    try:
+        return _roundtrip(group, num_tokens, hidden, num_topk, num_experts, ranks_per_node=per_node, **options)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+
+
+def _expected_sum(t: int, ranks: torch.Tensor, biases: tuple, rank: int, max_tokens: int, hidden: int,
+                  per_node: Optional[int]) -> torch.Tensor:
+    """DeepEP V2's sum for token t: biases first, then each rank's row in the order of its last slot (fp32,
+    rounded once); in hybrid mode each node's ranks summed (rounded) first, the nodes in the same order."""
+    def row(r: int) -> torch.Tensor:
+        return _contribution(torch.tensor([rank * max_tokens + t]), r, hidden)[0].float()
+
+    acc = torch.zeros(hidden, dtype=torch.float32)
+    for b in biases:
+        acc += b[t].float()
+    if per_node is None:
+        for k in _last_slots(ranks):
+            acc += row(int(ranks[k]))
+        return acc.to(torch.bfloat16)
+    nodes = torch.where(ranks >= 0, torch.div(ranks, per_node, rounding_mode="floor"), -1)
+    for k in _last_slots(nodes):
+        part = torch.zeros(hidden, dtype=torch.float32)
+        for j in _last_slots(torch.where(nodes == nodes[k], ranks, -1)):
+            part += row(int(ranks[j]))
+        acc += part.to(torch.bfloat16).float()
+    return acc.to(torch.bfloat16)
 
 
 def _roundtrip(group: dist.ProcessGroup, num_tokens: int, hidden: int, num_topk: int, num_experts: int, *,
                fp8: bool = False, expand: bool = False, alignment: int = 1, cpu_sync: bool = True,
-               masked: bool = False, num_bias: int = 0, tma_sf: bool = False) -> dict:
+               masked: bool = False, num_bias: int = 0, tma_sf: bool = False,
+               ranks_per_node: Optional[int] = None) -> dict:
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     max_tokens = num_tokens + 2
     my_tokens = max(num_tokens - rank, 0)  # ranks send different counts, as DeepEP's test does
@@ -161,14 +195,11 @@ def _roundtrip(group: dist.ProcessGroup, num_tokens: int, hidden: int, num_topk:
     bias = None if num_bias == 0 else biases[0] if num_bias == 1 else biases
     out, out_w, _ = buf.combine(combine_x, handle, topk_weights=combine_w, bias=bias)
     ranks_of = torch.where(inputs["topk_idx"] >= 0, torch.div(inputs["topk_idx"], per_rank, rounding_mode="floor"), -1)
+    assert buf.get_logical_domain_size() == ((num_ranks // ranks_per_node, ranks_per_node) if ranks_per_node
+                                             else (1, num_ranks))
     expect = torch.empty(my_tokens, hidden, dtype=torch.bfloat16)
     for t in range(my_tokens):
-        acc = torch.zeros(hidden, dtype=torch.float32)
-        for b in biases:
-            acc += b[t].float()
-        for k in _last_slots(ranks_of[t]):
-            acc += _contribution(torch.tensor([rank * max_tokens + t]), int(ranks_of[t, k]), hidden)[0].float()
-        expect[t] = acc.to(torch.bfloat16)
+        expect[t] = _expected_sum(t, ranks_of[t], biases, rank, max_tokens, hidden, ranks_per_node)
     assert torch.equal(out, expect)
     assert torch.equal(out_w, inputs["topk_weights"])
     checks += 2

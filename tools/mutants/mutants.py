@@ -358,4 +358,25 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "dispatch set the weight to 0 (another rank's expert): wrong top-k weight gradients",
         hints=("tests/compile/test_compiled_buffer.py",),
     ),
+    # ------------------------------------------------------------------ ElasticBuffer (DeepEP V2's API)
+    Mutant(
+        id="elastic-combine-rank-order",
+        file="moe_comm/buffer/elastic_combine.py",
+        old="    pos = slot_rows if rank_of_slot is None else torch.where(last_of_group(rank_of_slot), slot_rows, -1)\n",
+        new="    pos = slot_rows if rank_of_slot is None else torch.where(last_of_group(rank_of_slot), slot_rows, -1)\n"
+            "    pos = pos.gather(1, rank_of_slot.clamp(min=0).argsort(1, stable=True)) if rank_of_slot is not None "
+            "else pos\n",
+        description="the V2 combine sums a token's ranks in rank order instead of the order of their last top-k "
+                    "slots: not bitwise DeepEP V2's result",
+        hints=("tests/buffer/test_elastic.py",),
+    ),
+    Mutant(
+        id="elastic-expanded-unaligned",
+        file="moe_comm/buffer/elastic_layout.py",
+        old="    first_row = torch.cat([zero, aligned(counts64, alignment).cumsum(0)])\n",
+        new="    first_row = torch.cat([zero, counts64.cumsum(0)])\n",
+        description="the expanded layout starts each expert's rows right after the previous expert's, not at a "
+                    "multiple of expert_alignment: the rows disagree with psum_num_recv_tokens_per_expert",
+        hints=("tests/buffer/test_elastic.py",),
+    ),
 )
