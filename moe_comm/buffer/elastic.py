@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from datetime import timedelta
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NoReturn, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -216,7 +216,7 @@ class ElasticBuffer:
                                                                    self.num_ranks, allow_hybrid_mode)
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
-        self.runtime_timeout_s = float(num_cpu_timeout_secs)
+        self.timeout_s = float(num_cpu_timeout_secs)
 
     def __repr__(self) -> str:
         return (f"ElasticBuffer(rank {self.rank_idx} of {self.num_ranks}, {self.num_scaleout_ranks} x "
@@ -283,7 +283,7 @@ class ElasticBuffer:
         check_flags("barrier", use_comm_stream=use_comm_stream, with_cpu_sync=with_cpu_sync, sequential=sequential)
         self._buffer._alive("barrier")
         if dist.get_backend(self.group) == "gloo":
-            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=self.runtime_timeout_s))
+            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=self.timeout_s))
         else:
             dist.barrier(group=self.group)
 
@@ -683,41 +683,51 @@ class ElasticBuffer:
         return EventOverlap(EventHandle()) if async_with_compute_stream else EventOverlap()
 
     # ------------------------------------------------------------------ what is not built
-    def _refuse(self, method: str) -> None:
+    def _refuse(self, method: str) -> NoReturn:
         raise NotImplementedError(
             f"ElasticBuffer.{method}: not implemented in moe-comm (DeepEP V2's experimental Engram, pipeline-parallel "
-            f"and all-gather/reduce-scatter sessions); docs/elastic.md says what is built")
+            f"send/recv and all-gather/reduce-scatter sessions); docs/elastic.md says what is built and why")
 
     def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor] = None) -> None:
+        """DeepEP V2's Engram storage write: NotImplementedError (docs/elastic.md)."""
         self._refuse("engram_write")
 
     def engram_fetch(self, indices: torch.Tensor, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = False) -> Any:
+        """DeepEP V2's Engram fetch: NotImplementedError (docs/elastic.md)."""
         self._refuse("engram_fetch")
 
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
+        """DeepEP V2's pipeline send/recv configuration: NotImplementedError (docs/elastic.md)."""
         self._refuse("pp_set_config")
 
     def pp_send(self, t: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
+        """DeepEP V2's pipeline send: NotImplementedError (docs/elastic.md)."""
         self._refuse("pp_send")
 
     def pp_recv(self, t: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
+        """DeepEP V2's pipeline receive: NotImplementedError (docs/elastic.md)."""
         self._refuse("pp_recv")
 
     def create_agrs_session(self) -> None:
+        """DeepEP V2's all-gather/reduce-scatter session: NotImplementedError (docs/elastic.md)."""
         self._refuse("create_agrs_session")
 
     def destroy_agrs_session(self) -> None:
+        """DeepEP V2's all-gather/reduce-scatter session: NotImplementedError (docs/elastic.md)."""
         self._refuse("destroy_agrs_session")
 
     def agrs_new_session(self, enabled: bool = True) -> Any:
+        """DeepEP V2's all-gather/reduce-scatter session: NotImplementedError (docs/elastic.md)."""
         self._refuse("agrs_new_session")
 
     def agrs_set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int) -> None:
+        """DeepEP V2's all-gather/reduce-scatter configuration: NotImplementedError (docs/elastic.md)."""
         self._refuse("agrs_set_config")
 
     def agrs_get_inplace_tensor(self, shapes: Any, dtype: torch.dtype) -> Any:
+        """DeepEP V2's all-gather/reduce-scatter tensors: NotImplementedError (docs/elastic.md)."""
         self._refuse("agrs_get_inplace_tensor")
 
     def all_gather(self, t: Any) -> Any:
+        """DeepEP V2's session all-gather: NotImplementedError (docs/elastic.md)."""
         self._refuse("all_gather")
-

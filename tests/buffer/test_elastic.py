@@ -3,7 +3,7 @@ kernels): dispatch, its expanded layout, FP8 scale factors, cached repeats and c
 reference written from V2's semantics; and a bad argument on one rank failing the call on every rank."""
 import pytest
 
-from helpers.elastic_cases import one_rank_rejects, roundtrip
+from helpers.elastic_cases import facts, one_rank_rejects, roundtrip
 from helpers.tiers import exhaustive
 
 CASES = [
@@ -40,3 +40,10 @@ def test_elastic_bad_argument_fails_every_rank(worlds, case, error, words):
     (err0, msg0), (err1, msg1) = [r["outcome"] for r in results]
     assert err0 == error and words in msg0, (err0, msg0)
     assert err1 == "CrossRankMismatchError" and "rank 0" in msg1, (err1, msg1)
+
+
+def test_elastic_sizes_domains_barrier_and_refusals(worlds):
+    results = worlds(2).run(facts)
+    for r in results:
+        assert r["refused"] == [True] * 4
+        assert "explicitly_destroy=False" in r["destroy"], r["destroy"]

@@ -245,3 +245,31 @@ def one_rank_rejects(group: dist.ProcessGroup, case: str) -> dict:
     assert out.shape == inputs["x"].shape
     buf.destroy()
     return {"rank": rank, "outcome": outcome}
+
+
+def facts(group: dist.ProcessGroup) -> dict:
+    """The non-exchange surface: sizes, domains, QP counts, barrier, capture, destroy's rule, refusals."""
+    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    hint = moe_comm.ElasticBuffer.get_buffer_size_hint(group, 64, 512, 8, use_fp8_dispatch=True)
+    assert hint > 0 and hint % (2 << 20) == 0
+    buf = moe_comm.ElasticBuffer(group, num_max_tokens_per_rank=8, hidden=128, allow_hybrid_mode=False)
+    assert buf.num_bytes == moe_comm.ElasticBuffer.get_buffer_size_hint(group, 8, 128, allow_hybrid_mode=False)
+    assert buf.get_logical_domain_size() == (1, num_ranks) == moe_comm.buffer.elastic.get_logical_domain_size(
+        group, allow_hybrid_mode=False)
+    assert (buf.rank_idx, buf.num_ranks, buf.scaleup_rank_idx, buf.scaleout_rank_idx) == (rank, num_ranks, rank, 0)
+    assert buf.num_allocated_qps == 17 and buf.get_theoretical_num_qps(4) == 4 and buf.get_theoretical_num_qps(64) == 9
+    buf.barrier()
+    assert isinstance(buf.capture(), moe_comm.EventHandle)
+    refused = []
+    for name, args in (("pp_send", (torch.zeros(4), 0)), ("all_gather", (torch.zeros(4),)),
+                       ("engram_fetch", (torch.zeros(1, 1, dtype=torch.int32),)), ("create_agrs_session", ())):
+        try:
+            getattr(buf, name)(*args)
+        except NotImplementedError as exc:
+            refused.append(f"ElasticBuffer.{name}: not implemented" in str(exc))
+    try:
+        buf.destroy()
+        destroy = "no exception"
+    except RuntimeError as exc:
+        destroy = str(exc)
+    return {"rank": rank, "refused": refused, "destroy": destroy}

@@ -364,7 +364,7 @@ MUTANTS: Tuple[Mutant, ...] = (
         file="moe_comm/buffer/elastic_combine.py",
         old="    pos = slot_rows if rank_of_slot is None else torch.where(last_of_group(rank_of_slot), slot_rows, -1)\n",
         new="    pos = slot_rows if rank_of_slot is None else torch.where(last_of_group(rank_of_slot), slot_rows, -1)\n"
-            "    pos = pos.gather(1, rank_of_slot.clamp(min=0).argsort(1, stable=True)) if rank_of_slot is not None "
+            "    pos = pos.gather(1, rank_of_slot.clamp(min=0).argsort(dim=1, stable=True)) if rank_of_slot is not None "
             "else pos\n",
         description="the V2 combine sums a token's ranks in rank order instead of the order of their last top-k "
                     "slots: not bitwise DeepEP V2's result",
