@@ -1,18 +1,20 @@
 """vLLM plugin (entry point ``vllm.general_plugins: moe_comm``): with ``MOE_COMM_DEEP_EP=1``, vLLM's
-``--all2all-backend deepep_high_throughput|deepep_low_latency`` runs on moe-comm.
+``--all2all-backend deepep_high_throughput|deepep_low_latency|deepep_v2`` runs on moe-comm.
 
 vLLM loads general plugins in every process before its MoE modules are imported, so the
 ``deep_ep`` alias is in place when ``prepare_finalize/deepep_ht.py`` and ``deepep_ll.py`` run
 ``import deep_ep``. On vLLM's CPU platform two more things are needed (vLLM wires DeepEP on
 CUDA/ROCm only), and ``register`` adds them:
 
-1. ``CpuCommunicator`` builds vLLM's own ``DeepEPHTAll2AllManager`` / ``DeepEPLLAll2AllManager``
-   for those backends, instead of falling back to all-gather/reduce-scatter;
+1. ``CpuCommunicator`` builds vLLM's own ``DeepEPHTAll2AllManager`` / ``DeepEPLLAll2AllManager`` /
+   ``DeepEPV2All2AllManager`` for those backends, instead of falling back to all-gather/reduce-scatter;
 2. ``fused_moe.all2all_utils`` gets the names ``DeepEPHTPrepareAndFinalize``,
-   ``DeepEPLLPrepareAndFinalize`` and ``DEEPEP_QUANT_BLOCK_SHAPE``, which it imports on CUDA only;
+   ``DeepEPLLPrepareAndFinalize``, ``DeepEPV2PrepareAndFinalize`` and ``DEEPEP_QUANT_BLOCK_SHAPE``, which
+   it imports on CUDA only (and V2's prepare a torch form of its one Triton kernel);
 3. vLLM's unquantized MoE oracle is offered experts for both DeepEP formats (``vllm_experts.py``).
 
-These reuse vLLM's unmodified classes. On every platform the hidden size is no longer padded to DeepEP's
+On every platform, vLLM's ``deepep_v2`` check no longer asks moe-comm's ``deep_ep`` for NCCL 2.30.4
+(``_accept_elastic_buffer``). These reuse vLLM's unmodified classes. On every platform the hidden size is no longer padded to DeepEP's
 compiled sizes (``_keep_hidden_size``). Written against vLLM 0.32 (``TESTED_VERSIONS``);
 another version gets a warning, since the calls vLLM makes into ``deep_ep`` are version-specific.
 """
@@ -32,7 +34,8 @@ logger = logging.getLogger("moe_comm.integrations.vllm")
 
 TESTED_VERSIONS = ("0.32.",)
 
-_MANAGERS = {"deepep_high_throughput": "DeepEPHTAll2AllManager", "deepep_low_latency": "DeepEPLLAll2AllManager"}
+_MANAGERS = {"deepep_high_throughput": "DeepEPHTAll2AllManager", "deepep_low_latency": "DeepEPLLAll2AllManager",
+             "deepep_v2": "DeepEPV2All2AllManager"}
 
 
 def register() -> None:
@@ -56,6 +59,7 @@ def register() -> None:
     has_module = getattr(import_utils, "_has_module", None)  # has_deep_ep()'s cached probe; it may have cached False
     if hasattr(has_module, "cache_clear"):
         has_module.cache_clear()
+    _accept_elastic_buffer(import_utils)
     if current_platform.is_cpu():
         _hook_cpu_communicator(enabled=True)
         _bind_prepare_finalize_names()
@@ -101,6 +105,8 @@ def _hook_cpu_communicator(enabled: bool) -> None:
         self.use_all2all = self.is_ep_communicator
         if self.use_all2all:
             self.all2all_manager = getattr(all2all, _MANAGERS[backend])(self.cpu_group)
+            if backend == "deepep_v2":  # its NCCL GIN probe allocates on CUDA; moe-comm needs no GIN
+                self.all2all_manager._gin_checked = True
             logger.info("moe-comm: %s on the CPU platform uses vLLM's %s over moe-comm's deep_ep", backend,
                         _MANAGERS[backend])
 
@@ -108,14 +114,50 @@ def _hook_cpu_communicator(enabled: bool) -> None:
     CpuCommunicator.__init__ = __init__
 
 
+def _accept_elastic_buffer(import_utils: Any) -> None:
+    """vLLM's ``deepep_v2`` backend asks for DeepEP's ``ElasticBuffer`` and an NCCL of 2.30.4 or newer (DeepEP V2's
+    GIN transport). moe-comm's ``ElasticBuffer`` needs no NCCL, so with moe-comm's ``deep_ep`` the NCCL
+    condition is dropped; any other ``deep_ep`` is judged as vLLM judges it."""
+    original = import_utils.deep_ep_v2_unavailable_reason
+    if getattr(original, PATCH_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def deep_ep_v2_unavailable_reason() -> Any:
+        deep_ep = sys.modules.get("deep_ep")
+        if deep_ep is not None and getattr(deep_ep, "MOE_COMM", False):
+            return None
+        return original()
+
+    setattr(deep_ep_v2_unavailable_reason, PATCH_MARK, True)
+    import_utils.deep_ep_v2_unavailable_reason = deep_ep_v2_unavailable_reason
+
+
 def _bind_prepare_finalize_names() -> None:
-    """Gives ``all2all_utils`` the DeepEP prepare/finalize names it binds on CUDA/ROCm only."""
+    """Gives ``all2all_utils`` the DeepEP prepare/finalize names it binds on CUDA/ROCm only, and V2's prepare a
+    CPU form of the one Triton kernel it launches."""
     from vllm.model_executor.layers.fused_moe import all2all_utils
-    from vllm.model_executor.layers.fused_moe.prepare_finalize import deepep_ht, deepep_ll
+    from vllm.model_executor.layers.fused_moe.prepare_finalize import deepep_ht, deepep_ll, deepep_v2
 
     all2all_utils.DeepEPHTPrepareAndFinalize = deepep_ht.DeepEPHTPrepareAndFinalize
     all2all_utils.DeepEPLLPrepareAndFinalize = deepep_ll.DeepEPLLPrepareAndFinalize
     all2all_utils.DEEPEP_QUANT_BLOCK_SHAPE = deepep_ll.DEEPEP_QUANT_BLOCK_SHAPE
+    all2all_utils.DeepEPV2PrepareAndFinalize = deepep_v2.DeepEPV2PrepareAndFinalize
+    deepep_v2._globalize_recv_topk_idx = _globalize_recv_topk_idx
+
+
+def _globalize_recv_topk_idx(recv_topk_idx: Any, psum_recv_per_rank: Any, rank_expert_offset: int,
+                             num_experts: int) -> Any:
+    """What vLLM's Triton kernel of the same name does, in torch (the CPU has no Triton launch): in place, local
+    expert ids become global ones, and slots without a local expert, past ``num_experts`` or in rows past the
+    received count (``psum_recv_per_rank[-1]``, read on the device) become -1."""
+    import torch
+
+    rows = torch.arange(recv_topk_idx.shape[0], device=recv_topk_idx.device).unsqueeze(1)
+    glob = recv_topk_idx + rank_expert_offset
+    valid = (recv_topk_idx >= 0) & (glob < num_experts) & (rows < psum_recv_per_rank[-1])
+    recv_topk_idx.copy_(torch.where(valid, glob, -1))
+    return recv_topk_idx
 
 
 def _check_low_latency_hidden(hidden_size: int) -> int:

@@ -37,7 +37,7 @@ class _MoeCommExperts(mk.FusedMoEExpertsModular):
     kernels a layer they do not take is warned about once (vLLM's CPU experts cannot take it either),
     and a number of experts that the EP size does not divide is refused with what to change."""
 
-    _kernels = ""
+    _kernels = ""  # the FusedMoEParallelConfig flags (space-separated) under which the class serves
 
     @staticmethod
     def is_supported_config(cls: type[mk.FusedMoEExperts], moe_config: FusedMoEConfig, weight_key: Any,
@@ -85,7 +85,7 @@ class _MoeCommExperts(mk.FusedMoEExpertsModular):
 
     @classmethod
     def _supports_parallel_config(cls, moe_parallel_config: FusedMoEParallelConfig) -> bool:
-        return bool(getattr(moe_parallel_config, cls._kernels, False))
+        return any(getattr(moe_parallel_config, k, False) for k in cls._kernels.split())
 
     def _experts(self, w1: torch.Tensor, w2: torch.Tensor) -> Experts:
         return Experts(w1, w2)
@@ -104,11 +104,12 @@ def _warn_left_to_vllm(cls: type, reason: Optional[str]) -> None:
 
 
 class MoeCommDeepEPHTExperts(_MoeCommExperts):
-    """The Standard format of DeepEP high-throughput prepare: rows `[N, H]` with the global ids of their
-    top-k slots (``expert_map`` takes them to local ids, -1 for another rank's expert). Each output row
-    is its local slots' weighted sum (``local_expert_rows``), so the finalize only combines."""
+    """The Standard format of DeepEP high-throughput prepare (and of DeepEP V2's, whose expanded rows carry
+    one slot each): rows `[N, H]` with the global ids of their top-k slots (``expert_map`` takes them to
+    local ids, -1 for another rank's expert). Each output row is its local slots' weighted sum
+    (``local_expert_rows``), so the finalize only combines."""
 
-    _kernels = "use_deepep_ht_kernels"
+    _kernels = "use_deepep_ht_kernels use_deepep_v2_kernels"
 
     @staticmethod
     def activation_format() -> mk.FusedMoEActivationFormat:

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-import tiny_moe
+from helpers.engines import tiny_moe
 
 from helpers.engines.vllm_generate import engine_kwargs
 

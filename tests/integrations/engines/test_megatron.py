@@ -7,7 +7,7 @@ from helpers.engines.engine_support import require, run_ranks
 
 require("megatron-core", "0.16.1")
 
-import engine_calls  # noqa: E402
+from helpers import engine_calls  # noqa: E402
 
 from helpers.engines.megatron_cases import megatron_train_step  # noqa: E402
 

@@ -8,7 +8,7 @@ from helpers.fresh_python import run_python
 
 require("sglang", "0.5.23")
 
-import engine_calls  # noqa: E402
+from helpers import engine_calls  # noqa: E402
 
 from helpers.engines.sglang_cases import sglang_low_latency  # noqa: E402
 

