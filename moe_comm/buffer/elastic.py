@@ -25,6 +25,7 @@ from ..core.checks import check_flags, check_int, check_tensor, describe
 from ..core.errors import bad_argument
 from ..core.native import NATIVE_DTYPES
 from ..core.topology import Topology, split_nodes
+from ..protocol.codes import Field
 from ..transport.base import host_id
 from . import elastic_layout as lay
 from .buffer import Buffer, topk_idx_t
@@ -361,6 +362,9 @@ class ElasticBuffer:
         self._check_stats(op, cumulative_local_expert_recv_stats, num_local, data.device)
         self._check_duplicates(op, topk_idx)
 
+        agreement = getattr(self.runtime, "agreement", None)
+        if agreement is not None:  # recv_src_metadata numbers tokens by it: every rank must pass the same
+            agreement.agree_also({Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: max_tokens})
         payload, offsets = _pack([data] + ([] if sf is None else [sf]), data.shape[0], data.device)
         weights = topk_weights if topk_weights is not None else \
             torch.zeros(topk_idx.shape, dtype=torch.float32, device=data.device)

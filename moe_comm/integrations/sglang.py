@@ -5,7 +5,8 @@ SGLang binds ``Buffer`` and ``Config`` with ``from deep_ep import ...`` when its
 (``sglang.srt.layers.moe.token_dispatcher.deepep``) is imported; ``load_plugins()`` runs first in
 each SGLang process, so the ``deep_ep`` alias is what it binds. If that module was imported
 earlier anyway, ``register`` points its names at moe-comm. Without CUDA, ``register`` also lets
-``DeepEPBuffer.get_deepep_buffer`` run there (below). Written against SGLang 0.5.23.
+``DeepEPBuffer.get_deepep_buffer`` run there, and gives ``DeepEPMoE`` experts for both DeepEP formats
+(``_cpu_experts``: SGLang's own run only DeepGEMM's, which needs CUDA). Written against SGLang 0.5.23.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def register() -> None:
         _rebind_dispatcher(dispatcher, compat)
     if not torch.cuda.is_available():
         _skip_sm_probe(dispatcher)
+        _cpu_experts(dispatcher)
 
 
 def _rebind_dispatcher(dispatcher: Any, compat: Any) -> None:
@@ -80,3 +82,56 @@ def _skip_sm_probe(dispatcher: Any) -> None:
 
     setattr(get_deepep_buffer, PATCH_MARK, True)
     buffers.get_deepep_buffer = classmethod(get_deepep_buffer)
+
+
+def _cpu_experts(dispatcher: Any) -> None:
+    """``DeepEPMoE.run_moe_core`` runs moe-comm's experts (SwiGLU, the layer's bf16 ``w13_weight``/``w2_weight``)
+    on an unquantized layer's CPU dispatch output: the normal format (rows with local top-k ids; each output
+    row its local slots' weighted sum) and the low-latency one (``[E_loc, R * M, H]`` blocks with
+    ``masked_m`` counts; weighted by the combine), BF16 or FP8 (dequantized for the bf16 weights). SGLang's
+    own ``run_moe_core`` has only DeepGEMM's experts there. The normal dispatcher's ``combine_a``, which
+    passes the experts' output through under DeepGEMM and raises otherwise, passes it through here too.
+    Other layers (quantized weights, CUDA tensors, SGLang's newer paths) keep SGLang's code."""
+    from sglang.srt.layers.moe.ep_moe.layer import DeepEPMoE
+
+    original = DeepEPMoE.run_moe_core
+    if getattr(original, PATCH_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def run_moe_core(self: Any, dispatch_output: Any) -> Any:
+        kind = getattr(getattr(dispatch_output, "format", None), "name", "")
+        if (getattr(self, "deprecate_flag", True) or self.quant_config is not None
+                or kind not in ("DEEPEP_NORMAL", "DEEPEP_LL") or dispatch_output.hidden_states.device.type != "cpu"):
+            return original(self, dispatch_output)
+        from ..moe import Experts
+        from ..moe.stages import local_expert_rows
+        from ..ops import dequantize
+
+        experts = Experts(self.w13_weight.data, self.w2_weight.data)
+        out = dispatch_output
+        x = out.hidden_states
+        if out.hidden_states_scale is not None:  # FP8 activations for bf16 weights: dequantized first
+            hidden = x.shape[-1]
+            scales = out.hidden_states_scale
+            x = dequantize(x.reshape(-1, hidden), scales.reshape(-1, scales.shape[-1])).view(x.shape)
+        if kind == "DEEPEP_NORMAL":
+            y = local_expert_rows(experts, x, out.topk_ids.long(), out.topk_weights.float())
+            return dispatcher.DeepEPNormalCombineInput(y, out.topk_ids, out.topk_weights)
+        y = experts.ffn(x, masked_m=out.masked_m.to(torch.int32))
+        return dispatcher.DeepEPLLCombineInput(y, out.topk_ids, out.topk_weights)
+
+    setattr(run_moe_core, PATCH_MARK, True)
+    DeepEPMoE.run_moe_core = run_moe_core
+
+    normal = dispatcher._DeepEPDispatcherImplNormal
+    combine_a = normal.combine_a
+
+    @functools.wraps(combine_a)
+    def pass_through(self: Any, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor) -> Any:
+        if hidden_states.device.type != "cpu":
+            return combine_a(self, hidden_states, topk_ids, topk_weights)
+        return hidden_states, (dispatcher.Buffer.capture() if self.async_finish else None)
+
+    normal.combine_a = pass_through

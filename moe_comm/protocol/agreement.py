@@ -20,7 +20,7 @@ when their wait sees this rank's process exit, else at their deadline.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -64,6 +64,7 @@ class _Call:
     number: int
     started: bool = False  # its handshake was posted: from here a failure may leave ranks out of step
     rejection: Optional[str] = None  # this rank's rejection message, while it takes part with it
+    agreed: dict = field(default_factory=dict)  # fields its handshakes also compare (``agree_also``)
 
 
 class CallAgreement:
@@ -139,6 +140,12 @@ class CallAgreement:
                 raise
             if hasattr(exc, "add_note"):
                 exc.add_note(f"moe-comm: the other ranks could not be told ({failure}); this Buffer is unusable")
+
+    def agree_also(self, fields: Mapping[Field, int]) -> None:
+        """Adds ``fields`` to what every handshake of the call running now compares across ranks: a layer that
+        builds one call of its own out of a Buffer's calls (``ElasticBuffer``) agrees on its own arguments in
+        the same handshakes, so a mismatch fails the call on every rank before any byte moves."""
+        self._current.agreed.update(fields)
 
     def deferred(self, op: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
         """Decorates ``finish``, the pending half of call ``op`` (a hook, an event wait): refused once
@@ -264,7 +271,9 @@ class CallAgreement:
         self.refuse(op)  # settling an earlier call may have broken the buffer
         call = self._current
         R = self.num_ranks
-        scalars = {**fields, Field.OP: code, Field.CALL: call.number, Field.REJECTED: int(call.rejection is not None)}
+        scalars = {**fields, **call.agreed, Field.OP: code, Field.CALL: call.number,
+                   Field.REJECTED: int(call.rejection is not None)}
+        compare = tuple(compare) + tuple(f for f in call.agreed if f not in compare)
         entries = dict(send_counts=send_counts, expected=expected, sent_digests=sent_digests,
                        expected_digests=expected_digests)
         call.started = True

@@ -17,6 +17,8 @@ sees one block per source rank either way.
 """
 from __future__ import annotations
 
+import math
+
 import time
 from typing import Callable, Optional, Sequence
 
@@ -495,8 +497,10 @@ class ShmTransport(Transport):
         seq, slot = self._next(META)
         local = [r for r in self.local if r not in skip]
         output_splits, input_splits = [int(n) for n in output_splits], [int(n) for n in input_splits]
-        row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
-        data = input.contiguous().view(torch.uint8).view(input.shape[0], -1) if input.numel() else input
+        # rows as bytes, also when this rank sends none: the rows it receives from other hosts are sized
+        # by this view (an empty int64 input kept as int64 made them 1-byte rows)
+        row_bytes = math.prod(input.shape[1:]) * input.element_size()
+        data = input.contiguous().view(torch.uint8).view(input.shape[0], row_bytes)
         starts = prefix_sums(input_splits)
         remote = None
         if self.remote:

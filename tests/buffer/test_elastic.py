@@ -16,6 +16,8 @@ CASES = [
     (2, 1, 128, 2, 4, dict(expand=True)),
     (4, 16, 128, 6, 16, dict(ranks_per_node=2, num_bias=2, masked=True)),   # hybrid: 2 nodes of 2
     (4, 16, 128, 4, 8, dict(ranks_per_node=2, expand=True, alignment=4)),
+    (4, 3, 128, 4, 8, dict(ranks_per_node=2, expand=True, multi=False, num_bias=1)),   # rank 3 sends nothing
+    (3, 12, 128, 4, 12, dict(multi=False, masked=True, num_bias=2)),
     exhaustive(4, 32, 512, 8, 32, dict(fp8=True, expand=True, alignment=16, masked=True, num_bias=2)),
 ]
 
@@ -40,6 +42,15 @@ def test_elastic_bad_argument_fails_every_rank(worlds, case, error, words):
     (err0, msg0), (err1, msg1) = [r["outcome"] for r in results]
     assert err0 == error and words in msg0, (err0, msg0)
     assert err1 == "CrossRankMismatchError" and "rank 0" in msg1, (err1, msg1)
+
+
+def test_elastic_num_max_tokens_per_rank_must_agree(worlds):
+    """Every rank fails alike, naming the field and each rank's value, before any byte moves."""
+    results = worlds(2).run(one_rank_rejects, "num_max_tokens_differs")
+    for r in results:
+        err, msg = r["outcome"]
+        assert err == "CrossRankMismatchError" and "num_max_dispatch_tokens_per_rank" in msg, (err, msg)
+        assert "16" in msg and "8" in msg, msg
 
 
 def test_elastic_sizes_domains_barrier_and_refusals(worlds):

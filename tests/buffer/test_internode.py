@@ -3,7 +3,7 @@
 DeepEP's test_internode runs."""
 import pytest
 
-from helpers.internode_cases import internode
+from helpers.internode_cases import internode, zero_token_rank
 from helpers.tiers import exhaustive
 from helpers.transports import local_world
 
@@ -32,3 +32,12 @@ def test_sixteen_ranks_are_two_nodes_of_eight():
     with local_world(16, "shm", timeout_s=300, threads_per_rank=1) as world:
         results = world.run(internode, None, 24, 128, 4, 32, 4)
     assert [r["checks"] for r in results] == [10] * 16
+
+
+@pytest.mark.every_transport
+def test_a_rank_without_tokens_on_two_nodes(worlds, transport):
+    """Found through ElasticBuffer: on shm (and cuda_host, over shm), a rank sending no rows took its rows
+    from the other node as 1-byte rows, and the internode handle's exchange read garbage."""
+    results = worlds(4).run(zero_token_rank, 2)
+    assert all(r["combined"] for r in results), results
+    assert sum(r["received"] for r in results) > 0

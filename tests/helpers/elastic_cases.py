@@ -93,12 +93,12 @@ def _expected_sum(t: int, ranks: torch.Tensor, biases: tuple, rank: int, max_tok
 def _roundtrip(group: dist.ProcessGroup, num_tokens: int, hidden: int, num_topk: int, num_experts: int, *,
                fp8: bool = False, expand: bool = False, alignment: int = 1, cpu_sync: bool = True,
                masked: bool = False, num_bias: int = 0, tma_sf: bool = False,
-               ranks_per_node: Optional[int] = None) -> dict:
+               ranks_per_node: Optional[int] = None, multi: bool = True) -> dict:
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     max_tokens = num_tokens + 2
     my_tokens = max(num_tokens - rank, 0)  # ranks send different counts, as DeepEP's test does
     buf = moe_comm.ElasticBuffer(group, num_max_tokens_per_rank=max_tokens, hidden=hidden, num_topk=num_topk,
-                                 explicitly_destroy=True, num_cpu_timeout_secs=60)
+                                 explicitly_destroy=True, num_cpu_timeout_secs=60, allow_multiple_reduction=multi)
     inputs = _inputs(rank, my_tokens, hidden, num_topk, num_experts, masked, fp8)
     every = {k: _gather(group, v) for k, v in inputs.items()}
     per_rank = num_experts // num_ranks
@@ -193,15 +193,22 @@ def _roundtrip(group: dist.ProcessGroup, num_tokens: int, hidden: int, num_topk:
     g = torch.Generator().manual_seed(77 + rank)
     biases = tuple(torch.randn(my_tokens, hidden, generator=g).to(torch.bfloat16) for _ in range(num_bias))
     bias = None if num_bias == 0 else biases[0] if num_bias == 1 else biases
-    out, out_w, _ = buf.combine(combine_x, handle, topk_weights=combine_w, bias=bias)
+    out, out_w, _ = buf.combine(combine_x, handle, topk_weights=combine_w if multi or not expand else None,
+                                bias=bias)
     ranks_of = torch.where(inputs["topk_idx"] >= 0, torch.div(inputs["topk_idx"], per_rank, rounding_mode="floor"), -1)
     assert buf.get_logical_domain_size() == ((num_ranks // ranks_per_node, ranks_per_node) if ranks_per_node
                                              else (1, num_ranks))
     expect = torch.empty(my_tokens, hidden, dtype=torch.bfloat16)
     for t in range(my_tokens):
-        expect[t] = _expected_sum(t, ranks_of[t], biases, rank, max_tokens, hidden, ranks_per_node)
+        if expand and not multi:  # each slot's row returns alone: a rank's row counts at its first slot
+            first = torch.tensor([r if r >= 0 and r not in ranks_of[t, :k].tolist() else -1
+                                  for k, r in enumerate(ranks_of[t].tolist())])
+            expect[t] = _expected_sum(t, first, biases, rank, max_tokens, hidden, None)
+        else:
+            expect[t] = _expected_sum(t, ranks_of[t], biases, rank, max_tokens, hidden,
+                                      ranks_per_node if multi else None)
     assert torch.equal(out, expect)
-    assert torch.equal(out_w, inputs["topk_weights"])
+    assert (out_w is None) if expand and not multi else torch.equal(out_w, inputs["topk_weights"])
     checks += 2
     buf.destroy()
     return {"rank": rank, "checks": checks, "num_recv": num_recv}
@@ -237,6 +244,8 @@ def one_rank_rejects(group: dist.ProcessGroup, case: str) -> dict:
         bad["do_zero_padding"] = True
     elif case == "weights_shape":
         bad["topk_weights"] = inputs["topk_weights"][:, :1]
+    elif case == "num_max_tokens_differs":  # valid on rank 0 alone: the ranks disagree
+        bad["num_max_tokens_per_rank"] = 16
     else:
         raise ValueError(case)
     outcome = _outcome(lambda: buf.dispatch(**(bad if rank == 0 else good)))

@@ -215,3 +215,31 @@ def internode(group: dist.ProcessGroup, ranks_per_node: Optional[int], num_token
     finally:
         buffer.destroy()
     return dict(rank=rank, checks=checks, digest=digest, handle_len=len(handle))
+
+
+def zero_token_rank(group: dist.ProcessGroup, ranks_per_node: int) -> dict:
+    """Two nodes where the last rank has no tokens: its dispatch receives every row meant for it (the
+    internode handle's exchanges carry no rows from it) and every rank's combine gives each token back
+    once per rank it went to."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
+    try:
+        rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        buf = moe_comm.Buffer(group, explicitly_destroy=True, timeout_s=60)
+        assert buf.topology.internode
+        num_tokens = 0 if rank == num_ranks - 1 else 3 + rank
+        g = torch.Generator().manual_seed(rank)
+        experts = 2 * num_ranks
+        idx = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(num_tokens)]) if num_tokens \
+            else torch.empty(0, 2, dtype=torch.int64)
+        x = torch.randn(num_tokens, 64, generator=g).bfloat16()
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=torch.ones(num_tokens, 2),
+                                                  num_experts=experts)
+        out, _, _ = buf.combine(recv_x, handle)
+        copies = torch.zeros(num_tokens)
+        for r in range(num_ranks):
+            copies += ((idx // 2) == r).any(1).float() if num_tokens else 0
+        expected = (x.float() * copies.unsqueeze(1)).bfloat16()
+        buf.destroy()
+        return {"rank": rank, "received": recv_x.shape[0], "combined": torch.equal(out, expected)}
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)

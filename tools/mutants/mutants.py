@@ -358,6 +358,16 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "dispatch set the weight to 0 (another rank's expert): wrong top-k weight gradients",
         hints=("tests/compile/test_compiled_buffer.py",),
     ),
+    Mutant(
+        id="shm-empty-rows-keep-dtype",
+        file="moe_comm/transport/shm.py",
+        old="        data = input.contiguous().view(torch.uint8).view(input.shape[0], row_bytes)\n",
+        new="        data = input.contiguous().view(torch.uint8).view(input.shape[0], row_bytes) if input.numel() "
+            "else input\n",
+        description="a rank that sends no rows in a small all-to-all keeps its input's dtype, so the rows it "
+                    "receives from other hosts are sized as its own dtype's elements: garbage internode handles",
+        hints=("tests/buffer/test_internode.py",),
+    ),
     # ------------------------------------------------------------------ ElasticBuffer (DeepEP V2's API)
     Mutant(
         id="elastic-combine-rank-order",

@@ -10,7 +10,7 @@ require("sglang", "0.5.23")
 
 from helpers import engine_calls  # noqa: E402
 
-from helpers.engines.sglang_cases import sglang_low_latency  # noqa: E402
+from helpers.engines.sglang_cases import sglang_experts_layer, sglang_low_latency  # noqa: E402
 
 
 @pytest.mark.parametrize("transport", ["shm", "collective"])
@@ -25,6 +25,19 @@ def test_sglang_deepep_dispatcher_low_latency(fp8, transport):
         assert r["fp8_dispatch"] == fp8
         assert r["forms"] == forms, (rank, r["forms"])
         assert r["shape"] == [cfg["tokens"][rank], cfg["hidden"]]
+        assert r["bitwise"] and r["repeatable"], (rank, r)
+        assert r["accuracy"], (rank, r["reason"])
+
+
+@pytest.mark.parametrize("mode,dispatch_fp8", [("normal", False), ("low_latency", False), ("low_latency", True)],
+                         ids=["normal-bf16", "low_latency-bf16", "low_latency-fp8"])
+def test_sglang_deepep_moe_layer_runs_moe_comm_experts(mode, dispatch_fp8):
+    """SGLang's DeepEPMoE layer on CPU (its own experts are DeepGEMM's only): dispatch, moe-comm's experts,
+    combine, against the dense reference on 2 ranks. (SGLang's normal dispatch sends FP8 only with DeepGEMM.)"""
+    cfg = dict(tokens=[13, 6], hidden=256, inter=128, topk=4, experts=8, seed=5, max_tokens=16, mode=mode,
+               dispatch_fp8=dispatch_fp8)
+    for rank, r in enumerate(run_ranks(sglang_experts_layer, cfg, "shm")):
+        assert r["patched"] and r["shape"] == [cfg["tokens"][rank], cfg["hidden"]]
         assert r["bitwise"] and r["repeatable"], (rank, r)
         assert r["accuracy"], (rank, r["reason"])
 

@@ -209,12 +209,20 @@ def _count_asserts(script: str, folder: str) -> None:
             hit.add(frame.f_lineno)
         return in_script
 
+    abspath = os.path.abspath  # bound now: at interpreter exit, module globals are torn down under the trace
+
     def on_call(frame: Any, event: str, arg: Any) -> Any:
-        return in_script if os.path.abspath(frame.f_code.co_filename) == script else None
+        return in_script if abspath(frame.f_code.co_filename) == script else None
+
+    def write() -> None:
+        sys.settrace(None)
+        threading.settrace(None)  # type: ignore[arg-type]
+        with open(os.path.join(folder, f"asserts.{os.getpid()}"), "w") as f:
+            f.write(json.dumps(sorted(hit)))
 
     sys.settrace(on_call)
     threading.settrace(on_call)
-    atexit.register(lambda: open(os.path.join(folder, f"asserts.{os.getpid()}"), "w").write(json.dumps(sorted(hit))))
+    atexit.register(write)
 
 
 def _install() -> None:
