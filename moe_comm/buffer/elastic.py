@@ -31,7 +31,7 @@ from . import elastic_layout as lay
 from .buffer import Buffer, topk_idx_t
 from .elastic_combine import pick_slot_weights, sum_expanded_rows, sum_in_slot_order
 from .event import EventHandle, EventOverlap
-from .normal_args import check_num_experts, check_topk_idx
+from .normal_args import check_num_experts, check_topk_idx, split_x
 
 __all__ = ["ElasticBuffer", "EPHandle", "get_physical_domain_size", "get_logical_domain_size"]
 
@@ -40,7 +40,6 @@ _ALIGN = 16                   # bytes: each part of a record starts aligned (Dee
 _BUFFER_ALIGNMENT = 2 << 20   # DeepEP V2 aligns buffer sizes to 2 MiB
 _SF_PACK_ALIGN = 4            # DeepEP's kNumAlignedSFPacks: 16-byte TMA alignment of 4-byte packs
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 # The V1 methods without their call agreement: an ElasticBuffer call is itself one agreed call.
 _v1_dispatch = inspect.unwrap(Buffer.dispatch)
@@ -618,16 +617,10 @@ class ElasticBuffer:
     # ------------------------------------------------------------------ checks and events
     @staticmethod
     def _split_x(op: str, x: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if isinstance(x, (tuple, list)):
-            if len(x) != 2:
-                bad_argument(op, "x", "a tensor or a 2-tuple (x_fp8, sf)", f"a {type(x).__name__} of length {len(x)}",
-                             kind=TypeError)
-            data, sf = x
-            check_tensor(op, "x[0]", data, shape=(None, None), dtype=_FP8)
-            check_tensor(op, "x[1] (sf)", sf, shape=(data.shape[0], None), dtype=(torch.float32, torch.int32),
-                         device=data.device)
-        else:
-            data, sf = check_tensor(op, "x", x, shape=(None, None), dtype=NATIVE_DTYPES), None
+        """V1's ``split_x``, and a BF16 (fp16, fp32) tensor when there are no scale factors."""
+        data, sf = split_x(op, x)
+        if sf is None:
+            check_tensor(op, "x", data, shape=(None, None), dtype=NATIVE_DTYPES)
         return data.contiguous(), sf
 
     def _check_resources(self, op: str, num_sms: Any, num_qps: Any) -> None:
