@@ -308,4 +308,5 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None)
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m moe_comm.bench normal") -> None:
     """Parses ``argv``, runs every token count on the launched (or spawned) ranks and reports."""
     launch_token_counts("normal", run_rank, report, parse_args(argv, prog),
-                        ("hidden", "topk", "experts", "warmup", "iters", "seed", "transports", "elastic"), command_line(prog, argv))
+                        ("hidden", "topk", "experts", "warmup", "iters", "seed", "transports", "elastic"),
+                        command_line(prog, argv))

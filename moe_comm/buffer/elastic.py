@@ -412,7 +412,8 @@ class ElasticBuffer:
     def _cached_dispatch(self, op: str, data: torch.Tensor, sf: Optional[torch.Tensor], topk_idx: Any,
                          topk_weights: Any, stats: Any, num_experts: Any, num_max_tokens_per_rank: Any,
                          expert_alignment: Any, handle: Any, do_cpu_sync: Any, do_expand: bool, tma_sf: bool,
-                         async_with_compute_stream: bool) -> tuple[XType, Optional[torch.Tensor], Optional[torch.Tensor], EPHandle, EventOverlap]:
+                         async_with_compute_stream: bool
+                         ) -> tuple[XType, Optional[torch.Tensor], Optional[torch.Tensor], EPHandle, EventOverlap]:
         if not isinstance(handle, EPHandle) or handle._v1 is None:
             bad_argument(op, "handle", "an EPHandle from this library's ElasticBuffer.dispatch", describe(handle),
                          kind=TypeError)

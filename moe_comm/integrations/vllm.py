@@ -14,8 +14,9 @@ CUDA/ROCm only), and ``register`` adds them:
 3. vLLM's unquantized MoE oracle is offered experts for both DeepEP formats (``vllm_experts.py``).
 
 On every platform, vLLM's ``deepep_v2`` check no longer asks moe-comm's ``deep_ep`` for NCCL 2.30.4
-(``_accept_elastic_buffer``). These reuse vLLM's unmodified classes. On every platform the hidden size is no longer padded to DeepEP's
-compiled sizes (``_keep_hidden_size``). Written against vLLM 0.32 (``TESTED_VERSIONS``);
+(``_accept_elastic_buffer``). These reuse vLLM's unmodified classes. On every platform the hidden size is
+no longer padded to DeepEP's compiled sizes (``_keep_hidden_size``). Written against vLLM 0.32
+(``TESTED_VERSIONS``);
 another version gets a warning, since the calls vLLM makes into ``deep_ep`` are version-specific.
 """
 from __future__ import annotations

@@ -140,7 +140,8 @@ def _roundtrip(group: dist.ProcessGroup, num_tokens: int, hidden: int, num_topk:
         assert sf.stride() == ((1, -(-sf.shape[0] // 4) * 4) if tma_sf else (sf.shape[1], 1)), sf.stride()
         checks += 1
     if not expand:
-        assert torch.equal(data[:num_recv].view(torch.uint8), torch.stack(exp_x).view(torch.uint8)) if num_recv else True
+        if num_recv:
+            assert torch.equal(data[:num_recv].view(torch.uint8), torch.stack(exp_x).view(torch.uint8))
         assert torch.equal(recv_idx[:num_recv], torch.stack(exp_idx)) if num_recv else True
         assert torch.equal(recv_w[:num_recv], torch.stack(exp_w)) if num_recv else True
         if sf is not None and num_recv:

@@ -113,8 +113,9 @@ def _own_test(path: Path, options: list, args: list, env: dict) -> None:
 
 
 DEEPEP_V2 = os.environ.get("MOE_COMM_DEEPEP_V2")
-needs_deepep_v2 = pytest.mark.skipif(not DEEPEP_V2, reason="set MOE_COMM_DEEPEP_V2 to a DeepEP checkout of its main "
-                                     "branch (tests/elastic and deep_ep/utils; not shipped) to run DeepEP V2's own tests")
+needs_deepep_v2 = pytest.mark.skipif(not DEEPEP_V2, reason="set MOE_COMM_DEEPEP_V2 to a DeepEP checkout of its "
+                                     "main branch (tests/elastic and deep_ep/utils; not shipped) to run DeepEP V2's "
+                                     "own tests")
 _SMALL = ["--num-tokens", "32", "--hidden", "256", "--num-experts", "8", "--num-topk", "4"]
 # (script, harness options, script arguments, environment): test_ep.py's 144 cases each, 1-3 minutes on 2 cores
 DEEPEP_V2_RUNS = [
