@@ -34,7 +34,8 @@ def test_module_surface_is_moe_comms_objects():
     assert deep_ep.EventOverlap is moe_comm.EventOverlap and deep_ep.utils.EventHandle is moe_comm.EventHandle
     assert deep_ep.topk_idx_t is torch.int64
     assert deep_ep.__spec__ is not None and deep_ep.utils.__spec__ is not None
-    assert not hasattr(deep_ep, "ElasticBuffer") and not hasattr(deep_ep, "HybridEPBuffer")
+    assert deep_ep.ElasticBuffer is moe_comm.ElasticBuffer and deep_ep.EPHandle is moe_comm.EPHandle  # V2's API
+    assert not hasattr(deep_ep, "HybridEPBuffer")
     overlap = deep_ep.utils.EventOverlap(deep_ep.utils.EventHandle())  # Megatron builds these with no arguments
     overlap.current_stream_wait()
 
