@@ -18,6 +18,9 @@ from helpers.transports import NO_MPI, WORLD_KINDS, local_world
 
 # Keep each rank single-threaded: several ranks share 2 cores.
 os.environ.setdefault("MOE_COMM_NUM_THREADS", "1")
+# TileLang keeps compiled kernels in ~/.tilelang by default: the tests keep theirs in the ignored build/.
+os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                         "build", "tilelang-cache"))
 
 
 def _has_cuda() -> bool:
@@ -38,7 +41,7 @@ if not _has_cuda():
 # them cannot pass those checks by skipping them.
 _TOOLS = ("spin is not installed", "gcc is not installed", "g++ is not installed", "-fsanitize=thread",
           "nvcc not found", "nvdisasm not found", "ip is not installed", "unshare is not installed",
-          "torch-npu is not installed")
+          "torch-npu is not installed", "tilelang does not import")
 
 
 def pytest_addoption(parser):

@@ -51,6 +51,11 @@ def _fields(what: str, out: Any, ref: Any, names: list[str]) -> Iterator[Check]:
         yield f"{what}.{name}", getattr(out, name), getattr(ref, name), EXACT
 
 
+def _int8(impl: str) -> tuple[str, ...]:
+    """The INT8 format where ``impl`` has it (TileLang's programs cast to FP8 only)."""
+    return () if impl == "tilelang" else ("int8",)
+
+
 def case_layout(device: torch.device, impl: str) -> Iterator[Check]:
     topk = _routing(96, 32, 6, seed=1)
     out = ops.dispatch_layout(topk.to(device), 4, 32, impl=impl)
@@ -63,7 +68,7 @@ _PERMUTATION = ["x", "scales", "expert_offsets", "num_tokens_per_expert", "row_o
 
 def case_permute(device: torch.device, impl: str) -> Iterator[Check]:
     x, topk = _normal(45, 256, seed=2), _routing(45, 8, 3, seed=3)
-    for quant in (None, "e4m3", "int8"):
+    for quant in (None, "e4m3", *_int8(impl)):
         for alignment in (1, 16):
             out = ops.permute(x.to(device), topk.to(device), 8, alignment=alignment, quant=quant, impl=impl)
             ref = ops.permute_reference(x, topk, 8, alignment=alignment, quant=quant)
@@ -74,7 +79,7 @@ def case_permute(device: torch.device, impl: str) -> Iterator[Check]:
 def case_quantize(device: torch.device, impl: str) -> Iterator[Check]:
     x = _normal(33, 512, seed=4)
     for fmt, round_scale, ue8m0 in (("e4m3", False, False), ("e4m3", True, False), ("e4m3", True, True),
-                                    ("e5m2", False, False), ("int8", False, False)):
+                                    ("e5m2", False, False), *((fmt, False, False) for fmt in _int8(impl))):
         name = f"quantize[{fmt}{',pow2' if round_scale else ''}{',ue8m0' if ue8m0 else ''}]"
         q, scales = ops.quantize(x.to(device), fmt, round_scale=round_scale, use_ue8m0=ue8m0, impl=impl)
         q_ref, scales_ref = ops.quantize_reference(x, fmt, round_scale=round_scale, use_ue8m0=ue8m0)
@@ -150,15 +155,20 @@ CASES: dict[str, Callable[[torch.device, str], Iterator[Check]]] = {
 
 
 def targets() -> list[tuple[torch.device, str]]:
-    """(device, impl) pairs this process can run: CPU native, CPU Triton (interpreter), CUDA both."""
+    """(device, impl) pairs this process can run: CPU native, CPU Triton (interpreter), CPU TileLang (target
+    ``c``), and each on CUDA."""
     found = [(torch.device("cpu"), "native")]
     if ops.triton_usable(torch.device("cpu"))[0]:
         found.append((torch.device("cpu"), "triton"))
+    if impls.tilelang_usable(torch.device("cpu"))[0]:
+        found.append((torch.device("cpu"), "tilelang"))
     if torch.cuda.is_available():
         cuda = torch.device("cuda")
         found.append((cuda, "native"))
         if ops.triton_usable(cuda)[0]:
             found.append((cuda, "triton"))
+        if impls.tilelang_usable(cuda)[0]:
+            found.append((cuda, "tilelang"))
     return found
 
 
@@ -167,6 +177,8 @@ def run(pairs: list[tuple[torch.device, str]]) -> list[dict[str, Any]]:
     rows = []
     for device, name in pairs:
         for op, case in CASES.items():
+            if name == "tilelang" and op not in impls.TILELANG_OPS:
+                continue
             for what, out, ref, dtype in case(device, name):
                 report = check(what, out, ref, dtype, raise_on_fail=False)
                 rows.append({"op": op, "check": what, "device": device.type,
@@ -276,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     covered = sorted({f"{r['device']}/{r['impl']}" for r in rows})
     print(f"\n{len(rows) - failed} of {len(rows)} checks pass on {', '.join(covered)}"
           + ("" if torch.cuda.is_available() else "; no CUDA device here, so no GPU rows"))
+    tilelang_ok, why = impls.tilelang_usable(torch.device("cpu"))
+    if not (tilelang_ok or args.only_cpu_triton):
+        print(f"no tilelang rows: {why}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -9,7 +9,8 @@ import torch
 from ..core.library import define, op
 from ..core.memory import zeros
 from .fp8 import GROUP
-from .grouped_gemm import GemmArgs, check_gemm, grouped_gemm, launch_gemm, native_gemm, segments_reference
+from . import tilelang_launch
+from .grouped_gemm import GemmArgs, row_tiles, check_gemm, grouped_gemm, launch_gemm, native_gemm, segments_reference
 from .impl import renamed_impl, resolve
 from .quant import quantize
 
@@ -66,6 +67,8 @@ def _expert_ffn_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert_
     chosen = resolve("expert_ffn", x.device, impl)
     if chosen == "triton":
         launch_gemm(first, h, swiglu=True)
+    elif chosen == "tilelang":
+        tilelang_launch.gemm(first, h, True, row_tiles)
     else:
         native_gemm(first, h, swiglu=True)
     h = h.view(first.out_shape)

@@ -18,6 +18,7 @@ import torch
 from ..core.library import define, op
 from ..core.memory import zeros
 from .fp8 import GROUP
+from . import tilelang_launch
 from .impl import kernels, renamed_impl, resolve
 from .npu import grouped_gemm_npu, torch_npu_for
 from .quant import dequantize
@@ -111,7 +112,7 @@ def dequantize_weights(b: torch.Tensor, b_scales: torch.Tensor) -> torch.Tensor:
     return b.to(torch.float32) * scales
 
 
-def _tiles(args: GemmArgs, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def row_tiles(args: GemmArgs, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Row tiles of at most ``block_m`` rows, one expert each, computed on the device without reading it
     back: the grid is the upper bound ``cdiv(rows, block_m) + E`` and unused entries name expert -1."""
     counts = args.ends - args.starts
@@ -157,7 +158,7 @@ def launch_gemm(args: GemmArgs, out: torch.Tensor, swiglu: bool, config: Optiona
     config = config or default_config(fp8, swiglu, interpreting)
     if fp8 and config.block_k != GROUP:
         raise ValueError(f"launch_gemm: FP8 needs block_k == {GROUP} (one scale per step), got {config.block_k}")
-    tile_expert, tile_start, tile_end, bound = _tiles(args, config.block_m)
+    tile_expert, tile_start, tile_end, bound = row_tiles(args, config.block_m)
     if args.a.shape[0] == 0 or args.num_experts == 0 or args.n_out == 0:
         return
     grid = (bound * -(-args.n_out // config.block_n),)
@@ -197,8 +198,11 @@ def _grouped_gemm_op(a: torch.Tensor, b: torch.Tensor, expert_offsets: Optional[
     # NOTES: fresh zero pages on CPU: the masked layout's unused rows (most of [E, M, N] at decode) cost nothing
     out = zeros((args.a.shape[0], args.n_out), out_dtype, a.device)
     torch_npu = torch_npu_for(a)
-    if resolve("grouped_gemm", a.device, impl) == "triton":
+    chosen = resolve("grouped_gemm", a.device, impl)
+    if chosen == "triton":
         launch_gemm(args, out, swiglu=False)
+    elif chosen == "tilelang":
+        tilelang_launch.gemm(args, out, False, row_tiles)
     elif torch_npu is not None and not args.masked and args.a_scales is None:
         grouped_gemm_npu(torch_npu, args.a, args.b, args.starts, args.ends, out)  # segments back to back
     else:

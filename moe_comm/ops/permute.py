@@ -11,7 +11,7 @@ from ..core.library import define, no_tensor, op
 from ..core.native import NATIVE_DTYPES
 from .impl import kernels, renamed_impl, resolve
 from .npu import permute_npu, torch_npu_for
-from .quant import FORMATS, check_quant_args, launch_rows, native_rows, quantize_reference, scales_shape
+from .quant import FORMATS, check_quant_args, launch_rows, native_rows, quantize_reference, scales_shape, tilelang_rows
 from .rows import take_rows
 
 __all__ = ["Permutation", "permute", "permute_reference", "max_permuted_rows"]
@@ -126,8 +126,11 @@ def _permute_op(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, align
     check_quant_args("permute", x.shape[1], quant, round_scale, use_ue8m0)
     if topk_idx.device.type == "cpu":  # elsewhere it would cost a host sync
         _check_ids(topk_idx, num_experts)
-    if resolve("permute", x.device, impl) == "triton":
+    chosen = resolve("permute", x.device, impl)
+    if chosen == "triton":
         fields = _permute_triton(x, topk_idx, num_experts, alignment, quant, round_scale, use_ue8m0, num_rows)
+    elif chosen == "tilelang":
+        fields = _permute_tilelang(x, topk_idx, num_experts, alignment, quant, round_scale, use_ue8m0, num_rows)
     else:
         fields = _permute_native(x, topk_idx, num_experts, alignment, quant, round_scale, use_ue8m0, num_rows)
     return (fields[0], no_tensor(x, torch.float32) if fields[1] is None else fields[1], *fields[2:])
@@ -138,18 +141,8 @@ def _permute_native(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, a
     torch_npu = torch_npu_for(x)
     if torch_npu is not None and alignment == 1 and quant in (None, "int8"):
         return permute_npu(torch_npu, x, topk_idx, num_experts, quant, lambda offsets: _num_rows(offsets, num_rows))
-    flat = topk_idx.reshape(-1)
-    experts, order = torch.sort(flat, stable=True)  # -1 first, then by expert, flat order within
-    skipped = int((flat < 0).sum())
-    per_expert = torch.bincount(experts[skipped:], minlength=num_experts)
-    offsets = _offsets(per_expert, alignment)
-    rows = _num_rows(offsets, num_rows)
-    routed = order[skipped:]
-    expert = experts[skipped:]
-    row = offsets[expert] + torch.arange(routed.numel(), device=x.device) - (per_expert.cumsum(0) - per_expert)[expert]
-    row_of = torch.full_like(flat, -1).index_put_((routed,), row)
-    source = torch.full((rows,), -1, dtype=torch.int64, device=x.device).index_put_((row,), routed)
-    expert_of_row = torch.full((rows,), -1, dtype=torch.int32, device=x.device).index_put_((row,), expert.to(torch.int32))
+    offsets, per_expert, row_of, source, expert_of_row = _sorted_indices(topk_idx, num_experts, alignment, num_rows)
+    rows = source.shape[0]
     scales = None
     if quant is not None and x.device.type == "cpu" and x.dtype in NATIVE_DTYPES:  # gather and cast in one pass
         out, scales = native_rows(x, rows, quant, round_scale, use_ue8m0, source=source, source_div=topk_idx.shape[1])
@@ -158,6 +151,34 @@ def _permute_native(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, a
         take_rows(out, x, torch.where(source >= 0, source // topk_idx.shape[1], -1))
         if quant is not None:
             out, scales = quantize_reference(out, quant, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    return (out, scales, offsets, per_expert.to(torch.int32), row_of.view_as(topk_idx), source, expert_of_row)
+
+
+def _sorted_indices(topk_idx: torch.Tensor, num_experts: int, alignment: int, num_rows: Optional[int]) -> tuple:
+    """(expert_offsets, per_expert, row_of (flat), source, expert_of_row) by a stable sort of the flat ids."""
+    flat = topk_idx.reshape(-1)
+    experts, order = torch.sort(flat, stable=True)  # -1 first, then by expert, flat order within
+    skipped = int((flat < 0).sum())
+    per_expert = torch.bincount(experts[skipped:], minlength=num_experts)
+    offsets = _offsets(per_expert, alignment)
+    rows = _num_rows(offsets, num_rows)
+    routed = order[skipped:]
+    expert = experts[skipped:]
+    row = offsets[expert] + torch.arange(routed.numel(), device=flat.device) - (per_expert.cumsum(0) - per_expert)[expert]
+    row_of = torch.full_like(flat, -1).index_put_((routed,), row)
+    source = torch.full((rows,), -1, dtype=torch.int64, device=flat.device).index_put_((row,), routed)
+    expert_of_row = torch.full((rows,), -1, dtype=torch.int32, device=flat.device).index_put_((row,),
+                                                                                             expert.to(torch.int32))
+    return offsets, per_expert, row_of, source, expert_of_row
+
+
+def _permute_tilelang(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, alignment: int,
+                      quant: Optional[str], round_scale: bool, use_ue8m0: bool, num_rows: Optional[int]) -> tuple:
+    """The indices by the native sort (index arithmetic, a small share of the bytes), the rows and their
+    FP8 cast in one pass of the TileLang rows program."""
+    offsets, per_expert, row_of, source, expert_of_row = _sorted_indices(topk_idx, num_experts, alignment, num_rows)
+    out, scales = tilelang_rows("permute", x, source.shape[0], quant, round_scale, use_ue8m0, source=source,
+                                source_div=topk_idx.shape[1])
     return (out, scales, offsets, per_expert.to(torch.int32), row_of.view_as(topk_idx), source, expert_of_row)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from ..core.library import define, op
 from ..core.native import NATIVE_DTYPES, cpu_threads, native, native_dtype, native_format
+from . import tilelang_launch
 from .fp8 import AMAX_FLOOR, GROUP, per_token_cast_back, per_token_cast_to_fp8
 from .impl import kernels, next_pow2, renamed_impl, resolve
 
@@ -117,6 +118,22 @@ def launch_rows(x: torch.Tensor, num_rows: int, fmt: Optional[str], round_scale:
     return out, scales
 
 
+def tilelang_rows(op: str, x: torch.Tensor, num_rows: int, fmt: Optional[str], round_scale: bool, use_ue8m0: bool,
+                  source: Optional[torch.Tensor] = None, source_div: int = 1
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``launch_rows`` on the TileLang rows program (FP8 formats or none; ValueError naming ``op`` for int8)."""
+    if fmt == "int8":
+        raise ValueError(f"{op}: impl 'tilelang' has no int8 program (FP8 only); use impl 'native' or 'triton'")
+    tilelang_launch.dtype_name(op, x.dtype)
+    out, scales = _row_outputs(x, num_rows, fmt, use_ue8m0)
+    if num_rows and x.shape[1]:
+        if source is None:
+            source = torch.arange(num_rows, dtype=torch.int64, device=x.device)
+        tilelang_launch.rows(x, out, scales, source, source_div, FORMATS[fmt] if fmt else None, round_scale,
+                             use_ue8m0)
+    return out, scales
+
+
 def quantize(x: torch.Tensor, fmt: str = "e4m3", *, round_scale: bool = False, use_ue8m0: bool = False,
              impl: Optional[str] = None, backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes ``x`` `[T, H]` (bf16, fp16 or fp32) per token.
@@ -149,8 +166,11 @@ def _quantize_fake(x: torch.Tensor, fmt: str, round_scale: bool, use_ue8m0: bool
 def _quantize_op(x: torch.Tensor, fmt: str, round_scale: bool, use_ue8m0: bool,
                  impl: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
     _check_quantize(x, fmt, round_scale, use_ue8m0)
-    if resolve("quantize", x.device, impl) == "triton":
+    chosen = resolve("quantize", x.device, impl)
+    if chosen == "triton":
         return launch_rows(x, x.shape[0], fmt, round_scale, use_ue8m0)
+    if chosen == "tilelang":
+        return tilelang_rows("quantize", x, x.shape[0], fmt, round_scale, use_ue8m0)
     if x.device.type == "cpu":
         return native_rows(x, x.shape[0], fmt, round_scale, use_ue8m0)
     return quantize_reference(x, fmt, round_scale=round_scale, use_ue8m0=use_ue8m0)
@@ -203,7 +223,16 @@ def _dequantize_op(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, im
     _check_dequantize(q, scales)
     fmt = "int8" if q.dtype == torch.int8 else "fp8"
     use_ue8m0 = scales.dtype == torch.int32
-    if resolve("dequantize", q.device, impl) != "triton":
+    chosen = resolve("dequantize", q.device, impl)
+    if chosen == "tilelang":
+        if fmt == "int8":
+            raise ValueError("dequantize: impl 'tilelang' has no int8 program (FP8 only); use impl 'native' or 'triton'")
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+        if q.numel():
+            tilelang_launch.dtype_name("dequantize", dtype)
+            tilelang_launch.dequant(q, scales, out, use_ue8m0)
+        return out
+    if chosen != "triton":
         if q.device.type == "cpu" and dtype in NATIVE_DTYPES:
             return _native_dequantize(q, scales, dtype, fmt, use_ue8m0)
         return dequantize_reference(q, scales, dtype)

@@ -8,6 +8,7 @@ import torch
 from ..core.native import NATIVE_DTYPES
 from .combine_reduce import combine_reduce
 from ..core.library import define, op
+from . import tilelang_launch
 from .impl import kernels, next_pow2, renamed_impl, resolve
 from .records import Field, RecordLayout
 
@@ -67,7 +68,15 @@ def _unpermute_reduce_op(y: torch.Tensor, row_of: torch.Tensor, topk_weights: to
     if y.device.type == "cpu":  # elsewhere it would cost a host sync
         _check_rows(y, row_of)
     num_tokens, num_topk = row_of.shape
-    if resolve("unpermute_reduce", y.device, impl) == "triton":
+    chosen = resolve("unpermute_reduce", y.device, impl)
+    if chosen == "tilelang":
+        tilelang_launch.dtype_name("unpermute_reduce", y.dtype)
+        out = torch.empty(num_tokens, y.shape[1], dtype=out_dtype, device=y.device)
+        if out.numel():
+            tilelang_launch.dtype_name("unpermute_reduce", out_dtype)
+            tilelang_launch.unpermute(y, row_of, topk_weights, out)
+        return out
+    if chosen == "triton":
         out = torch.empty(num_tokens, y.shape[1], dtype=out_dtype, device=y.device)
         if out.numel():
             block = min(_BLOCK_H, next_pow2(y.shape[1]))

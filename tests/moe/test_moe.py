@@ -8,6 +8,7 @@ import torch
 from moe_comm.launch import LocalWorld
 from moe_comm.moe import MODES
 from moe_comm.ops import triton_usable
+from moe_comm.ops.impl import tilelang_usable
 
 from helpers.deadlines import found_within
 from helpers.moe_cases import layer_from_logits, mismatched_chunks, moe_forward, skip_forward
@@ -79,6 +80,18 @@ def test_ep_moe_on_triton_kernels(worlds, mode):
         pytest.skip(why)
     cfg = dict(tokens=[6, 3], hidden=128, inter=128, topk=2, experts=4, mode=mode, num_chunks=2, fp8=mode == "two_batch",
                seed=2, impl="triton")
+    for r in worlds(2).run(moe_forward, cfg):
+        assert r["bitwise_reference"] and r["accuracy"] and r["repeatable"], r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ep_moe_on_tilelang_kernels(worlds, mode):
+    """The layer on the TileLang programs (their CPU build) matches its reference on 2 ranks, FP8 included."""
+    usable, why = tilelang_usable(torch.device("cpu"))
+    if not usable:
+        pytest.skip(why)
+    cfg = dict(tokens=[6, 3], hidden=128, inter=128, topk=2, experts=4, mode=mode, num_chunks=2, fp8=mode == "two_batch",
+               seed=3, impl="tilelang")
     for r in worlds(2).run(moe_forward, cfg):
         assert r["bitwise_reference"] and r["accuracy"] and r["repeatable"], r
 

@@ -1,7 +1,8 @@
 """The fused MoE ops on every device and implementation present, held to ``moe_comm.accuracy``'s standard.
 
-Triton runs in its CPU interpreter here (conftest sets TRITON_INTERPRET=1 without a GPU); CUDA
-cases skip without a GPU. Shapes are small: the interpreter runs programs one after another.
+Triton runs in its CPU interpreter here (conftest sets TRITON_INTERPRET=1 without a GPU), TileLang as its
+CPU build (target ``c``); CUDA cases skip without a GPU. Shapes are small: the interpreter runs programs
+one after another. TileLang has programs for the ops in ``ops.impl.TILELANG_OPS`` and FP8 (no INT8) casts.
 """
 from __future__ import annotations
 
@@ -12,19 +13,27 @@ import torch
 
 from moe_comm import accuracy, ops
 from moe_comm.accuracy.suite import CASES, _routing
+from moe_comm.ops.impl import TILELANG_OPS, tilelang_usable
 
 from helpers.bit_checks import assert_same_bits_or_both_nan
 
-TARGETS = [("cpu", "native"), ("cpu", "triton"), ("cuda", "native"), ("cuda", "triton")]
+TARGETS = [("cpu", "native"), ("cpu", "triton"), ("cpu", "tilelang"), ("cuda", "native"), ("cuda", "triton"),
+           ("cuda", "tilelang")]
 
 
 def _skip_unless(device: str, impl: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    usable, why = ops.triton_usable(torch.device(device))
-    if impl == "triton" and not usable:
+    usable, why = {"triton": ops.triton_usable, "tilelang": tilelang_usable}.get(
+        impl, lambda _: (True, ""))(torch.device(device))
+    if not usable:
         pytest.skip(why)
     return torch.device(device)
+
+
+def _formats(impl: str, *cases: tuple) -> tuple:
+    """The (format, ...) cases ``impl`` has programs for: TileLang casts to FP8 only."""
+    return tuple(case for case in cases if impl != "tilelang" or case[0] != "int8")
 
 
 @pytest.fixture(params=TARGETS, ids=[f"{d}-{b}" for d, b in TARGETS])
@@ -37,6 +46,8 @@ def target(request) -> tuple[torch.device, str]:
 def test_standard(op, target):
     """Every check of the accuracy suite for ``op`` passes (exact where data only moves)."""
     device, impl = target
+    if impl == "tilelang" and op not in TILELANG_OPS:
+        pytest.skip(f"TileLang has no {op} program")
     failed = [accuracy.check(what, out, ref, dtype, raise_on_fail=False) for what, out, ref, dtype in
               CASES[op](device, impl)]
     failed = [f"{r.op}: {r.reason}" for r in failed if not r.passed]
@@ -186,7 +197,8 @@ BAD_INPUT = [
                             expert_offsets=_OFFS), ValueError, r"w2 must be \[2, 256, 32\]"),
     (lambda: ops.unpermute_reduce(_X, _IDX, torch.ones(4, 3)), ValueError, r"topk_weights must be float32 \[4, 2\]"),
     (lambda: ops.unpermute_reduce(_X, _IDX + 4, torch.ones(4, 2)), ValueError, r"must be -1 or in \[0, 4\)"),
-    (lambda: ops.dispatch_layout(_IDX, 2, 4, impl="cuda"), ValueError, r"impl must be one of \['native', 'triton'\]"),
+    (lambda: ops.dispatch_layout(_IDX, 2, 4, impl="cuda"), ValueError,
+     r"impl must be one of \['native', 'triton', 'tilelang'\]"),
 ]
 
 
@@ -253,7 +265,8 @@ def test_quantize_partial_steps(target, hidden):
     """FP8 kernels take 8 groups of 128 channels per step: 9 and 12 groups leave a partial last step."""
     device, impl = target
     x = torch.randn(5, hidden).bfloat16() * 3
-    for fmt, round_scale, ue8m0 in (("e4m3", False, False), ("e5m2", True, hidden % 512 == 0), ("int8", False, False)):
+    for fmt, round_scale, ue8m0 in _formats(impl, ("e4m3", False, False), ("e5m2", True, hidden % 512 == 0),
+                                            ("int8", False, False)):
         q, s = ops.quantize(x.to(device), fmt, round_scale=round_scale, use_ue8m0=ue8m0, impl=impl)
         q_ref, s_ref = ops.quantize_reference(x, fmt, round_scale=round_scale, use_ue8m0=ue8m0)
         accuracy.check("codes", q, q_ref)
@@ -302,6 +315,10 @@ def test_int8_codes_round_half_to_even(target):
     device, impl = target
     halves = torch.arange(-126, 127, dtype=torch.float32) + 0.5
     x = torch.cat([torch.tensor([127.0]), halves, torch.tensor([-0.5, 0.5, 1.5, -1.5])]).view(1, -1)
+    if impl == "tilelang":
+        with pytest.raises(ValueError, match="quantize: impl 'tilelang' has no int8 program"):
+            ops.quantize(x.to(device), "int8", impl=impl)
+        return
     q, s = ops.quantize(x.to(device), "int8", impl=impl)
     q_ref, s_ref = ops.quantize_reference(x, "int8")
     assert torch.equal(q_ref[0, 1:].float(), torch.round(x[0, 1:]))
