@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moe-comm-installed
+# TileLang's compiled kernels go to the ignored build/, not ~/.tilelang (the tests set the same folder).
+export TILELANG_CACHE_DIR ?= $(abspath build/tilelang-cache)
 # The CPU build of torch (a plain `torch` requirement would pull a multi-GB CUDA build).
 TORCH_SPEC ?= torch==2.13.0
 # Triton runs the kernels' tests in its CPU interpreter. The venv gets the Triton that torch 2.14 pins.
@@ -51,7 +53,7 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*/*) $(wildcard csrc/*/*
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)" numpy pybind11 "scikit-build-core>=0.11" "cmake>=3.25.2" ninja \
 		"$(NVDISASM_SPEC)" "$(NVSHMEM_SPEC)"
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,mpi,plot]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,mpi,plot,tilelang]"
 	touch $(STAMP)
 
 # `make demo BACKEND=cuda_host` runs it on the CUDA kernels' host build.

@@ -5,18 +5,26 @@
     python -m moe_comm.bench ops --device cuda --tokens 4096 --hidden 7168 --intermediate 2048 --experts 32 --topk 8
     python -m moe_comm.bench ops --tokens 128 512 2048 --plot ops.png
 
+    TRITON_INTERPRET=1 python -m moe_comm.bench ops --device cpu --tokens 64 --hidden 512 --experts 8 \
+        --intermediate 128                                       # with Triton's interpreter beside TileLang
+
 One process, one device. Shapes are one EP rank's share: ``tokens`` tokens routed by random top-k
-over the ``experts`` local experts. Every op runs each of our backends ("native"; on CUDA also
-"triton") next to torch baselines and two ceilings measured in the same run (a large tensor copy,
-one dense bf16 matmul). Every output is checked against a torch baseline before anything is
-timed; a backend of ours that disagrees stops the run, so no number is published for a wrong kernel.
+over the ``experts`` local experts. Every op runs each of our backends ("native"; "tilelang" where it
+has a program; "triton" on CUDA, and on the CPU in its interpreter when TRITON_INTERPRET=1 is set) next
+to torch baselines and two ceilings measured in the same run (a large tensor copy, one dense bf16
+matmul). ``first_s`` is each of our rows' first call, untimed otherwise: for TileLang the compile (its
+cache is a fresh folder per run), for Triton's interpreter none. Every output is checked against a torch
+baseline before anything is timed; a backend of ours that disagrees stops the run, so no number is published for a wrong kernel.
 Prints a table per token count, the byte and FLOP rules and the ceilings; writes one JSON record.
 ``--ranks`` shapes dispatch_layout only (experts map to ranks in contiguous blocks).
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
+import tempfile
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -85,7 +93,10 @@ def check(groups: list[Group]) -> list[dict[str, Any]]:
             if c.fn is None:
                 continue
             try:
+                start = time.perf_counter()
                 got = c.fn()
+                if c.ours:
+                    c.first_s = time.perf_counter() - start
             except NotImplementedError as e:  # a backend that declines a case says so; not a wrong result
                 c.fn, c.note = None, _reason(e)
                 continue
@@ -119,7 +130,7 @@ def run(cfg: dict[str, Any], device: torch.device, backends: Sequence[str]
     rows = []
     for c in ceilings + [c for g in groups for c in g.cases]:
         row = {"op": c.op, "case": c.case, "impl": c.impl, "unit": c.unit, "work": c.work, "ours": c.ours,
-               "full": c.full, "note": c.note}
+               "full": c.full, "note": c.note, "first_s": c.first_s}
         if c.fn is not None:
             secs = time_fn(c.fn, device, cfg["warmup"], cfg["reps"], flush)
             stats = summarize(secs)
@@ -148,7 +159,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 COLUMNS = [("op", "op"), ("case", "case"), ("impl", "impl"), ("median_us", "median_us"),
            ("p10_p90", "p10/p90_us"), ("rate", "rate"), ("unit", "unit"), ("pct_ceiling", "%ceiling"),
-           ("vs_torch", "vs_torch(x)"), ("note", "note")]
+           ("vs_torch", "vs_torch(x)"), ("first_s", "first_s"), ("note", "note")]
 
 
 def _report_run(rows: list[dict[str, Any]], records: list[dict[str, Any]], cfg: dict[str, Any], where: str,
@@ -234,16 +245,22 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m moe_comm.b
     if device.type == "cuda":  # the native GEMMs multiply in fp32: TF32 decides whether that uses tensor cores
         cfg["allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
     from moe_comm.ops import triton_usable
+    from moe_comm.ops.impl import tilelang_usable
 
     backends, skipped = ["native"], []
     usable, why = triton_usable(device)
-    if device.type == "cpu":
-        skipped.append("backend 'triton' on CPU: Triton runs CPU tensors only in its interpreter "
-                       "(TRITON_INTERPRET=1), which says nothing about kernel speed")
-    elif not usable:
+    if not usable:
         skipped.append(f"backend 'triton': {why}")
     else:
         backends.insert(0, "triton")
+    usable, why = tilelang_usable(device)
+    if not usable:
+        skipped.append(f"backend 'tilelang': {why}")
+    else:
+        backends.append("tilelang")
+        # first_s then shows each program's compile, not a load from an earlier run's cache.
+        os.environ["TILELANG_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe-comm-bench-tilelang-")
+        atexit.register(shutil.rmtree, os.environ["TILELANG_CACHE_DIR"], True)
     for s in skipped:
         print(f"skipped: {s}")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else \

@@ -43,6 +43,7 @@ class Case:
     ours: bool = False     # a backend of moe_comm: a failed check stops the run
     full: bool = True      # a complete implementation of the op (only these set vs_torch)
     note: str = ""
+    first_s: Optional[float] = None  # ours: the first call's seconds (TileLang's compile), set by the check
 
 
 @dataclass
@@ -85,16 +86,24 @@ def inputs(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]:
                 offs32=perm.expert_offsets[1:].to(torch.int32), valid=sum(counts))
 
 
-def _ours(name: str, backends: Sequence[str]) -> list[tuple[str, Optional[Callable[..., Any]], str]]:
-    """(backend, op or None, reason) for each of our backends."""
+def _ours(name: str, backends: Sequence[str], fmt: Optional[str] = None
+          ) -> list[tuple[str, Optional[Callable[..., Any]], str]]:
+    """(backend, op or None, reason) for each of our backends; TileLang has programs for some ops, FP8 only."""
+    from moe_comm.ops.impl import TILELANG_OPS
     op = getattr(importlib.import_module("moe_comm.ops"), name, None)
-    return [(b, op, "" if op else f"moe_comm.ops has no {name}") for b in backends]
+    found = []
+    for b in backends:
+        if b == "tilelang" and (name not in TILELANG_OPS or fmt == "int8"):
+            found.append((b, None, f"no TileLang program for {name}{' int8' if fmt == 'int8' else ''}"))
+        else:
+            found.append((b, op, "" if op else f"moe_comm.ops has no {name}"))
+    return found
 
 
 def _add_ours(g: Group, name: str, backends: Sequence[str], work: float, unit: str,
-              call: Callable[[Callable[..., Any], str], Any]) -> None:
-    """One row per backend of ours; ``call(op, backend)`` runs the op."""
-    for backend, op, reason in _ours(name, backends):
+              call: Callable[[Callable[..., Any], str], Any], fmt: Optional[str] = None) -> None:
+    """One row per backend of ours; ``call(op, backend)`` runs the op (of format ``fmt``, where it has one)."""
+    for backend, op, reason in _ours(name, backends, fmt):
         fn = (lambda op=op, backend=backend: call(op, backend)) if op else None
         g.cases.append(Case(g.op, g.case, backend, fn, work, unit, ours=True, note=reason))
 
@@ -155,14 +164,14 @@ def build_groups(d: dict[str, Any], cfg: dict[str, Any], backends: Sequence[str]
     for fmt, scale_bytes in (("e4m3", T * (H // GROUP) * 4), ("int8", T * 4)):
         nbytes = T * H * 2 + T * H + scale_bytes
         g = Group("quantize", fmt, lambda fmt=fmt: torch_quantize(x, fmt), close_quantized)
-        _add_ours(g, "quantize", backends, nbytes, "GB/s", lambda op, b, fmt=fmt: op(x, fmt, impl=b))
+        _add_ours(g, "quantize", backends, nbytes, "GB/s", lambda op, b, fmt=fmt: op(x, fmt, impl=b), fmt)
         g.cases.append(Case(g.op, g.case, "torch", lambda fmt=fmt: torch_quantize(x, fmt), nbytes, "GB/s"))
         groups.append(g)
     for fmt, scale_bytes in (("e4m3", T * (H // GROUP) * 4), ("int8", T * 4)):
         q, s = torch_quantize(x, fmt)
         nbytes = T * H + scale_bytes + T * H * 2
         g = Group("dequantize", fmt, lambda q=q, s=s: torch_dequantize(q, s), close)
-        _add_ours(g, "dequantize", backends, nbytes, "GB/s", lambda op, b, q=q, s=s: op(q, s, impl=b))
+        _add_ours(g, "dequantize", backends, nbytes, "GB/s", lambda op, b, q=q, s=s: op(q, s, impl=b), fmt)
         g.cases.append(Case(g.op, g.case, "torch", lambda q=q, s=s: torch_dequantize(q, s), nbytes, "GB/s"))
         groups.append(g)
 

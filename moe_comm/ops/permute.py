@@ -164,7 +164,8 @@ def _sorted_indices(topk_idx: torch.Tensor, num_experts: int, alignment: int, nu
     rows = _num_rows(offsets, num_rows)
     routed = order[skipped:]
     expert = experts[skipped:]
-    row = offsets[expert] + torch.arange(routed.numel(), device=flat.device) - (per_expert.cumsum(0) - per_expert)[expert]
+    first_of_expert = (per_expert.cumsum(0) - per_expert)[expert]
+    row = offsets[expert] + torch.arange(routed.numel(), device=flat.device) - first_of_expert
     row_of = torch.full_like(flat, -1).index_put_((routed,), row)
     source = torch.full((rows,), -1, dtype=torch.int64, device=flat.device).index_put_((row,), routed)
     expert_of_row = torch.full((rows,), -1, dtype=torch.int32, device=flat.device).index_put_((row,),

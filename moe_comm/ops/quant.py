@@ -226,7 +226,8 @@ def _dequantize_op(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, im
     chosen = resolve("dequantize", q.device, impl)
     if chosen == "tilelang":
         if fmt == "int8":
-            raise ValueError("dequantize: impl 'tilelang' has no int8 program (FP8 only); use impl 'native' or 'triton'")
+            raise ValueError("dequantize: impl 'tilelang' has no int8 program (FP8 only); use impl 'native' or "
+                             "'triton'")
         out = torch.empty(q.shape, dtype=dtype, device=q.device)
         if q.numel():
             tilelang_launch.dtype_name("dequantize", dtype)

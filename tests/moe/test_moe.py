@@ -90,8 +90,8 @@ def test_ep_moe_on_tilelang_kernels(worlds, mode):
     usable, why = tilelang_usable(torch.device("cpu"))
     if not usable:
         pytest.skip(why)
-    cfg = dict(tokens=[6, 3], hidden=128, inter=128, topk=2, experts=4, mode=mode, num_chunks=2, fp8=mode == "two_batch",
-               seed=3, impl="tilelang")
+    cfg = dict(tokens=[6, 3], hidden=128, inter=128, topk=2, experts=4, mode=mode, num_chunks=2,
+               fp8=mode == "two_batch", seed=3, impl="tilelang")
     for r in worlds(2).run(moe_forward, cfg):
         assert r["bitwise_reference"] and r["accuracy"] and r["repeatable"], r
 

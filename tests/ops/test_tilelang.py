@@ -15,9 +15,8 @@ tilelang = pytest.importorskip("tilelang", reason="tilelang does not import: ins
 
 from moe_comm import ops  # noqa: E402
 from moe_comm.ops.fp8 import GROUP  # noqa: E402
-from moe_comm.ops.impl import TILELANG_OPS  # noqa: E402
+from moe_comm.ops.impl import TILELANG_OPS, TILELANG_RANGE  # noqa: E402
 from moe_comm.ops.tilelang import build, codec, grouped_gemm, rows  # noqa: E402
-from moe_comm.ops.tilelang.dialect import CPU  # noqa: E402
 
 from helpers.bit_checks import assert_same_bits_or_both_nan  # noqa: E402
 
@@ -69,6 +68,15 @@ def test_codec_matches_torch_for_every_code(dtype):
 
 def test_constants_match_the_ops():
     assert rows.GROUP == grouped_gemm.SCALE_BLOCK == GROUP
+
+
+def test_the_extra_admits_the_tested_range():
+    """pyproject's ``tilelang`` extra and ``TILELANG_RANGE`` (what moe-comm accepts at run time) agree."""
+    import re
+    from helpers.paths import ROOT
+    extra = re.search(r'^tilelang = \["tilelang>=([\d.]+),<([\d.]+)"\]', (ROOT / "pyproject.toml").read_text(), re.M)
+    low, high = ((tuple(int(p) for p in v.split(".")) + (0, 0))[:3] for v in extra.groups())
+    assert (low, high) == TILELANG_RANGE
 
 
 def test_every_op_with_a_program_takes_tilelang():

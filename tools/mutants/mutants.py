@@ -389,4 +389,24 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "multiple of expert_alignment: the rows disagree with psum_num_recv_tokens_per_expert",
         hints=("tests/buffer/test_elastic.py",),
     ),
+    # ------------------------------------------------------------------ TileLang programs (moe_comm/ops/tilelang)
+    Mutant(
+        id="tilelang-encode-ties-down",
+        file="moe_comm/ops/tilelang/codec.py",
+        old="    rounded = (magnitude_bits + T.uint32((1 << (drop - 1)) - 1) + ((magnitude_bits >> T.uint32(drop)) & "
+            "T.uint32(1))) \\\n",
+        new="    rounded = (magnitude_bits + T.uint32((1 << (drop - 1)) - 1)) \\\n",
+        description="the CPU build's narrow-float encoder rounds exact ties down instead of to even: FP8 codes "
+                    "differ from torch's cast at every odd-mantissa tie",
+        hints=("tests/ops/test_tilelang.py", "tests/ops/test_fused_ops.py"),
+    ),
+    Mutant(
+        id="tilelang-gemm-fp8-scale-column",
+        file="moe_comm/ops/tilelang/grouped_gemm.py",
+        old="b_scales[experts[tile_index], (col0 + j) // SCALE_BLOCK, step]",
+        new="b_scales[experts[tile_index], j // SCALE_BLOCK, step]",
+        description="the FP8 grouped GEMM scales every column block with the weight scales of the first 128 "
+                    "output columns (the tile's own column offset is dropped)",
+        hints=("tests/ops/test_fused_ops.py",),
+    ),
 )

@@ -53,10 +53,9 @@ def gemm_program(d: Dialect, n: int, k: int, num_experts: int, b_rows: int, dtyp
         """Rows ``[first_row, first_row + block_n)`` of expert ``expert``'s weights from column ``col``."""
         if d.cpu:
             for jj, kk in T.grid(block_n, block_k):
+                row = T.min(first_row + jj, row_end - 1)
                 tile[jj, kk] = T.if_then_else(first_row + jj < row_end and col + kk < k,
-                                              d.load(b[experts[tile_index], T.min(first_row + jj, row_end - 1), col + kk],
-                                                     dtype),
-                                              T.float32(0))
+                                              d.load(b[experts[tile_index], row, col + kk], dtype), T.float32(0))
         else:
             T.copy(b[experts[tile_index], first_row, col], tile)
 

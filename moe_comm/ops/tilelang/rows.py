@@ -80,8 +80,9 @@ def dequant_program(d: Dialect, hidden: int, code: str, dtype: str, ue8m0: bool)
                 out: T.Tensor((rows_n, hidden), d.storage(dtype))):
         with d.kernel(groups, rows_n) as (g, r):
             for c in d.parallel(GROUP):
-                if ue8m0:
-                    out[r, g * GROUP + c] = d.store(d.load(q[r, g * GROUP + c], code) * T.reinterpret(T.cast(scales[r, g], "uint32") << T.uint32(23), "float32"), dtype)
+                if ue8m0:  # the exponent byte is the scale's fp32 exponent field
+                    scale = T.reinterpret(T.cast(scales[r, g], "uint32") << T.uint32(23), "float32")
+                    out[r, g * GROUP + c] = d.store(d.load(q[r, g * GROUP + c], code) * scale, dtype)
                 else:
                     out[r, g * GROUP + c] = d.store(d.load(q[r, g * GROUP + c], code) * scales[r, g], dtype)
 
