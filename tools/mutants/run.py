@@ -69,7 +69,7 @@ LOGS = OUT / "logs"
 #: What the native build reads: a change there (by a mutant, or by the reset undoing one) means a rebuild.
 BUILD_INPUTS = ("csrc/", "CMakeLists.txt", "pyproject.toml")
 #: The extras `make setup` installs.
-EXTRAS = ".[test,mpi,plot]"
+EXTRAS = ".[test,mpi,plot,tilelang]"
 #: A survivor costs a whole fast-tier run (10-15 min on the 2-core VM); a hang ends here.
 DEFAULT_TIMEOUT_S = 2400
 #: The first failing test in pytest's short summary (-q prints it: FAILED/ERROR nodeid - message).
@@ -169,13 +169,19 @@ def setup_venv(logfile: Path) -> None:
     """The scratch copy's venv, as `make setup` makes .venv, and the torch-npu overlay `make test` adds."""
     stamp = VENV / ".moe-comm-installed"
     overlay = VENV / "torch-npu" / ".installed"
+    extras = VENV / ".mutants-extras"  # the EXTRAS the venv was last installed with
     if stamp.exists() and overlay.exists():
+        if not extras.exists() or extras.read_text() != EXTRAS:  # an extra added since: install it
+            if not rebuild(logfile):
+                raise SystemExit(f"installing {EXTRAS} into the scratch venv failed; see {logfile}")
+            extras.write_text(EXTRAS)
         return
     log(f"making the scratch venv {VENV.relative_to(ROOT)} (make setup in the scratch copy; minutes) ...")
     rc = run_logged(["make", "setup", ".venv/torch-npu/.installed", "VENV=.venv", f"PYTHON={getattr(sys, '_base_executable', sys.executable)}"],
                     logfile)
     if rc != 0 or not stamp.exists():
         raise SystemExit(f"the scratch copy's `make setup` failed (exit {rc}); see {logfile}")
+    extras.write_text(EXTRAS)
 
 
 def install_plugin() -> None:
