@@ -102,7 +102,7 @@ sanitize sanitizer_synccheck 30 synccheck
 
 # --- the older checks of the Triton ops on the GPU, shortened (they ran in full on 2026-11-29; the ops
 # benchmark left out to make room for buffer_graph)
-step accuracy 15 "$PY" -m moe_comm.accuracy --no-interpreter --json "$OUT/accuracy_rows.json"
+step accuracy 15 "$PY" -m moe_comm.accuracy --no-interpreter --impl native triton --json "$OUT/accuracy_rows.json"
 step pytest_legacy 10 "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_fused_ops.py tests/backends/test_cuda.py \
   --junitxml "$OUT/pytest_legacy.xml"
 

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -154,22 +154,13 @@ CASES: dict[str, Callable[[torch.device, str], Iterator[Check]]] = {
 }
 
 
-def targets() -> list[tuple[torch.device, str]]:
-    """(device, impl) pairs this process can run: CPU native, CPU Triton (interpreter), CPU TileLang (target
-    ``c``), and each on CUDA."""
-    found = [(torch.device("cpu"), "native")]
-    if ops.triton_usable(torch.device("cpu"))[0]:
-        found.append((torch.device("cpu"), "triton"))
-    if impls.tilelang_usable(torch.device("cpu"))[0]:
-        found.append((torch.device("cpu"), "tilelang"))
-    if torch.cuda.is_available():
-        cuda = torch.device("cuda")
-        found.append((cuda, "native"))
-        if ops.triton_usable(cuda)[0]:
-            found.append((cuda, "triton"))
-        if impls.tilelang_usable(cuda)[0]:
-            found.append((cuda, "tilelang"))
-    return found
+def targets(wanted: Sequence[str] = impls.IMPLS) -> list[tuple[torch.device, str]]:
+    """(device, impl) pairs this process can run, of the implementations ``wanted``: CPU native, CPU Triton
+    (interpreter), CPU TileLang (target ``c``), and each on CUDA. TileLang is imported only when wanted."""
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    usable = {"native": lambda device: (True, ""), "triton": ops.triton_usable, "tilelang": impls.tilelang_usable}
+    return [(device, name) for device in devices for name in impls.IMPLS
+            if name in wanted and usable[name](device)[0]]
 
 
 def run(pairs: list[tuple[torch.device, str]]) -> list[dict[str, Any]]:
@@ -262,18 +253,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--no-interpreter", action="store_true",
                         help="skip Triton's CPU interpreter (before triton 3.7 it needs numpy<2.4)")
+    parser.add_argument("--impl", nargs="+", choices=impls.IMPLS, default=list(impls.IMPLS),
+                        help="only these implementations (default: every one present)")
     parser.add_argument("--only-cpu-triton", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rows-json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     interpreter = (torch.device("cpu"), "triton")
-    pairs = targets()
-    if args.only_cpu_triton:
-        pairs = [p for p in pairs if p == interpreter]
-    elif args.no_interpreter:
+    if args.only_cpu_triton:  # not targets(): importing TileLang installs TVM's own SIGSEGV handler
+        pairs = [interpreter] if ops.triton_usable(interpreter[0])[0] else []
+    else:
+        pairs = targets(args.impl)
+    if args.no_interpreter:
         pairs = [p for p in pairs if p != interpreter]
     rows = run(pairs)
     child_error = None
-    if not (args.only_cpu_triton or args.no_interpreter) and interpreter not in pairs:
+    if not (args.only_cpu_triton or args.no_interpreter) and "triton" in args.impl and interpreter not in pairs:
         try:
             rows += _interpreter_rows()
         except InterpreterChildError as exc:
@@ -289,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(rows) - failed} of {len(rows)} checks pass on {', '.join(covered)}"
           + ("" if torch.cuda.is_available() else "; no CUDA device here, so no GPU rows"))
     tilelang_ok, why = impls.tilelang_usable(torch.device("cpu"))
-    if not (tilelang_ok or args.only_cpu_triton):
+    if not (tilelang_ok or args.only_cpu_triton) and "tilelang" in args.impl:
         print(f"no tilelang rows: {why}")
     if args.json:
         with open(args.json, "w") as f:
