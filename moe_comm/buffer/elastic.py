@@ -31,7 +31,7 @@ from . import elastic_layout as lay
 from .buffer import Buffer, topk_idx_t
 from .elastic_combine import pick_slot_weights, sum_expanded_rows, sum_in_slot_order
 from .event import EventHandle, EventOverlap
-from .normal_args import check_num_experts, check_topk_idx, split_x
+from .normal_args import check_biases, check_num_experts, check_topk_idx, split_x
 
 __all__ = ["ElasticBuffer", "EPHandle", "get_physical_domain_size", "get_logical_domain_size"]
 
@@ -127,10 +127,13 @@ def _pack(parts: Sequence[torch.Tensor], num_rows: int, device: torch.device) ->
     return torch.cat(views, 1), offsets
 
 
-def _unpack(records: torch.Tensor, offset: int, dtype: torch.dtype, cols: int) -> torch.Tensor:
-    """Part of ``records`` at byte ``offset``: `[N, cols]` of ``dtype`` (a view: callers copy it out)."""
+def _unpack(records: torch.Tensor, offset: int, dtype: torch.dtype, cols: int, contiguous: bool = False
+            ) -> torch.Tensor:
+    """Part of ``records`` at byte ``offset``: `[N, cols]` of ``dtype``; a view (callers copy it out), or with
+    ``contiguous`` a contiguous tensor (the view itself when the part is the whole record)."""
     nbytes = cols * torch.empty(0, dtype=dtype).element_size()
-    return records[:, offset:offset + nbytes].view(dtype)
+    part = records[:, offset:offset + nbytes].view(dtype)
+    return part.contiguous() if contiguous else part
 
 
 def get_physical_domain_size(group: dist.ProcessGroup) -> tuple[int, int]:
@@ -463,8 +466,7 @@ class ElasticBuffer:
                  num_rows: int, tma_sf: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The received data and scale factors out of the received records."""
         hidden = data.shape[1]
-        recv_x = _unpack(recv, offsets[0], data.dtype, hidden)
-        recv_x = recv_x if recv_x.is_contiguous() else recv_x.contiguous()
+        recv_x = _unpack(recv, offsets[0], data.dtype, hidden, contiguous=True)
         if sf is None:
             return recv_x, None
         got = _unpack(recv, offsets[1], sf.dtype, sf.shape[1])
@@ -551,7 +553,7 @@ class ElasticBuffer:
                              "(as DeepEP)", describe(topk_weights))
             shape = (rows,) if handle.do_expand else (rows, num_topk)
             check_tensor(op, "topk_weights", topk_weights, shape=shape, dtype=torch.float32, device=x.device)
-        biases = self._biases(op, bias, num_tokens, x)
+        biases = check_biases(op, bias, num_tokens, x)
         x = x.contiguous()
         num_local = handle.num_experts // self.num_ranks
         ranks = lay.slot_ranks(handle.topk_idx, num_local)
@@ -583,8 +585,7 @@ class ElasticBuffer:
         kind = "rank" if weights is None else "rank+weights"
         payload, offsets = _pack(parts, rows.shape[0], rows.device)
         back = self._send_back(kind, payload, handle._src_rank, handle)
-        got = _unpack(back, offsets[0], rows.dtype, rows.shape[1])
-        got = got if got.is_contiguous() else got.contiguous()
+        got = _unpack(back, offsets[0], rows.dtype, rows.shape[1], contiguous=True)
         got_weights = None if weights is None else _unpack(back, offsets[1], torch.float32, weights.shape[1])
         return got, got_weights
 
@@ -597,8 +598,7 @@ class ElasticBuffer:
         dest = torch.where(slots.reshape(-1) >= 0, src, self.num_ranks)
         payload, offsets = _pack([rows], rows.shape[0], x.device)
         back = self._send_back("slot", payload, dest, handle)
-        got = _unpack(back, offsets[0], x.dtype, x.shape[1])
-        return got if got.is_contiguous() else got.contiguous()
+        return _unpack(back, offsets[0], x.dtype, x.shape[1], contiguous=True)
 
     def _send_back(self, kind: str, payload: torch.Tensor, dest: torch.Tensor, handle: EPHandle) -> torch.Tensor:
         """A V1 dispatch of ``payload`` row i to rank ``dest[i]`` (none where it is ``num_ranks``); its routing is
@@ -660,21 +660,6 @@ class ElasticBuffer:
             token = int(twice.any(1).nonzero()[0, 0])
             bad_argument(op, "topk_idx", "distinct experts in each token's row (or -1)",
                          f"row {token} = {topk_idx[token].tolist()}")
-
-    @staticmethod
-    def _biases(op: str, bias: Any, num_tokens: int, x: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        if bias is None:
-            biases: tuple = ()
-        elif isinstance(bias, torch.Tensor):
-            biases = (bias,)
-        elif isinstance(bias, (tuple, list)) and len(bias) == 2:
-            biases = tuple(bias)
-        else:
-            bad_argument(op, "bias", "None, a tensor or a 2-tuple of tensors", describe(bias), kind=TypeError)
-        for i, b in enumerate(biases):
-            check_tensor(op, f"bias[{i}]", b, shape=(num_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
-        padded = tuple(biases) + (None, None)
-        return padded[0], padded[1]
 
     @staticmethod
     def _event(async_with_compute_stream: bool) -> EventOverlap:

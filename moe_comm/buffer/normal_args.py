@@ -145,6 +145,13 @@ def check_combine_args(op: str, x: Any, handle: NormalHandle, rank: int, topk_we
     if topk_weights is not None:
         check_tensor(op, "topk_weights", topk_weights, shape=(x.shape[0], None), dtype=torch.float32, device=x.device)
         topk_weights = topk_weights.contiguous()
+    return (x, topk_weights, *check_biases(op, bias, handle.is_token_in_rank.shape[0], x))
+
+
+def check_biases(op: str, bias: Any, num_tokens: int, x: torch.Tensor
+                 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """A combine's ``bias`` (None, a tensor, or a 2-tuple of tensors or None, each `[num_tokens, H]` of x's
+    dtype and device) as two contiguous tensors or None, the given ones first."""
     if bias is None:
         biases: tuple = ()
     elif isinstance(bias, torch.Tensor):
@@ -153,8 +160,7 @@ def check_combine_args(op: str, x: Any, handle: NormalHandle, rank: int, topk_we
         biases = tuple(b for b in bias if b is not None)
     else:
         bad_argument(op, "bias", "None, a tensor or a 2-tuple of tensors", describe(bias), kind=TypeError)
-    num_tokens = handle.is_token_in_rank.shape[0]
     for i, b in enumerate(biases):
         check_tensor(op, f"bias[{i}]", b, shape=(num_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
-    biases = tuple(b.contiguous() for b in biases) + (None, None)
-    return x, topk_weights, biases[0], biases[1]
+    padded = tuple(b.contiguous() for b in biases) + (None, None)
+    return padded[0], padded[1]
