@@ -14,6 +14,7 @@ import torch
 tilelang = pytest.importorskip("tilelang", reason="tilelang does not import: install moe-comm[tilelang]")
 
 from moe_comm import ops  # noqa: E402
+from moe_comm.accuracy.suite import CASES  # noqa: E402
 from moe_comm.ops.fp8 import GROUP  # noqa: E402
 from moe_comm.ops.impl import TILELANG_OPS, TILELANG_RANGE  # noqa: E402
 from moe_comm.ops.tilelang import build, codec, grouped_gemm, rows  # noqa: E402
@@ -128,3 +129,20 @@ def test_same_bits_run_after_run():
     first = layer()
     assert torch.equal(first.view(torch.int16), layer().view(torch.int16))
     assert first.abs().sum() > 0
+
+
+def test_accuracy_cli_picks_implementations(tmp_path):
+    """``python -m moe_comm.accuracy --impl native tilelang``: rows of those two only, TileLang's included,
+    every one passing; ``--impl native`` never imports TileLang."""
+    import json
+    rows_path = tmp_path / "rows.json"
+    child = subprocess.run([sys.executable, "-m", "moe_comm.accuracy", "--impl", "native", "tilelang", "--json",
+                            str(rows_path)], capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-2000:]
+    rows = json.loads(rows_path.read_text())
+    assert {r["impl"] for r in rows} == {"native", "tilelang"} and all(r["passed"] for r in rows)
+    assert {r["op"] for r in rows if r["impl"] == "tilelang"} == set(CASES) & set(TILELANG_OPS)
+    code = ("import sys\nfrom moe_comm.accuracy.suite import main\nmain(['--impl', 'native'])\n"
+            "assert 'tilelang' not in sys.modules, 'imported TileLang'\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0 and "cpu/native" in child.stdout, child.stdout[-2000:] + child.stderr[-2000:]
