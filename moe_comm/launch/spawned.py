@@ -22,6 +22,9 @@ __all__ = ["SpawnedRanks"]
 _PRELOAD = ["torch", "torch.distributed", "moe_comm"]
 
 
+#: How long a rank asked to leave may take to exit before it is killed.
+_LEAVE_S = 20.0
+
 #: How often an idle rank checks that the process that started its world still runs.
 _OWNER_POLL_S = 1.0
 
@@ -101,7 +104,10 @@ class SpawnedRanks:
         for rank in range(len(self._procs)):
             self.send(rank, None)
         for p in self._procs:
-            p.join(timeout=0 if force else 5)
+            # A rank that ran torch.compile takes 5-7 s to exit (measured on 2 cores); killed, it would skip
+            # multiprocessing's finalizers and leave its named semaphores (tqdm's lock, with tqdm installed)
+            # in /dev/shm.
+            p.join(timeout=0 if force else _LEAVE_S)
             if p.is_alive():
                 p.kill()
                 p.join()
