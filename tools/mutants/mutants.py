@@ -259,8 +259,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         id="permute-inclusive-prefix",
         file="moe_comm/ops/permute.py",
-        old="- (per_expert.cumsum(0) - per_expert)[expert]",
-        new="- per_expert.cumsum(0)[expert]",
+        old="first_of_expert = (per_expert.cumsum(0) - per_expert)[expert]",
+        new="first_of_expert = per_expert.cumsum(0)[expert]",
         description="permute places a routed row by the inclusive prefix of the expert counts where the "
                     "exclusive one belongs: rows land one expert's count too early",
         hints=("tests/ops/test_fused_ops.py",),
