@@ -51,9 +51,9 @@ def _fields(what: str, out: Any, ref: Any, names: list[str]) -> Iterator[Check]:
         yield f"{what}.{name}", getattr(out, name), getattr(ref, name), EXACT
 
 
-def _int8(impl: str) -> tuple[str, ...]:
-    """The INT8 format where ``impl`` has it (TileLang's programs cast to FP8 only)."""
-    return () if impl == "tilelang" else ("int8",)
+def _formats(op: str, impl: str, cases: tuple) -> tuple:
+    """The cases (format first) of ``op`` that ``impl`` has code for (TileLang: ``impls.tilelang_covers``)."""
+    return tuple(case for case in cases if impl != "tilelang" or impls.tilelang_covers(op, case[0]))
 
 
 def case_layout(device: torch.device, impl: str) -> Iterator[Check]:
@@ -68,7 +68,7 @@ _PERMUTATION = ["x", "scales", "expert_offsets", "num_tokens_per_expert", "row_o
 
 def case_permute(device: torch.device, impl: str) -> Iterator[Check]:
     x, topk = _normal(45, 256, seed=2), _routing(45, 8, 3, seed=3)
-    for quant in (None, "e4m3", *_int8(impl)):
+    for (quant,) in _formats("permute", impl, ((None,), ("e4m3",), ("int8",))):
         for alignment in (1, 16):
             out = ops.permute(x.to(device), topk.to(device), 8, alignment=alignment, quant=quant, impl=impl)
             ref = ops.permute_reference(x, topk, 8, alignment=alignment, quant=quant)
@@ -78,8 +78,9 @@ def case_permute(device: torch.device, impl: str) -> Iterator[Check]:
 
 def case_quantize(device: torch.device, impl: str) -> Iterator[Check]:
     x = _normal(33, 512, seed=4)
-    for fmt, round_scale, ue8m0 in (("e4m3", False, False), ("e4m3", True, False), ("e4m3", True, True),
-                                    ("e5m2", False, False), *((fmt, False, False) for fmt in _int8(impl))):
+    for fmt, round_scale, ue8m0 in _formats("quantize", impl, (("e4m3", False, False), ("e4m3", True, False),
+                                                               ("e4m3", True, True), ("e5m2", False, False),
+                                                               ("int8", False, False))):
         name = f"quantize[{fmt}{',pow2' if round_scale else ''}{',ue8m0' if ue8m0 else ''}]"
         q, scales = ops.quantize(x.to(device), fmt, round_scale=round_scale, use_ue8m0=ue8m0, impl=impl)
         q_ref, scales_ref = ops.quantize_reference(x, fmt, round_scale=round_scale, use_ue8m0=ue8m0)
@@ -168,7 +169,7 @@ def run(pairs: list[tuple[torch.device, str]]) -> list[dict[str, Any]]:
     rows = []
     for device, name in pairs:
         for op, case in CASES.items():
-            if name == "tilelang" and op not in impls.TILELANG_OPS:
+            if name == "tilelang" and not impls.tilelang_covers(op):
                 continue
             for what, out, ref, dtype in case(device, name):
                 report = check(what, out, ref, dtype, raise_on_fail=False)

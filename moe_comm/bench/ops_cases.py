@@ -89,12 +89,12 @@ def inputs(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]:
 def _ours(name: str, backends: Sequence[str], fmt: Optional[str] = None
           ) -> list[tuple[str, Optional[Callable[..., Any]], str]]:
     """(backend, op or None, reason) for each of our backends; TileLang has programs for some ops, FP8 only."""
-    from moe_comm.ops.impl import TILELANG_OPS
+    from moe_comm.ops.impl import tilelang_covers
     op = getattr(importlib.import_module("moe_comm.ops"), name, None)
     found = []
     for b in backends:
-        if b == "tilelang" and (name not in TILELANG_OPS or fmt == "int8"):
-            found.append((b, None, f"no TileLang program for {name}{' int8' if fmt == 'int8' else ''}"))
+        if b == "tilelang" and not tilelang_covers(name, fmt):
+            found.append((b, None, f"no TileLang program for {name}{f' {fmt}' if tilelang_covers(name) else ''}"))
         else:
             found.append((b, op, "" if op else f"moe_comm.ops has no {name}"))
     return found

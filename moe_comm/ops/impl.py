@@ -16,14 +16,18 @@ import torch
 
 from ..core import env
 
-__all__ = ["IMPLS", "TILELANG_OPS", "TILELANG_RANGE", "resolve", "renamed_impl", "triton_usable", "tilelang_usable",
-           "interpreter_problem", "kernels", "tilelang_programs", "next_pow2"]
+__all__ = ["IMPLS", "TILELANG_OPS", "TILELANG_MISSING_FORMATS", "TILELANG_RANGE", "resolve", "renamed_impl",
+           "triton_usable", "tilelang_usable", "tilelang_covers", "interpreter_problem", "kernels", "tilelang_programs",
+           "next_pow2"]
 
 #: The implementations an op can run with (``impl=``).
 IMPLS = ("native", "triton", "tilelang")
 
 #: The ops with a TileLang program; ``impl="tilelang"`` for another op is a ValueError naming these.
 TILELANG_OPS = ("permute", "quantize", "dequantize", "unpermute_reduce", "grouped_gemm", "expert_ffn")
+
+#: The cast formats the TileLang programs have no code for (they cast to FP8 only).
+TILELANG_MISSING_FORMATS = ("int8",)
 
 #: The TileLang releases the ``tilelang`` extra admits (pyproject.toml; `make test` runs the lowest).
 TILELANG_RANGE = ((0, 1, 15), (0, 2, 0))
@@ -95,6 +99,11 @@ def tilelang_usable(device: torch.device) -> tuple[bool, str]:
     if device.type not in ("cpu", "cuda"):
         return False, f"the TileLang programs are built for cpu and cuda tensors, not {device.type}"
     return True, ""
+
+
+def tilelang_covers(op: str, fmt: Optional[str] = None) -> bool:
+    """Whether ``op`` has a TileLang program, for the cast format ``fmt`` where the op casts (None: no cast)."""
+    return op in TILELANG_OPS and fmt not in TILELANG_MISSING_FORMATS
 
 
 def renamed_impl(op: str, name: str, impl: Optional[str], backend: Optional[str]) -> Optional[str]:

@@ -17,7 +17,7 @@ from ..core.library import define, op
 from ..core.native import NATIVE_DTYPES, cpu_threads, native, native_dtype, native_format
 from . import tilelang_launch
 from .fp8 import AMAX_FLOOR, GROUP, per_token_cast_back, per_token_cast_to_fp8
-from .impl import kernels, next_pow2, renamed_impl, resolve
+from .impl import kernels, next_pow2, renamed_impl, resolve, tilelang_covers
 
 __all__ = ["FORMATS", "quantize", "quantize_reference", "dequantize", "dequantize_reference", "launch_rows",
            "native_rows", "check_quant_args", "scales_shape"]
@@ -118,12 +118,17 @@ def launch_rows(x: torch.Tensor, num_rows: int, fmt: Optional[str], round_scale:
     return out, scales
 
 
+def _check_tilelang_format(op: str, fmt: Optional[str]) -> None:
+    """ValueError naming ``op`` when the TileLang programs have no cast to ``fmt`` (int8)."""
+    if not tilelang_covers(op, fmt):
+        raise ValueError(f"{op}: impl 'tilelang' has no {fmt} program (FP8 only); use impl 'native' or 'triton'")
+
+
 def tilelang_rows(op: str, x: torch.Tensor, num_rows: int, fmt: Optional[str], round_scale: bool, use_ue8m0: bool,
                   source: Optional[torch.Tensor] = None, source_div: int = 1
                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``launch_rows`` on the TileLang rows program (FP8 formats or none; ValueError naming ``op`` for int8)."""
-    if fmt == "int8":
-        raise ValueError(f"{op}: impl 'tilelang' has no int8 program (FP8 only); use impl 'native' or 'triton'")
+    _check_tilelang_format(op, fmt)
     tilelang_launch.dtype_name(op, x.dtype)
     out, scales = _row_outputs(x, num_rows, fmt, use_ue8m0)
     if num_rows and x.shape[1]:
@@ -225,9 +230,7 @@ def _dequantize_op(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, im
     use_ue8m0 = scales.dtype == torch.int32
     chosen = resolve("dequantize", q.device, impl)
     if chosen == "tilelang":
-        if fmt == "int8":
-            raise ValueError("dequantize: impl 'tilelang' has no int8 program (FP8 only); use impl 'native' or "
-                             "'triton'")
+        _check_tilelang_format("dequantize", fmt)
         out = torch.empty(q.shape, dtype=dtype, device=q.device)
         if q.numel():
             tilelang_launch.dtype_name("dequantize", dtype)
