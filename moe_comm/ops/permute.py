@@ -141,7 +141,8 @@ def _permute_native(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, a
     torch_npu = torch_npu_for(x)
     if torch_npu is not None and alignment == 1 and quant in (None, "int8"):
         return permute_npu(torch_npu, x, topk_idx, num_experts, quant, lambda offsets: _num_rows(offsets, num_rows))
-    offsets, per_expert, row_of, source, expert_of_row = _sorted_indices(topk_idx, num_experts, alignment, num_rows)
+    index = _sorted_indices(topk_idx, num_experts, alignment, num_rows)
+    source = index[3]  # Permutation.source
     rows = source.shape[0]
     scales = None
     if quant is not None and x.device.type == "cpu" and x.dtype in NATIVE_DTYPES:  # gather and cast in one pass
@@ -151,11 +152,12 @@ def _permute_native(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, a
         take_rows(out, x, torch.where(source >= 0, source // topk_idx.shape[1], -1))
         if quant is not None:
             out, scales = quantize_reference(out, quant, round_scale=round_scale, use_ue8m0=use_ue8m0)
-    return (out, scales, offsets, per_expert.to(torch.int32), row_of.view_as(topk_idx), source, expert_of_row)
+    return (out, scales, *index)
 
 
 def _sorted_indices(topk_idx: torch.Tensor, num_experts: int, alignment: int, num_rows: Optional[int]) -> tuple:
-    """(expert_offsets, per_expert, row_of (flat), source, expert_of_row) by a stable sort of the flat ids."""
+    """The index fields of a permutation, in ``Permutation``'s order (expert_offsets, num_tokens_per_expert,
+    row_of, source, expert_of_row), by a stable sort of the flat ids."""
     flat = topk_idx.reshape(-1)
     experts, order = torch.sort(flat, stable=True)  # -1 first, then by expert, flat order within
     skipped = int((flat < 0).sum())
@@ -170,17 +172,18 @@ def _sorted_indices(topk_idx: torch.Tensor, num_experts: int, alignment: int, nu
     source = torch.full((rows,), -1, dtype=torch.int64, device=flat.device).index_put_((row,), routed)
     expert_of_row = torch.full((rows,), -1, dtype=torch.int32, device=flat.device).index_put_((row,),
                                                                                              expert.to(torch.int32))
-    return offsets, per_expert, row_of, source, expert_of_row
+    return offsets, per_expert.to(torch.int32), row_of.view_as(topk_idx), source, expert_of_row
 
 
 def _permute_tilelang(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, alignment: int,
                       quant: Optional[str], round_scale: bool, use_ue8m0: bool, num_rows: Optional[int]) -> tuple:
     """The indices by the native sort (index arithmetic, a small share of the bytes), the rows and their
     FP8 cast in one pass of the TileLang rows program."""
-    offsets, per_expert, row_of, source, expert_of_row = _sorted_indices(topk_idx, num_experts, alignment, num_rows)
+    index = _sorted_indices(topk_idx, num_experts, alignment, num_rows)
+    source = index[3]  # Permutation.source
     out, scales = tilelang_rows("permute", x, source.shape[0], quant, round_scale, use_ue8m0, source=source,
                                 source_div=topk_idx.shape[1])
-    return (out, scales, offsets, per_expert.to(torch.int32), row_of.view_as(topk_idx), source, expert_of_row)
+    return (out, scales, *index)
 
 
 def _permute_triton(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, alignment: int,
