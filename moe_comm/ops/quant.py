@@ -231,9 +231,9 @@ def _dequantize_op(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, im
     chosen = resolve("dequantize", q.device, impl)
     if chosen == "tilelang":
         _check_tilelang_format("dequantize", fmt)
+        tilelang_launch.dtype_name("dequantize", dtype)
         out = torch.empty(q.shape, dtype=dtype, device=q.device)
         if q.numel():
-            tilelang_launch.dtype_name("dequantize", dtype)
             tilelang_launch.dequant(q, scales, out, use_ue8m0)
         return out
     if chosen != "triton":

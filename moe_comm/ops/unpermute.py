@@ -71,9 +71,9 @@ def _unpermute_reduce_op(y: torch.Tensor, row_of: torch.Tensor, topk_weights: to
     chosen = resolve("unpermute_reduce", y.device, impl)
     if chosen == "tilelang":
         tilelang_launch.dtype_name("unpermute_reduce", y.dtype)
+        tilelang_launch.dtype_name("unpermute_reduce", out_dtype)
         out = torch.empty(num_tokens, y.shape[1], dtype=out_dtype, device=y.device)
         if out.numel():
-            tilelang_launch.dtype_name("unpermute_reduce", out_dtype)
             tilelang_launch.unpermute(y, row_of, topk_weights, out)
         return out
     if chosen == "triton":

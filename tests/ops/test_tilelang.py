@@ -94,6 +94,14 @@ def test_refusals_name_the_reason(monkeypatch):
         ops.permute(x, idx, 2, quant="int8", impl="tilelang")
     with pytest.raises(ValueError, match="dequantize: impl 'tilelang' has no int8 program"):
         ops.dequantize(torch.zeros(4, 256, dtype=torch.int8), torch.ones(4), impl="tilelang")
+    # A dtype without a program is refused whatever the number of rows (an empty call too).
+    for tokens in (4, 0):
+        with pytest.raises(ValueError, match=r"unpermute_reduce: impl 'tilelang' takes \[.*got torch.float64"):
+            ops.unpermute_reduce(x[:tokens], idx[:tokens].clamp(min=0), torch.ones(tokens, 2),
+                                 out_dtype=torch.float64, impl="tilelang")
+        q, s = ops.quantize(x[:tokens], "e4m3")
+        with pytest.raises(ValueError, match=r"dequantize: impl 'tilelang' takes \[.*got torch.float64"):
+            ops.dequantize(q, s, torch.float64, impl="tilelang")
     # The variable picks TileLang where it has a program and the native op elsewhere.
     monkeypatch.setenv("MOE_COMM_OPS_IMPL", "tilelang")
     assert ops.resolve("dispatch_layout", x.device, None) == "native"
