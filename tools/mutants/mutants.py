@@ -409,4 +409,28 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "output columns (the tile's own column offset is dropped)",
         hints=("tests/ops/test_fused_ops.py",),
     ),
+    Mutant(
+        id="tilelang-covers-int8",
+        file="moe_comm/ops/impl.py",
+        old="    return op in TILELANG_OPS and fmt not in TILELANG_MISSING_FORMATS\n",
+        new="    return op in TILELANG_OPS\n",
+        description="the TileLang coverage test forgets the cast formats without a program: an INT8 permute, "
+                    "quantize or dequantize on impl 'tilelang' reaches the FP8 programs instead of a clear error",
+        hints=("tests/ops/test_tilelang.py",),
+    ),
+    Mutant(
+        id="tilelang-empty-dtype-unchecked",
+        file="moe_comm/ops/unpermute.py",
+        old=("        tilelang_launch.dtype_name(\"unpermute_reduce\", out_dtype)\n"
+             "        out = torch.empty(num_tokens, y.shape[1], dtype=out_dtype, device=y.device)\n"
+             "        if out.numel():\n"
+             "            tilelang_launch.unpermute("),
+        new=("        out = torch.empty(num_tokens, y.shape[1], dtype=out_dtype, device=y.device)\n"
+             "        if out.numel():\n"
+             "            tilelang_launch.dtype_name(\"unpermute_reduce\", out_dtype)\n"
+             "            tilelang_launch.unpermute("),
+        description="unpermute_reduce on impl 'tilelang' checks the output dtype only when there are rows: an "
+                    "empty call with a dtype no program writes returns instead of refusing",
+        hints=("tests/ops/test_tilelang.py",),
+    ),
 )
