@@ -1,5 +1,6 @@
-// The only file that sees pybind11: turns Python ints (tensor data_ptr()s) into raw pointers and
-// releases the GIL around every kernel so communication threads keep running.
+// moe_comm._C's bindings (with prepared_bindings.cpp, the only files of _C that see pybind11): turn Python
+// ints (tensor data_ptr()s) into raw pointers and release the GIL around every kernel so communication
+// threads keep running.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -89,6 +90,8 @@ py::dict logfmt_constants() {
 }
 
 }  // namespace
+
+void def_prepared(py::module_& m);  // prepared_bindings.cpp
 
 ascend::Mc2Call mc2_call(const std::string& product, int version, const std::string& comm_alg, int64_t ep_world_size,
                          int64_t moe_expert_num, int64_t hidden, int64_t batch, int64_t topk, bool quant) {
@@ -510,4 +513,5 @@ PYBIND11_MODULE(_C, m) {
     m.def("set_combine_reduce_generic", &cpu::set_combine_reduce_generic, py::arg("generic"));
     m.def("hardware_threads", &cpu::hardware_threads);
     def_vendor(m);
+    def_prepared(m);
 }

@@ -130,6 +130,7 @@ class Buffer(LowLatencyAPI):
         self.topology = self.runtime.topology
         #: how a compiled graph names this buffer: an id, and the state tensor its calls write (``library``)
         self._op_id, self._op_state = library.register(self)
+        self._prepared_dispatches, self._prepared_combines = {}, {}
 
     def __repr__(self) -> str:
         return (f"Buffer(rank {self.rank} of {self.group_size}, {self.backend_choice}"
@@ -189,6 +190,7 @@ class Buffer(LowLatencyAPI):
             raise RuntimeError("Buffer.destroy: needs Buffer(..., explicitly_destroy=True); otherwise the buffer "
                                "is released when it is garbage collected")
         self.runtime.destroy()
+        self._drop_prepared()
 
     def get_comm_stream(self) -> Any:
         """DeepEP's communication stream, where the backend has one (the portable backend has none:

@@ -62,7 +62,8 @@ def _buffer(buffer_id: int, name: str) -> Any:
 
 
 def traced_as(twin: Callable) -> Callable[[_F], _F]:
-    """Decorator of a ``Buffer`` method: while Dynamo traces, ``twin(self, *args, **kwargs)`` runs instead."""
+    """Decorator of a ``Buffer`` method: while Dynamo traces, ``twin(self, *args, **kwargs)`` runs instead (the
+    low-latency calls, which take their prepared calls first, ask ``torch.compiler.is_compiling`` themselves)."""
     def wrap(method: _F) -> _F:
         @functools.wraps(method)
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -185,7 +186,9 @@ def _ll_dispatch_op(buffer: int, state: torch.Tensor, x: torch.Tensor, topk_idx:
                     use_fp8: bool, round_scale: bool, use_ue8m0: bool, send_only: bool) -> tuple:
     """``Buffer.low_latency_dispatch``: (recv_x, recv_scales or empty, recv_count, src_info, layout_range,
     ticket). ``send_only``: only sends; the ticket names the receive (``low_latency_receive``)."""
-    recv_x, count, handle, _, hook = _buffer(buffer, "low_latency_dispatch").low_latency_dispatch(
+    # the checked path: its outputs are its own (a prepared call's live in the buffer, and a compiler that
+    # takes an op's outputs for fresh may move a read of them past a later call)
+    recv_x, count, handle, _, hook = _buffer(buffer, "low_latency_dispatch")._checked_low_latency_dispatch(
         x, topk_idx, m, num_experts, recv_stats, wait_stats, use_fp8=use_fp8, round_scale=round_scale,
         use_ue8m0=use_ue8m0, return_recv_hook=send_only)
     data, scales = recv_x if use_fp8 else (recv_x, no_tensor(x, torch.float32))
@@ -231,7 +234,7 @@ def _ll_combine_op(buffer: int, state: torch.Tensor, x: torch.Tensor, topk_idx: 
                    num_experts: int, use_logfmt: bool, out: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
                    send_only: bool) -> tuple[torch.Tensor, ...]:
     """``Buffer.low_latency_combine``: (combined, or empty when written to ``out``; ticket; state)."""
-    combined, _, hook = _buffer(buffer, "low_latency_combine").low_latency_combine(
+    combined, _, hook = _buffer(buffer, "low_latency_combine")._checked_low_latency_combine(  # as dispatch's
         x, topk_idx, topk_weights, (src_info, layout_range, m, hidden, num_experts), use_logfmt=use_logfmt,
         out=out, combine_wait_recv_cost_stats=wait_stats, return_recv_hook=send_only)
     ticket = _ticket(hook, _filled((combined,), wait_stats)) if send_only else torch.zeros(1, dtype=torch.int64)

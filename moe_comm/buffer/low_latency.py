@@ -10,6 +10,7 @@ import torch
 from ..backends.base import Backend, agreed_call
 from ..core.checks import check_bools, check_int, check_tensor
 from ..core.errors import bad_argument
+from ..protocol.codes import Fp8Format
 from ..protocol.handle import LowLatencyHandle
 from . import library
 from .event import EventHandle, EventOverlap
@@ -20,6 +21,9 @@ __all__ = ["LowLatencyAPI", "XType"]
 
 #: ``x`` of a dispatch: a tensor, or an ``(fp8 data, scales)`` pair
 XType = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+#: the event of a call made without ``async_finish`` (DeepEP's empty ``EventOverlap``; it holds nothing)
+_NO_EVENT = EventOverlap()
 
 
 class LowLatencyAPI:
@@ -32,6 +36,9 @@ class LowLatencyAPI:
     enable_shrink: bool
     runtime: Backend
     _alive: Callable[[str], None]  # raises once the buffer is destroyed or broken
+    #: prepared calls by signature (``backends.portable.prepared``); False: the backend takes none for it
+    _prepared_dispatches: dict[tuple, Any]
+    _prepared_combines: dict[tuple, Any]
 
     # ------------------------------------------------------------------ low-latency mode
     def _low_latency_ready(self, op: str) -> None:
@@ -48,9 +55,8 @@ class LowLatencyAPI:
         self._low_latency_ready(op)
         check_ll_sizes(op, num_max_dispatch_tokens_per_rank, hidden, num_experts, self.group_size, self.num_rdma_bytes)
         self.runtime.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._drop_prepared()
 
-    @library.traced_as(library.low_latency_dispatch)
-    @agreed_call("low_latency_dispatch")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
@@ -81,8 +87,56 @@ class LowLatencyAPI:
             ``recv_count`` `[E_loc]` int32 valid rows per local expert; ``handle`` DeepEP's
             ``(src_info [E_loc, R * M] int32, layout_range [E_loc, R] int64 (begin << 32 | count), M, H,
             num_experts)``. Rows of expert e come in blocks by source rank ascending, then source
-            token ascending; rows past ``recv_count[e]`` are 0 (``src_info`` -1).
+            token ascending; rows past ``recv_count[e]`` are 0 (``src_info`` -1). The outputs live in one of
+            the buffer's two halves, as DeepEP's: the results of at most two low-latency calls can be held at
+            a time (a third call reuses the memory of the first).
         """
+        if torch.compiler.is_compiling():
+            return library.low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                                use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
+                                                **variant_knobs)
+        # A call of a signature seen before: its prepared call (docs/DESIGN "prepared calls"), unless it
+        # declines the arguments; then the checked path runs the call (and words any error).
+        key = None if variant_knobs else (num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                                          use_ue8m0, async_finish, return_recv_hook,
+                                          cumulative_local_expert_recv_stats is None,
+                                          dispatch_wait_recv_cost_stats is None)
+        try:
+            prepared = self._prepared_dispatches.get(key)
+        except TypeError:  # an unhashable argument
+            prepared = key = None
+        if prepared:
+            half = prepared.send(key, x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+            if half >= 0:
+                if return_recv_hook:
+                    return (*prepared.results[half], _NO_EVENT, prepared.receive)
+                if async_finish:
+                    return (*prepared.results[half], EventOverlap(EventHandle(prepared.receive.complete),
+                                                                  (x, topk_idx)), None)
+                return (*prepared.results[half], _NO_EVENT, None)
+        result = self._checked_low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
+            **variant_knobs)
+        if key is not None and (prepared is None or prepared and prepared.stale):
+            self._prepared_dispatches[key] = self.runtime.prepare_low_latency_dispatch(
+                key, x.shape[1], topk_idx.shape[1], num_max_dispatch_tokens_per_rank, num_experts,
+                Fp8Format.of(use_fp8, round_scale, use_ue8m0), return_recv_hook, async_finish) or False
+        return result
+
+    @agreed_call("low_latency_dispatch")
+    def _checked_low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                                      num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                                      cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                                      dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                                      use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                                      async_finish: bool = False, return_recv_hook: bool = False,
+                                      **variant_knobs: Any
+                                      ) -> tuple[XType, torch.Tensor, tuple, EventOverlap,
+                                                 Optional[Callable[[], None]]]:
+        """``low_latency_dispatch`` with every argument checked (a call of a new signature, or one its
+        prepared call declined); its outputs are its own."""
         op = "low_latency_dispatch"
         reject_unsupported(op, LOW_LATENCY_DISPATCH, variant_knobs)
         self._low_latency_ready(op)
@@ -103,8 +157,6 @@ class LowLatencyAPI:
         event, hook = self._ll_end(result.receive, async_finish, return_recv_hook, (args.x, args.topk_idx) + outputs)
         return recv_x, result.recv_count, result.handle.as_tuple(), event, hook
 
-    @library.traced_as(library.low_latency_combine)
-    @agreed_call("low_latency_combine")
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
@@ -131,6 +183,44 @@ class LowLatencyAPI:
             ``(combined_x, event, hook)``: ``combined_x[t] = bf16(sum over k ascending with topk_idx[t, k]
             >= 0 of topk_weights[t, k] * y(t, k))``, fp32 multiply and add: bitwise reproducible.
         """
+        if torch.compiler.is_compiling():
+            return library.low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
+                                               async_finish, return_recv_hook, out, combine_wait_recv_cost_stats,
+                                               **variant_knobs)
+        key = prepared = None
+        if not variant_knobs and type(handle) is tuple:  # as in low_latency_dispatch
+            key = handle[2:] + (use_logfmt, zero_copy, async_finish, return_recv_hook, out is None,
+                                combine_wait_recv_cost_stats is None)
+            try:
+                prepared = self._prepared_combines.get(key)
+            except TypeError:
+                prepared = key = None
+        if prepared:
+            combined = prepared.send(key, x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
+            if combined is not None:
+                if return_recv_hook:
+                    return combined, _NO_EVENT, prepared.receive
+                if async_finish:
+                    return combined, EventOverlap(EventHandle(prepared.receive.complete),
+                                                  (x, topk_idx, topk_weights, combined)), None
+                return combined, _NO_EVENT, None
+        result = self._checked_low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
+                                                   async_finish, return_recv_hook, out, combine_wait_recv_cost_stats,
+                                                   **variant_knobs)
+        if key is not None and (prepared is None or prepared and prepared.stale):
+            self._prepared_combines[key] = not use_logfmt and not zero_copy and self.runtime.prepare_low_latency_combine(
+                key, handle[3], topk_idx.shape[1], handle[2], handle[4], return_recv_hook, async_finish) or False
+        return result
+
+    @agreed_call("low_latency_combine")
+    def _checked_low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                                     handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
+                                     async_finish: bool = False, return_recv_hook: bool = False,
+                                     out: Optional[torch.Tensor] = None,
+                                     combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                                     **variant_knobs: Any) -> tuple[torch.Tensor, EventOverlap,
+                                                                    Optional[Callable[[], None]]]:
+        """``low_latency_combine`` with every argument checked."""
         op = "low_latency_combine"
         reject_unsupported(op, LOW_LATENCY_COMBINE, variant_knobs)
         self._low_latency_ready(op)
@@ -185,6 +275,7 @@ class LowLatencyAPI:
         if rank_to_mask == self.rank and mask:
             bad_argument(op, "rank_to_mask", f"another rank than this one ({self.rank})", rank_to_mask)
         self.runtime.mask_rank(rank_to_mask, mask)
+        self._drop_prepared()
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Writes 1 for masked ranks and 0 for the others into ``mask_status`` (`[num_ranks]` int32)."""
@@ -199,6 +290,13 @@ class LowLatencyAPI:
         """Unmasks every rank."""
         self._shrink_ready("low_latency_clean_mask_buffer")
         self.runtime.clear_masks()
+        self._drop_prepared()
+
+    def _drop_prepared(self) -> None:
+        """Forgets the prepared calls (a mask change, ``clean_low_latency_buffer``, ``destroy``): later calls
+        prepare again, for what holds then."""
+        self._prepared_dispatches.clear()
+        self._prepared_combines.clear()
 
     @staticmethod
     def _no_async_with_hook(op: str, async_finish: bool, return_recv_hook: bool) -> None:

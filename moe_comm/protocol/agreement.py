@@ -121,7 +121,7 @@ class CallAgreement:
         if self.broken is not None or is_agreed(exc):
             return
         if call.started:
-            self.breaks(f"{type(exc).__name__} in {call.op} (call {call.number}) on rank {self.rank}: {exc}")
+            self.failed_started(call.op, call.number, exc)
             return
         # Nothing of this call has moved: meet the other ranks' handshake with the rejection, so
         # that they fail this call too instead of pairing with this rank's next one.
@@ -140,6 +140,12 @@ class CallAgreement:
                 raise
             if hasattr(exc, "add_note"):
                 exc.add_note(f"moe-comm: the other ranks could not be told ({failure}); this Buffer is unusable")
+
+    def failed_started(self, op: str, number: int, exc: BaseException) -> None:
+        """Call ``number`` of ``op`` failed with ``exc`` once it had started communicating (a prepared call's
+        too, which runs outside ``call``): breaks the buffer, unless ``exc`` is a verdict every rank reached."""
+        if not is_agreed(exc):
+            self.breaks(f"{type(exc).__name__} in {op} (call {number}) on rank {self.rank}: {exc}")
 
     def agree_also(self, fields: Mapping[Field, int]) -> None:
         """Adds ``fields`` to what every handshake of the call running now compares across ranks: a layer that
@@ -176,12 +182,15 @@ class CallAgreement:
 
     def header(self, code: Op, fields: Mapping[Field, int], send_counts: Sequence[int],
                expected: Optional[Sequence[int]] = None, sent_digests: Optional[Sequence[int]] = None,
-               expected_digests: Optional[Sequence[int]] = None) -> torch.Tensor:
+               expected_digests: Optional[Sequence[int]] = None, number: Optional[int] = None) -> torch.Tensor:
         """The header of the running call (``call_header``), which then counts as started: a failure
-        from here on breaks the buffer. Arguments as ``handshake``'s."""
-        call = self._current
-        scalars = {**fields, Field.OP: code, Field.CALL: call.number, Field.REJECTED: 0}
-        call.started = True
+        from here on breaks the buffer. Arguments as ``handshake``'s. With ``number`` (a prepared call's
+        template, ``backends/portable/prepared.py``, which writes the call number and the per-rank words
+        itself): the header of call ``number``, outside any running call."""
+        if number is None:
+            call = self._current
+            number, call.started = call.number, True
+        scalars = {**fields, Field.OP: code, Field.CALL: number, Field.REJECTED: 0}
         return call_header.encode(vector(scalars, send_counts, expected, sent_digests, expected_digests,
                                          self.num_ranks), None)
 

@@ -9,13 +9,26 @@ import torch
 from ..core.memory import empty
 from ..core.native import cpu_threads, native
 from ..ops.fp8 import FP8_DTYPE
+from ..ops.quant import scales_shape
 from ..ops.records import RecordLayout, check_records, unpack_rows
 from ..ops.rows import check_index, check_on_cpu
+from .codes import Fp8Format
 
-__all__ = ["send_order", "send_order_reference", "combine_positions", "combine_positions_reference", "combine_rows",
-           "combine_rows_reference", "low_latency_unpack",
+__all__ = ["dispatch_record_layout", "send_order", "send_order_reference", "combine_positions",
+           "combine_positions_reference", "combine_rows", "combine_rows_reference", "low_latency_unpack",
            "low_latency_unpack_reference", "layout_range_check", "layout_range_check_reference", "dispatch_outputs",
            "add_stats"]
+
+
+def dispatch_record_layout(hidden: int, fp8_format: Fp8Format) -> RecordLayout:
+    """The record of one low-latency dispatch message: ``x`` (bf16, or the FP8 codes as bytes), the FP8
+    ``scales`` (fp32 per 128 channels, or UE8M0 bytes packed in int32), the source token ``src`` and the
+    local ``expert`` (int32 each)."""
+    specs = [("x", torch.bfloat16, hidden)]
+    if fp8_format is not Fp8Format.BF16:
+        (_, num_scales), dtype = scales_shape(1, hidden, "fp8", fp8_format.ue8m0)
+        specs = [("x", torch.uint8, hidden), ("scales", dtype, num_scales)]
+    return RecordLayout.build(specs + [("src", torch.int32, 1), ("expert", torch.int32, 1)])
 
 
 def send_order(topk_idx: torch.Tensor, num_experts: int, num_ranks: int

@@ -193,6 +193,11 @@ class Transport(abc.ABC):
         pending = self.bulk_all_to_all(received, packed, recv_counts, send_counts, op=op, skip=skip)
         return _BufferedExchange(self.workspace, pending, received, send_store, recv_store)
 
+    def prepared_plan(self, header_bytes: int, record_bytes: int) -> Optional[tuple]:
+        """Where a prepared low-latency call posts natively (``ShmTransport.prepared_plan``), or None: this
+        transport's posts take the calls of ``post``."""
+        return None
+
     def post_room(self, header_bytes: int, record_bytes: int) -> Optional[int]:
         """The most rows ``post`` can carry to one rank with these sizes (None: no limit). Local."""
         return None

@@ -46,14 +46,17 @@ class _Waiter:
     def __init__(self, transport: "ShmTransport") -> None:
         self._t = transport
 
-    def until(self, flags: list[int], targets: list[int], ranks: list[int], op: str, exact: bool = False) -> None:
+    def until(self, flags: list[int], targets: list[int], ranks: list[int], op: str, exact: bool = False,
+              timeout_s: Optional[float] = None) -> None:
         """Waits until each flag (an address) reaches its target (exactly, with ``exact``: an
         ``arrived`` flag past the exchange waited for means the sender is out of step, and the rows
-        in the slot are not this exchange's); ranks[i] sets flags[i]."""
+        in the slot are not this exchange's); ranks[i] sets flags[i]. ``timeout_s``: how long (default:
+        the transport's deadline; the error names that deadline either way)."""
         if not flags:
             return
         t = self._t
-        index, outcome = native().flags_wait(flags, targets, [t.pids[r] for r in ranks], t.timeout_s, exact)
+        index, outcome = native().flags_wait(flags, targets, [t.pids[r] for r in ranks],
+                                             t.timeout_s if timeout_s is None else timeout_s, exact)
         if outcome != native().WaitOutcome.REACHED:
             self.raise_for(outcome, flags, targets, ranks, index, op)
 
@@ -178,13 +181,15 @@ class _ShmExchange:
 
 class _ShmPost:
     """A low-latency call in this rank's data slot: a header cell and a fixed region of rows per source
-    (``ShmTransport.post``)."""
+    (``ShmTransport.post``). ``waited``: its deadline was spent already (a prepared call's receive waited
+    natively), so its first wait only looks again."""
 
     def __init__(self, transport: "ShmTransport", segment: Segment, slot: int, seq: int, op: str,
-                 header_bytes: int, region_rows: int, record_bytes: int) -> None:
+                 header_bytes: int, region_rows: int, record_bytes: int, waited: bool = False) -> None:
         self._t, self._segment, self._slot, self._seq, self._op = transport, segment, slot, seq, op
         self._header_bytes, self._region_rows, self._record_bytes = header_bytes, region_rows, record_bytes
         self._arrived_flags = transport._slot_addresses(slot)[3]  # of `segment`, this rank's mapping now
+        self._waited = waited
         self._arrived = False
         self._private: Optional[torch.Tensor] = None  # the slot's bytes, once spilled
         self.released = False
@@ -197,7 +202,8 @@ class _ShmPost:
     def headers(self) -> torch.Tensor:
         t = self._t
         if not self._arrived:
-            t.waiter.until(self._arrived_flags, [self._seq] * len(t.local), list(t.local), self._op, exact=True)
+            t.waiter.until(self._arrived_flags, [self._seq] * len(t.local), list(t.local), self._op, exact=True,
+                           timeout_s=0.0 if self._waited else None)
             self._arrived = True
         return self._bytes(0, len(t.local) * self._header_bytes).view(len(t.local), self._header_bytes)
 
@@ -279,6 +285,8 @@ class ShmTransport(Transport):
         self.remote = [r for r in range(self.num_ranks) if r not in self.local]
         self.waiter = _Waiter(self)
         self._seq = [0, 0]
+        #: how many times the segments were mapped: addresses taken from an earlier mapping are stale
+        self.mapping = 0
         self._held: dict[tuple[int, int], object] = {}
         self._segments: list[Segment] = []
         self._addresses: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
@@ -314,6 +322,7 @@ class ShmTransport(Transport):
         mine.unlink()
         self._segments = segments
         self._addresses.clear()
+        self.mapping += 1
 
     def _gather_names(self, name: str) -> list[str]:
         encoded = name.encode()
@@ -487,7 +496,53 @@ class ShmTransport(Transport):
             rows.src_rows.data_ptr(), rows.src_rows.shape[0], rows.record_bytes,
             0 if rows.words is None else rows.words.data_ptr(), rows.word_offset, cpu_threads())
         if index >= 0:
-            self.waiter.raise_for(outcome, [consumed[index]], [seq - NUM_SLOTS], [self.local[index]], 0, op)
+            self.post_failed(slot, seq, index, outcome, op)
+
+    def post_failed(self, slot: int, seq: int, index: int, outcome: object, op: str) -> None:
+        """Raises the error of a post of exchange ``seq`` into ``slot`` whose wait for host rank ``index``'s
+        slot to be free ended with ``outcome`` (``moe_comm._C.WaitOutcome``, not REACHED)."""
+        consumed = self._slot_addresses(slot)[1]
+        self.waiter.raise_for(outcome, [consumed[index]], [seq - NUM_SLOTS], [self.local[index]], 0, op)
+
+    # ------------------------------------------------------------------ prepared calls
+    def prepared_plan(self, header_bytes: int, record_bytes: int) -> Optional[tuple]:
+        """Where a prepared low-latency call (``moe_comm._C.ShmPostPlan``) posts calls whose headers have
+        ``header_bytes`` and records ``record_bytes``, as ``post`` would: (per data slot, per host rank:
+        where the slot starts, its consumed flag, its arrived flag for this rank's rows, and this rank's
+        arrived flag per source; the ranks' pids; the slot's bytes; where the rows start; the rows each
+        source's region holds; the mapping these addresses belong to). None when some rank is on another
+        host: posts then travel through the collective transport."""
+        if self.remote:
+            return None
+        slots = [self._slot_addresses(slot) for slot in range(NUM_SLOTS)]
+        rows_at = _post_rows_offset(len(self.local), header_bytes)
+        return (slots, list(self._local_pids), self.capacity, rows_at, self.post_room(header_bytes, record_bytes),
+                self.mapping)
+
+    def next_post(self, mapping: int) -> int:
+        """The exchange number a prepared call's post takes next, or 0 when it may not post now: the segments
+        were mapped again since ``mapping``, or this rank still holds the exchange in the data slot it would
+        use (``post`` moves it away first)."""
+        if mapping != self.mapping:
+            return 0
+        seq = self._seq[DATA] + 1
+        held = self._held.get((DATA, seq % NUM_SLOTS))
+        return 0 if held is not None and not held.released else seq
+
+    def posted(self, seq: int, held: Optional[object]) -> None:
+        """A prepared call posted exchange ``seq`` (``next_post``); ``held``: what holds its data slot until
+        received (with ``released`` and ``spill()``), None when it was received already."""
+        self._seq[DATA] = seq
+        if held is None:
+            self._held.pop((DATA, seq % NUM_SLOTS), None)
+        else:
+            self._held[(DATA, seq % NUM_SLOTS)] = held
+
+    def posted_call(self, slot: int, seq: int, op: str, header_bytes: int, record_bytes: int) -> Posted:
+        """The post of exchange ``seq`` in ``slot`` as ``post`` returns it, for a prepared call whose receive
+        could not finish natively (its deadline spent: the first wait only looks again)."""
+        return _ShmPost(self, self._segments[self.local_index], slot, seq, op, header_bytes,
+                        self.post_room(header_bytes, record_bytes), record_bytes, waited=True)
 
     # ------------------------------------------------------------------ Transport
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,

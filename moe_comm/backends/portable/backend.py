@@ -21,6 +21,7 @@ from ...protocol.handle import LowLatencyHandle, NormalHandle
 from ..base import Backend, DispatchResult, LowLatencyDispatch, Receive
 from .low_latency import LowLatencyMode
 from .normal import NormalMode
+from .prepared import PreparedCombine, PreparedDispatch, prepare_combine, prepare_dispatch
 
 __all__ = ["PortableBackend"]
 
@@ -123,6 +124,17 @@ class PortableBackend(Backend):
                             use_logfmt: bool = False) -> tuple[torch.Tensor, Receive]:
         return self.low_latency.combine(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, hook,
                                         use_logfmt)
+
+    def prepare_low_latency_dispatch(self, key: tuple, hidden: int, num_topk: int, num_max_dispatch_tokens_per_rank: int,
+                                     num_experts: int, fp8_format: Fp8Format, hook: bool,
+                                     async_finish: bool) -> Optional[PreparedDispatch]:
+        return prepare_dispatch(self.low_latency, key, hidden, num_topk, num_max_dispatch_tokens_per_rank, num_experts,
+                                fp8_format, hook, async_finish)
+
+    def prepare_low_latency_combine(self, key: tuple, hidden: int, num_topk: int, num_max_dispatch_tokens_per_rank: int,
+                                    num_experts: int, hook: bool, async_finish: bool) -> Optional[PreparedCombine]:
+        return prepare_combine(self.low_latency, key, hidden, num_topk, num_max_dispatch_tokens_per_rank, num_experts,
+                               hook, async_finish)
 
     def next_combine_buffer(self, handle: LowLatencyHandle, device: torch.device) -> torch.Tensor:
         return self.low_latency.next_combine_buffer(handle, device)

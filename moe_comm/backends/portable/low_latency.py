@@ -43,7 +43,7 @@ from ...protocol.digest import low_latency_combine_digests
 from ...protocol.handle import LowLatencyHandle
 from ...protocol.handshake import Handshake, show
 from ...protocol.low_latency_layout import (add_stats, combine_positions, combine_rows, dispatch_outputs,
-                                             low_latency_unpack, send_order)
+                                             dispatch_record_layout, low_latency_unpack, send_order)
 from ...transport import Transport
 from ...transport.base import Exchange, Gathered, Posted, Rows
 from ..base import LowLatencyDispatch, Receive
@@ -77,6 +77,8 @@ class LowLatencyMode:
         self._idx = 0
         self._lent: Optional[int] = None  # slot whose combine buffer was lent for a zero-copy combine
         self._unsettled: list[_PostedCall] = []  # posted calls whose headers are not judged yet, in post order
+        #: the dispatch outputs of both buffer halves per geometry, for prepared calls (``prepared.py``)
+        self.prepared_outputs: dict[tuple, list[tuple]] = {}
         if self.agrees_in_data_path:
             for op in ("low_latency_dispatch", "low_latency_combine"):
                 agreement.rejecters[op] = self._reject
@@ -203,9 +205,7 @@ class LowLatencyMode:
         if fp8_format is not Fp8Format.BF16:
             data, scales = quantize(x, "e4m3", round_scale=fp8_format.round_scale, use_ue8m0=fp8_format.ue8m0)
             data = data.view(torch.uint8)
-        specs = [("x", data.dtype, x.shape[1])]
-        specs += [] if scales is None else [("scales", scales.dtype, scales.shape[1])]
-        records = RecordLayout.build(specs + [("src", torch.int32, 1), ("expert", torch.int32, 1)])
+        records = dispatch_record_layout(x.shape[1], fp8_format)
         src_index = torch.arange(x.shape[0], dtype=torch.int32, device=x.device).unsqueeze(1)
         fields = [data] + ([] if scales is None else [scales]) + [src_index, None]
         tokens, local_expert = msg // max(num_topk, 1), (experts % local).to(torch.int32).unsqueeze(1)
@@ -469,18 +469,23 @@ class _PostedCall:
         return self._result  # type: ignore[return-value]
 
     def _run(self) -> None:
-        agreement = self._mode.agreement
         try:
-            counts = agreement.receive_counts(self._op, self._headers(), self._compare)
+            counts = self._mode.agreement.receive_counts(self._op, self._headers(), self._compare)
             self._result = (counts,) + tuple(self._posted.rows())  # type: ignore[assignment]
         except BaseException as exc:
-            self._error = exc
-            self._posted.release()
-            if not is_agreed(exc):
-                agreement.breaks(f"{type(exc).__name__} while receiving {self._op} (call {self._number}) on rank "
-                                 f"{agreement.rank}: {exc}")
-            if not isinstance(exc, Exception):
-                raise
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        """The receive failed with ``exc``: kept for ``settle``, the rows dropped, and the buffer broken unless
+        every rank reached that verdict alike; an interrupt goes on up."""
+        agreement = self._mode.agreement
+        self._error = exc
+        self.release()
+        if not is_agreed(exc):
+            agreement.breaks(f"{type(exc).__name__} while receiving {self._op} (call {self._number}) on rank "
+                             f"{agreement.rank}: {exc}")
+        if not isinstance(exc, Exception):
+            raise
 
     def _headers(self) -> torch.Tensor:
         try:
