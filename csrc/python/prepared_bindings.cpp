@@ -236,11 +236,13 @@ void def_prepared(py::module_& m) {
         .def_readwrite("compare", &cpu::ShmPostPlan::compare)
         .def_readwrite("num_threads", &cpu::ShmPostPlan::num_threads)
         .def(
-            "set_header", [](cpu::ShmPostPlan& p, const py::bytes& header) {
-                const std::string bytes = header;
-                p.header.assign(bytes.begin(), bytes.end());
+            "set_header", [](cpu::ShmPostPlan& p, std::uintptr_t header, int64_t nbytes) {
+                if (nbytes < 0) throw py::value_error("set_header: nbytes must be >= 0");
+                const auto* bytes = ptr<const uint8_t>(header);
+                p.header.assign(bytes, bytes + nbytes);
             },
-            py::arg("header"), "The header template (call_header.encode of the call's vector).")
+            py::arg("header"), py::arg("nbytes"),
+            "Copies the header template (call_header.encode of the call's vector: its address and size).")
         .def(
             "set_slot",
             [](cpu::ShmPostPlan& p, int slot, const std::vector<std::uintptr_t>& slots,

@@ -20,7 +20,8 @@ from ...ops.rows import check_index
 from ..portable.backend import PortableBackend
 from .host_stream import HostStream
 from .kernel_errors import raise_for
-from .low_latency import KernelLowLatencyCalls, KernelLowLatencyMode
+from .low_latency import KernelLowLatencyMode
+from .prepared import KernelLowLatencyCalls
 from .normal import KernelNormalMode
 from .shared_buffers import SharedBuffers
 

@@ -56,7 +56,8 @@ from .device_stream import DeviceStream
 from .internode import kernels_span
 from .ipc_buffers import IpcBuffers
 from .kernel_errors import raise_for
-from .low_latency import KernelLowLatencyCalls, KernelLowLatencyMode
+from .low_latency import KernelLowLatencyMode
+from .prepared import KernelLowLatencyCalls
 from .normal import KernelNormalMode
 from .nvshmem_lib import NvshmemUnavailableError
 from .nvshmem_lib import load as load_nvshmem

@@ -41,7 +41,7 @@ from .kernel_errors import HeadersDisagree
 from .pins import Pins
 from .shared_buffers import SharedBuffers
 
-__all__ = ["KernelLowLatencyCalls", "KernelLowLatencyMode"]
+__all__ = ["KernelLowLatencyMode"]
 
 #: the header words every rank's must hold alike, per operation (the call and the operation first)
 _DISPATCH_COMPARED = (Field.HIDDEN, Field.NUM_EXPERTS, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK, Field.FP8_FORMAT)
@@ -347,23 +347,3 @@ class KernelLowLatencyMode(LowLatencyMode):
         if not self.agrees_in_data_path:  # with headers every signal carries its call: none is stale
             self.buffers.zero_own()
         super().clean(m, hidden, num_experts, device)
-
-
-class KernelLowLatencyCalls:
-    """What a backend on the kernels (``cuda_host``, ``cuda``) says of its low-latency calls, mixed in
-    before ``PortableBackend``: its ``low_latency`` is a ``KernelLowLatencyMode``."""
-
-    low_latency: KernelLowLatencyMode
-
-    def reserve_low_latency(self, num_rdma_bytes: int) -> None:
-        self.low_latency.reserve(num_rdma_bytes)
-
-    @property
-    def low_latency_checks_topk(self) -> bool:
-        return self.low_latency.agrees_in_data_path
-
-    def prepare_low_latency_dispatch(self, *args: Any) -> None:
-        return None  # the kernels' calls are not prepared yet: every call runs the checked path
-
-    def prepare_low_latency_combine(self, *args: Any) -> None:
-        return None

@@ -50,10 +50,6 @@ class _Pending(_PostedCall):
         self.released = True
         self._seq = 0
 
-    def arm(self, number: int, seq: int) -> None:
-        """Now the receive half of call ``number``, posted as exchange ``seq``."""
-        self._number, self._seq, self._error, self._result, self.released = number, seq, None, None, False
-
     def _run(self) -> None:
         try:
             self._call.receive_half(self._half, self._number, self._seq)
@@ -97,7 +93,7 @@ class _Prepared:
         plan.header_bytes, plan.record_bytes = header.numel(), record_bytes
         plan.call_word, plan.rejected_word, plan.per_rank_word = int(Field.CALL), int(Field.REJECTED), len(Field)
         plan.compare, plan.num_threads = compare_mask(self.compare), cpu_threads()
-        plan.set_header(bytes(header.tolist()))
+        plan.set_header(header.data_ptr(), header.numel())  # copied: no host read of tensor data
         for k, (bases, consumed, arrived, mine) in enumerate(slots):
             plan.set_slot(k, bases, consumed, arrived, mine)
         self.plan = plan
@@ -127,8 +123,9 @@ class _Prepared:
             slot.receive = None
             self.transport.posted(seq, None)
         else:
-            pending = self.pending[half]
-            pending.arm(number, seq)
+            pending = self.pending[half]  # now the receive half of this call
+            pending._number, pending._seq, pending._error, pending._result, pending.released = number, seq, None, \
+                None, False
             self.transport.posted(seq, pending)
             mode._unsettled.append(pending)
             self.receive = slot.receive = Receive(self.op, self._finish[half])
