@@ -144,6 +144,16 @@ def test_bad_argument(worlds, name):
     assert __import__("re").search(pattern, message), message
 
 
+@pytest.mark.parametrize("name", sorted(n for n in EXPECTED if n.startswith(("ll_", "llc_"))))
+def test_bad_argument_after_a_valid_call(worlds, name):
+    """The same errors when a valid call of the bad call's signature came first: its prepared call declines
+    every bad argument, and the checked path words the error."""
+    (kind, message), = set(worlds(1).run(run_case, name, True))
+    want_kind, pattern = EXPECTED[name]
+    assert kind == want_kind, message
+    assert __import__("re").search(pattern, message), message
+
+
 def test_use_after_destroy(worlds):
     (kind, message), = set(worlds(1).run(after_destroy))
     assert kind == "RuntimeError" and "dispatch: this Buffer was destroyed" in message

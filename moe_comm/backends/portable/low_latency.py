@@ -242,7 +242,8 @@ class LowLatencyMode:
                           _COMPARED + (Field.FP8_FORMAT,), hook)
 
         def take() -> tuple[torch.Tensor, list[int], Optional[list[int]]]:
-            counts, received, firsts = call.settle()
+            counts = call.settle()
+            received, firsts = call.rows()
             return received, counts, firsts
 
         return self._dispatch_result(op, slot, hook, records, scales, m, num_experts, x, take, call.release,
@@ -392,7 +393,8 @@ class LowLatencyMode:
         def finish() -> None:
             begin = time.perf_counter_ns()
             try:
-                _, received, firsts = call.settle()
+                call.settle()
+                received, firsts = call.rows()
                 pos = combine_positions(msg, experts, num_tokens * num_topk, local, R, firsts)
                 combine_reduce(records, received, pos.view(num_tokens, num_topk), None, None, out, None,
                                scale=topk_weights, x_format="logfmt" if use_logfmt else "plain")
@@ -452,26 +454,30 @@ class _PostedCall:
 
     def __init__(self, mode: LowLatencyMode, op: str, posted: Posted, compare: tuple[Field, ...], number: int) -> None:
         self._mode, self._op, self._posted, self._compare, self._number = mode, op, posted, compare, number
-        self._result: Optional[tuple[list[int], torch.Tensor, list[int]]] = None
+        self._result: Optional[list[int]] = None
         self._error: Optional[BaseException] = None
 
-    def settle(self, raise_error: bool = True) -> tuple[list[int], torch.Tensor, list[int]]:
-        """(rows each rank sent this one, rows, where each source's rows start), once the headers agree;
-        the calls posted before it settle first.
-        A failure is kept and raised here and at every later settle; one that is not an agreed verdict
-        breaks the buffer."""
+    def settle(self, raise_error: bool = True) -> Optional[list[int]]:
+        """The rows each rank sent this one, once the headers agree (None after a failure that is not raised);
+        the calls posted before it settle first. A failure is kept and raised here and at every later settle;
+        one that is not an agreed verdict breaks the buffer."""
         pending = self._mode._unsettled
         while self in pending:
             first = pending.pop(0)
             first._run()
         if self._error is not None and raise_error:
             raise self._error
-        return self._result  # type: ignore[return-value]
+        return self._result
+
+    def rows(self) -> tuple[torch.Tensor, list[int]]:
+        """(rows, where each source's rows start) of a settled call, where they are now: taken only when they
+        are consumed, as a post the transport moved out of a slot it reused (``Posted``'s spill) has its rows
+        elsewhere than when it was settled."""
+        return self._posted.rows()
 
     def _run(self) -> None:
         try:
-            counts = self._mode.agreement.receive_counts(self._op, self._headers(), self._compare)
-            self._result = (counts,) + tuple(self._posted.rows())  # type: ignore[assignment]
+            self._result = self._mode.agreement.receive_counts(self._op, self._headers(), self._compare)
         except BaseException as exc:
             self._failed(exc)
 

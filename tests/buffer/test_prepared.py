@@ -1,0 +1,30 @@
+"""Prepared low-latency calls: after a first call of a signature, later calls run as one native call per op
+half (docs/layout.md, "The path of a call"), bitwise equal to the checked path's, on every world kind (those
+without prepared calls run the checked path for both Buffers)."""
+import pytest
+
+from helpers.prepared_cases import prepared_equals_checked, python_calls, two_batches
+
+#: the world kinds whose low-latency calls are prepared: at most this many Python calls per op half
+PREPARED_KINDS = ("shm", "cuda_host")
+MAX_PYTHON_CALLS = 10
+
+
+@pytest.mark.every_transport
+def test_prepared_calls_equal_the_checked_path(worlds, transport):
+    for result in worlds(3).run(prepared_equals_checked, 36):
+        assert result["differ"] == 0, result
+        # a prepared call for every signature the run used, where the kind prepares them
+        assert result["prepared"] == (result["signatures"] if transport in PREPARED_KINDS else (0, 0)), result
+
+
+@pytest.mark.every_transport
+def test_two_batches_and_pending_hooks(worlds):
+    for result in worlds(2).run(two_batches, 4):
+        assert result["differ"] == 0, result
+
+
+@pytest.mark.parametrize("transport", PREPARED_KINDS, indirect=True)
+def test_a_prepared_op_half_is_a_few_python_calls(worlds):
+    for counts in worlds(2).run(python_calls):
+        assert max(counts.values()) <= MAX_PYTHON_CALLS, counts

@@ -1,0 +1,147 @@
+"""Prepared low-latency calls (backends/portable/prepared.py, backends/cuda/prepared.py) against the checked
+path, run inside a rank: the same calls on two Buffers of one group, one of which never prepares."""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import moe_comm
+
+
+def _buffers(group: dist.ProcessGroup, m: int, hidden: int, experts: int) -> tuple[moe_comm.Buffer, moe_comm.Buffer]:
+    """(a Buffer that prepares its calls, one whose every call runs the checked path), on the world's kind."""
+    size = moe_comm.Buffer.get_low_latency_rdma_size_hint(m, hidden, dist.get_world_size(group), experts)
+    prepared = moe_comm.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, timeout_s=60)
+    checked = moe_comm.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, timeout_s=60)
+    checked.runtime.prepare_low_latency_dispatch = lambda *args: None
+    checked.runtime.prepare_low_latency_combine = lambda *args: None
+    return prepared, checked
+
+
+def _routing(g: torch.Generator, tokens: int, topk: int, experts: int) -> torch.Tensor:
+    idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)]) if tokens else \
+        torch.empty(0, topk, dtype=torch.int64)
+    idx[torch.rand(tokens, topk, generator=g) < 0.15] = -1
+    return idx
+
+
+_FORMATS = (dict(use_fp8=False), dict(use_fp8=True), dict(use_fp8=True, round_scale=True),
+            dict(use_fp8=True, round_scale=True, use_ue8m0=True))
+
+
+def prepared_equals_checked(group: dist.ProcessGroup, iterations: int) -> dict[str, Any]:
+    """``iterations`` dispatch + combine rounds with random token counts (0 to M), top-k (-1 entries
+    included), hidden and top-k widths that change within one signature (a prepared call must decline those),
+    every cast format, blocking, hooked and async, stats tensors given, on both Buffers; returns how many
+    outputs differ and how many signatures each prepared."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    m, experts = 12, 4 * R
+    prepared, checked = _buffers(group, m, 2048, experts)
+    g = torch.Generator().manual_seed(rank)
+    shapes = torch.Generator().manual_seed(7)  # the same hidden and top-k on every rank
+    differ, dispatches, combines = 0, set(), set()
+    for it in range(iterations):
+        hidden, topk = (512, 4) if it % 5 else (1024, 3)
+        hidden, topk = (hidden, topk) if it % 7 else (int(torch.randint(1, 5, (1,), generator=shapes)) * 512, 2)
+        tokens = int(torch.randint(0, m + 1, (1,), generator=g))
+        x = (torch.randn(tokens, hidden, generator=g) * 0.3).bfloat16()
+        idx, w = _routing(g, tokens, topk, experts), torch.rand(tokens, topk, generator=g)
+        y = torch.randn(experts // R, R * m, hidden, generator=g).bfloat16()
+        fmt, mode = _FORMATS[it % 4], it % 3  # 0: blocking, 1: hook, 2: async
+        dispatches.add((it % 4, mode, it % 2))  # the signatures: what a prepared call is made for
+        combines.add((hidden, mode))
+        outputs = []
+        for buf in (prepared, checked):
+            recv_stats, wait_stats = torch.zeros(experts // R, dtype=torch.int32), torch.zeros(R, dtype=torch.int64)
+            flags = dict(return_recv_hook=mode == 1, async_finish=mode == 2)
+            recv, count, handle, event, hook = buf.low_latency_dispatch(
+                x, idx, m, experts, cumulative_local_expert_recv_stats=recv_stats,
+                dispatch_wait_recv_cost_stats=wait_stats if it % 2 else None, **fmt, **flags)
+            _finish(event, hook, mode)
+            data, scales = recv if isinstance(recv, tuple) else (recv, None)
+            got = [data.view(torch.uint8).clone(), count.clone(), handle[0].clone(), handle[1].clone(),
+                   recv_stats.clone(), (wait_stats > 0).all() if it % 2 else torch.tensor(True)]
+            got += [] if scales is None else [scales.clone()]
+            combined, event, hook = buf.low_latency_combine(y, idx, w, handle, **flags)
+            _finish(event, hook, mode)
+            outputs.append(got + [combined.clone()])
+        differ += sum(not torch.equal(a, b) for a, b in zip(*outputs))
+    return {"differ": differ, "signatures": (len(dispatches), len(combines)),
+            "prepared": (sum(bool(p) for p in prepared._prepared_dispatches.values()),
+                         sum(bool(p) for p in prepared._prepared_combines.values()))}
+
+
+def _finish(event: Any, hook: Any, mode: int) -> None:
+    if mode == 1:
+        hook()
+    elif mode == 2:
+        event.current_stream_wait()
+
+
+def two_batches(group: dist.ProcessGroup, steps: int) -> dict[str, Any]:
+    """EPMoE's two-batch order (dispatch A, dispatch B, receive A, receive B, combine A and B likewise), a normal
+    dispatch between steps (its handshake settles what is pending), and a hook received only after the next
+    call on the other half: the prepared Buffer against the checked one."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    m, hidden, topk, experts = 8, 256, 3, 2 * R
+    prepared, checked = _buffers(group, m, hidden, experts)
+    g = torch.Generator().manual_seed(10 + rank)
+    differ = 0
+    for _ in range(steps):
+        batches = [((torch.randn(m, hidden, generator=g)).bfloat16(), _routing(g, m, topk, experts),
+                    torch.rand(m, topk, generator=g)) for _ in range(2)]
+        outputs = []
+        for buf in (prepared, checked):
+            sent = [buf.low_latency_dispatch(x, idx, m, experts, use_fp8=False, return_recv_hook=True)
+                    for x, idx, _ in batches]
+            for s in sent:
+                s[-1]()
+            got = [s[0].clone() for s in sent]
+            combines = [buf.low_latency_combine(s[0] * 2, idx, w, s[2], return_recv_hook=True)
+                        for s, (_, idx, w) in zip(sent, batches)]
+            buf.dispatch(batches[0][0], topk_idx=batches[0][1], topk_weights=batches[0][2], num_experts=experts)
+            for c in combines:
+                c[-1]()
+            outputs.append(got + [c[0].clone() for c in combines])
+        differ += sum(not torch.equal(a, b) for a, b in zip(*outputs))
+    return {"differ": differ}
+
+
+def python_calls(group: dist.ProcessGroup) -> dict[str, int]:
+    """The Python calls (``sys.setprofile`` call events on this thread) of each half of a hooked FP8 dispatch
+    and BF16 combine, and of a blocking one, after a first call of each signature."""
+    R = dist.get_world_size(group)
+    m, hidden, topk, experts = 8, 128, 2, 4 * R
+    buf, _ = _buffers(group, m, hidden, experts)
+    x, idx = torch.randn(m, hidden).bfloat16(), _routing(torch.Generator().manual_seed(0), m, topk, experts)
+    w = torch.rand(m, topk)
+    y = torch.zeros(experts // R, R * m, hidden, dtype=torch.bfloat16)
+    counts: dict[str, int] = {}
+    for _ in range(2):  # the first call of a signature prepares it
+        dispatch = functools.partial(buf.low_latency_dispatch, x, idx, m, experts)
+        sent, counts["dispatch_send"] = _counted(functools.partial(dispatch, return_recv_hook=True))
+        _, counts["dispatch_recv"] = _counted(sent[-1])
+        _, counts["dispatch_blocking"] = _counted(dispatch)
+        combine = functools.partial(buf.low_latency_combine, y, idx, w, sent[2])
+        sent, counts["combine_send"] = _counted(functools.partial(combine, return_recv_hook=True))
+        _, counts["combine_recv"] = _counted(sent[-1])
+        _, counts["combine_blocking"] = _counted(combine)
+    return counts
+
+
+def _counted(fn: Callable[[], Any]) -> tuple[Any, int]:
+    calls = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        return fn(), calls
+    finally:
+        sys.setprofile(None)
