@@ -84,9 +84,10 @@ LL_MISMATCH = {
 }
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["first_call", "prepared"])
 @pytest.mark.parametrize("kind", sorted(LL_MISMATCH))
-def test_low_latency_mismatch_same_error_everywhere(worlds, kind):
-    results = worlds(3).run(ll_mismatch, kind)
+def test_low_latency_mismatch_same_error_everywhere(worlds, kind, warm):
+    results = worlds(3).run(ll_mismatch, kind, warm)
     assert {r[0] for r in results} == {"CrossRankMismatchError"}, results
     messages = {r[1] for r in results}
     assert len(messages) == 1, messages
@@ -95,10 +96,11 @@ def test_low_latency_mismatch_same_error_everywhere(worlds, kind):
 
 
 @pytest.mark.parametrize("transport", DEADLINE_TRANSPORTS, indirect=True)
+@pytest.mark.parametrize("warm", [False, True], ids=["first_call", "prepared"])
 @pytest.mark.parametrize("hook", [False, True])
-def test_rank_that_skips_low_latency_dispatch_times_out_others(transport, hook):
+def test_rank_that_skips_low_latency_dispatch_times_out_others(transport, hook, warm):
     with local_world(3, transport, timeout_s=60, threads_per_rank=1) as world:
-        results = world.run(skip_ll_dispatch, TIMEOUT_S, hook)
+        results = world.run(skip_ll_dispatch, TIMEOUT_S, hook, warm)
     assert results[2] == "skipped"
     for rank in (0, 1):
         elapsed, message, missing, op, who = results[rank]

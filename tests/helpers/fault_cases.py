@@ -123,11 +123,18 @@ def _ll_dispatch(buf: moe_comm.Buffer, m: int = 8, hidden: int = 256, experts: i
     return buf.low_latency_dispatch(x, idx, m, experts, **kw)
 
 
-def ll_mismatch(group: dist.ProcessGroup, kind: str) -> tuple[str, str, bool]:
+def ll_mismatch(group: dist.ProcessGroup, kind: str, warm: bool = False) -> tuple[str, str, bool]:
     """Rank 0 and the others disagree in one low-latency way; returns (exception, message, buffer
-    still works)."""
+    still works). ``warm``: every rank first makes the call the others make, so they meet the disagreement
+    on their prepared calls."""
     buf = _ll_buffer(group)
     odd = buf.rank == 0
+    if warm:  # the calls ranks 1 and 2 make below
+        bf16 = kind in ("ll_fp8", "ll_combine_routing")
+        recv_x, _, handle, _, _ = _ll_dispatch(buf, use_fp8=not bf16)
+        if bf16:
+            idx, w = _routing(6, 12, 2, buf.rank)
+            buf.low_latency_combine(recv_x, idx, w, handle)
 
     def call() -> None:
         if kind == "ll_m":
@@ -158,9 +165,14 @@ def ll_mismatch(group: dist.ProcessGroup, kind: str) -> tuple[str, str, bool]:
     return _outcome(call, still_works)
 
 
-def skip_ll_dispatch(group: dist.ProcessGroup, timeout_s: float, hook: bool) -> Any:
-    """The last rank never calls low_latency_dispatch; the others must time out naming it."""
+def skip_ll_dispatch(group: dist.ProcessGroup, timeout_s: float, hook: bool, warm: bool = False) -> Any:
+    """The last rank never calls low_latency_dispatch; the others must time out naming it (``warm``: after a
+    first call of the signature on every rank, so they wait on their prepared calls)."""
     buf = _ll_buffer(group, timeout_s)
+    if warm:
+        recv_hook = _ll_dispatch(buf, return_recv_hook=hook)[-1]
+        if hook:
+            recv_hook()
     if buf.rank == buf.group_size - 1:
         return "skipped"
     start = time.monotonic()

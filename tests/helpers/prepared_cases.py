@@ -33,11 +33,11 @@ _FORMATS = (dict(use_fp8=False), dict(use_fp8=True), dict(use_fp8=True, round_sc
             dict(use_fp8=True, round_scale=True, use_ue8m0=True))
 
 
-def prepared_equals_checked(group: dist.ProcessGroup, iterations: int) -> dict[str, Any]:
+def prepared_equals_checked(group: dist.ProcessGroup, iterations: int, vary_hidden: bool) -> dict[str, Any]:
     """``iterations`` dispatch + combine rounds with random token counts (0 to M), top-k (-1 entries
-    included), hidden and top-k widths that change within one signature (a prepared call must decline those),
-    every cast format, blocking, hooked and async, stats tensors given, on both Buffers; returns how many
-    outputs differ and how many signatures each prepared."""
+    included), top-k widths and (``vary_hidden``) hidden sizes that change within one signature (a prepared
+    call must decline those), every cast format, blocking, hooked and async, stats tensors given, on both
+    Buffers; returns how many outputs differ, the signatures used and how many of them each prepared."""
     rank, R = dist.get_rank(group), dist.get_world_size(group)
     m, experts = 12, 4 * R
     prepared, checked = _buffers(group, m, 2048, experts)
@@ -45,8 +45,9 @@ def prepared_equals_checked(group: dist.ProcessGroup, iterations: int) -> dict[s
     shapes = torch.Generator().manual_seed(7)  # the same hidden and top-k on every rank
     differ, dispatches, combines = 0, set(), set()
     for it in range(iterations):
-        hidden, topk = (512, 4) if it % 5 else (1024, 3)
-        hidden, topk = (hidden, topk) if it % 7 else (int(torch.randint(1, 5, (1,), generator=shapes)) * 512, 2)
+        hidden, topk = (512, 4) if it % 5 else (1024 if vary_hidden else 512, 3)
+        if not it % 7:
+            hidden, topk = int(torch.randint(1, 5, (1,), generator=shapes)) * 512 if vary_hidden else hidden, 2
         tokens = int(torch.randint(0, m + 1, (1,), generator=g))
         x = (torch.randn(tokens, hidden, generator=g) * 0.3).bfloat16()
         idx, w = _routing(g, tokens, topk, experts), torch.rand(tokens, topk, generator=g)
