@@ -141,7 +141,7 @@ def get_physical_domain_size(group: dist.ProcessGroup) -> tuple[int, int]:
     sees them (``core.topology``). Collective: every rank of ``group`` calls it."""
     hosts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, host_id(), group=group)
-    whole = len(hosts) == dist.get_world_size()  # LOCAL_WORLD_SIZE blocks count world ranks (as the transports)
+    whole = len(hosts) == dist.get_world_size()  # emulated nodes count world ranks (as the transports)
     global_ranks = [dist.get_global_rank(group, r) for r in range(len(hosts))] if whole else None
     topology = Topology.of(split_nodes(hosts, global_ranks))
     return topology.num_nodes, topology.ranks_per_node

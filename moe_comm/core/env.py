@@ -26,8 +26,12 @@ MOE_COMM_ASCEND_COMM_ALG  ``comm_alg`` of the ascend backend's MC2 v2 calls (uns
                      default; Atlas A2: ``fullmesh``/``hierarchy``, A3: ``fullmesh_v1``/``fullmesh_v2``/``hierarchy``).
 HCCL_BUFFSIZE        (HCCL's own) MB of each HCCL communicator's buffers (default 200); the ascend
                      backend checks it against MC2's documented need before a low-latency call.
-LOCAL_WORLD_SIZE     (set by torchrun) ranks per node: the ``shm`` transport groups global ranks
-                     ``r // LOCAL_WORLD_SIZE`` as one node.
+MOE_COMM_RANKS_PER_NODE  ranks of one node where one machine stands for several: each host's ranks are split
+                     into nodes of global ranks ``r // MOE_COMM_RANKS_PER_NODE``, between which the transports
+                     move rows as between hosts and DeepEP's internode forms apply (tests and benchmarks that
+                     emulate several nodes). Unset: a node is a host. ``LOCAL_WORLD_SIZE`` is not read for
+                     this: launchers and engines set it to other things (vLLM's CPU platform: the
+                     tensor-parallel size), and the ranks of one host always share its memory.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ import os
 import warnings
 from typing import Optional
 
-__all__ = ["backend", "transport", "timeout_s", "num_threads", "pool_bytes", "weight_cache_bytes", "local_world_size",
+__all__ = ["backend", "transport", "timeout_s", "num_threads", "pool_bytes", "weight_cache_bytes", "ranks_per_node",
            "ops_impl", "triton_interpret", "deep_ep_alias", "ascend_comm_alg", "hccl_buffsize_mb"]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -97,10 +101,15 @@ def weight_cache_bytes() -> int:
     return _byte_count("MOE_COMM_WEIGHT_CACHE_BYTES", DEFAULT_WEIGHT_CACHE_BYTES)
 
 
-def local_world_size() -> Optional[int]:
-    """Ranks per node from ``LOCAL_WORLD_SIZE`` (torchrun's), or None when unset or not a positive int."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    return int(value) if value.isdigit() and int(value) > 0 else None
+def ranks_per_node() -> Optional[int]:
+    """Ranks per emulated node from ``MOE_COMM_RANKS_PER_NODE``, or None when unset or empty; ValueError naming
+    the variable for anything but a positive int."""
+    value = os.environ.get("MOE_COMM_RANKS_PER_NODE", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"MOE_COMM_RANKS_PER_NODE must be a positive int (ranks per emulated node), got {value!r}")
+    return int(value)
 
 
 def ops_impl() -> tuple[Optional[str], str]:

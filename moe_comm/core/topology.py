@@ -3,8 +3,8 @@
 DeepEP splits a group into ``rdma_rank = rank // 8`` (the node) and ``nvl_rank = rank % 8`` (the GPU
 inside it), and uses its internode forms (``num_tokens_per_rdma_rank``, the 10-tuple handle, the
 two-level combine sum) whenever that gives more than one node. moe-comm does the same with the
-nodes it sees: ranks on one host, split further by ``LOCAL_WORLD_SIZE`` blocks (torchrun's), form a
-node; a node holds at most ``NUM_MAX_NVL_PEERS`` ranks.
+nodes it sees: the ranks of one host form a node (split further only where ``MOE_COMM_RANKS_PER_NODE``
+makes one machine stand for several); a node holds at most ``NUM_MAX_NVL_PEERS`` ranks.
 """
 from __future__ import annotations
 
@@ -19,14 +19,13 @@ __all__ = ["Topology", "split_nodes"]
 
 def split_nodes(hosts: Sequence[int], global_ranks: Optional[Sequence[int]]) -> list[list[int]]:
     """The group's ranks split into nodes, in order of their first rank: the same host (``hosts[r]``,
-    a host id per rank) and, when ``LOCAL_WORLD_SIZE`` is set and ``global_ranks`` (the ranks' places
+    a host id per rank) and, when ``MOE_COMM_RANKS_PER_NODE`` is set and ``global_ranks`` (the ranks' places
     in the launcher's world; None when the group is not the whole world) is given, the same
-    ``global_ranks[r] // LOCAL_WORLD_SIZE`` (torchrun's node blocks; a size below the world size makes
-    one host act as several)."""
-    local_size = env.local_world_size()
+    ``global_ranks[r] // MOE_COMM_RANKS_PER_NODE`` (one host standing for several)."""
+    per_node = env.ranks_per_node()
     blocks = [0] * len(hosts)
-    if local_size and global_ranks is not None:
-        blocks = [g // local_size for g in global_ranks]
+    if per_node and global_ranks is not None:
+        blocks = [g // per_node for g in global_ranks]
     nodes: dict[tuple[int, int], list[int]] = {}
     for r, key in enumerate(zip(hosts, blocks)):
         nodes.setdefault(key, []).append(r)

@@ -104,8 +104,11 @@ class Transport(abc.ABC):
     timeout_s: float
     #: where this transport's own small exchanges (metadata, barriers) travel
     device: torch.device
-    #: the group's ranks split into nodes (``topology.split_nodes``: hosts, LOCAL_WORLD_SIZE blocks)
+    #: the group's ranks split into nodes (``topology.split_nodes``: hosts, emulated nodes)
     nodes: list[list[int]]
+
+    #: bytes of one rank's rows to another that ``all_to_all`` carries at most (None: no limit)
+    metadata_room: Optional[int] = None
 
     #: deadline-tolerant gathers for shrinking buffers (``store_gather``), None where the transport has no
     #: rendezvous store to run them on
@@ -236,6 +239,19 @@ class Transport(abc.ABC):
 
     _poster: Optional["_Poster"] = None
 
+    def posted_exchange(self, sent: Sequence[Sequence[int]], record_bytes: int, packed: torch.Tensor, *, op: str,
+                        device: torch.device) -> Exchange:
+        """The exchange that moves the rows of a ``post``, once its headers told every rank's counts
+        (``sent[i][j]``: rows rank i sends rank j); ``packed``: this rank's rows in its send order. Received
+        rows come grouped by source rank ascending. This implementation: ``posted_all_to_all`` into a fresh
+        tensor."""
+        me = self.rank
+        recv_counts = [int(row[me]) for row in sent]
+        received = torch.empty(sum(recv_counts), record_bytes, dtype=torch.uint8, device=device)
+        if any(any(row) for row in sent):  # a handshake moves none
+            self.posted_all_to_all(received, packed, recv_counts, [int(n) for n in sent[me]], op=op).wait()
+        return _Moved(received)
+
     def posted_all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
                           input_splits: Sequence[int], *, op: str) -> Pending:
         """The all-to-all that moves the rows of ``post``: ``bulk_all_to_all`` here; a transport whose
@@ -332,6 +348,20 @@ class _Poster:
         self._jobs.put(None)
 
 
+class _Moved:
+    """An ``Exchange`` whose rows have arrived already (in memory of their own)."""
+
+    def __init__(self, received: torch.Tensor) -> None:
+        self._received: Optional[torch.Tensor] = received
+
+    def wait(self) -> torch.Tensor:
+        assert self._received is not None, "rows asked for after release"
+        return self._received
+
+    def release(self) -> None:
+        self._received = None
+
+
 class _DeferredPost:
     """``Transport.post`` over ``all_to_all`` and ``bulk_all_to_all`` (see there)."""
 
@@ -349,7 +379,7 @@ class _DeferredPost:
         self._arrived, self._moved = threading.Event(), threading.Event()
         self._error: Optional[BaseException] = None
         self._header_error: Optional[BaseException] = None
-        self._received: Optional[torch.Tensor] = None
+        self._exchange: Optional[Exchange] = None
         self._firsts: list[int] = []
         self._started = False
         self._claim = threading.Lock()
@@ -373,11 +403,9 @@ class _DeferredPost:
             sizes, sent = lead[:, 0].tolist(), lead[:, 1:].tolist()
             if len(set(sizes)) == 1:  # else no rows move, on every rank (their verdict fails anyway)
                 me = self._t.rank
-                recv_counts = [int(row[me]) for row in sent]
-                received = torch.empty(sum(recv_counts), self._record_bytes, dtype=torch.uint8, device=self._device)
-                if any(any(row) for row in sent):  # a handshake moves none
-                    self._t.posted_all_to_all(received, self._packed, recv_counts, self._counts, op=self._op).wait()
-                self._received, self._firsts = received, prefix_sums(recv_counts)[:-1]
+                self._exchange = self._t.posted_exchange(sent, self._record_bytes, self._packed, op=self._op,
+                                                         device=self._device)
+                self._firsts = prefix_sums([int(row[me]) for row in sent])[:-1]
         except BaseException as exc:  # raised to the caller by headers() / rows()
             self._error = exc
         finally:
@@ -409,9 +437,9 @@ class _DeferredPost:
         self._wait(self._moved)
         if self._error is not None:
             raise self._error
-        if self._received is None:
+        if self._exchange is None:
             raise RuntimeError(f"{self._op}: rank {self._t.rank}: ranks posted rows of different sizes")
-        return self._received, self._firsts
+        return self._exchange.wait(), self._firsts
 
     def last_call_header(self, rank: int) -> Optional[torch.Tensor]:
         return None
@@ -419,5 +447,7 @@ class _DeferredPost:
     def release(self) -> None:
         # the rows move whatever the verdict: every rank's exchanges must stay in the same order
         self._wait(self._moved)
-        self._received = None
+        if self._exchange is not None:
+            self._exchange.release()
+            self._exchange = None
         self._packed = self._packed[:0]

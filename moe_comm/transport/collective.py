@@ -242,7 +242,7 @@ class CollectiveTransport(Transport):
         self._meeting = _Meeting(store, f"{scope}/meeting/{instance}", self.rank, self.num_ranks, self._host)
         self._peers = self._meet(instance, store, f"{scope}/arrivals/{instance}")
         self._meeting = None
-        whole = dist.get_world_size(group) == dist.get_world_size()  # LOCAL_WORLD_SIZE blocks count world ranks
+        whole = dist.get_world_size(group) == dist.get_world_size()  # emulated nodes count world ranks
         self.nodes = split_nodes([host for host, _ in self._peers],
                                  [dist.get_global_rank(group, r) for r in range(self.num_ranks)] if whole else None)
         self._metadata = self._metadata_channel(store, f"{scope}/metadata/{instance}")

@@ -211,7 +211,7 @@ class MpiTransport(Transport):
             rows = self.all_gather_rows(mine, op="Buffer()").tolist()
             self._host_ranks = [r for r, row in enumerate(rows) if row[0] == rows[self.rank][0]]
             self.pids = [row[1] for row in rows]
-            whole = self.num_ranks == self._mpi.COMM_WORLD.Get_size()  # LOCAL_WORLD_SIZE blocks count world ranks
+            whole = self.num_ranks == self._mpi.COMM_WORLD.Get_size()  # emulated nodes count world ranks
             self.nodes = split_nodes([row[0] for row in rows], list(range(self.num_ranks)) if whole else None)
             counters = HostCounters.meet(f"{rows[self._host_ranks[0]][2]:x}", self._host_ranks, self.rank,
                                          lambda: self.barrier(op="Buffer()"))

@@ -11,7 +11,7 @@ Two slots per channel give DeepEP's double buffering. Before a rank reuses a slo
 still holds an unreleased exchange, it moves those rows to private memory ("spill"), so a third
 exchange in flight never waits on a caller's hook.
 
-Ranks on other hosts (or beyond ``LOCAL_WORLD_SIZE``) go through the collective transport, like
+Ranks on other hosts (or other emulated nodes, ``MOE_COMM_RANKS_PER_NODE``) go through the collective transport, like
 DeepEP's NVLink + RDMA split; their rows are copied into the data slot on arrival, so a receiver
 sees one block per source rank either way.
 """
@@ -29,7 +29,7 @@ from ..core.errors import CommTimeoutError, PeerExitedError
 from ..core.native import cpu_threads, native
 from .base import Exchange, Gathered, Pending, Posted, Rows, Transport, own_counts, prefix_sums
 from .collective import CollectiveTransport
-from .shm_segment import DATA, META, META_CELL, NUM_SLOTS, Segment, SegmentLayout, segment_name, sweep_stale
+from .shm_segment import DATA, META, NUM_SLOTS, Segment, SegmentLayout, meta_cell_bytes, segment_name, sweep_stale
 
 __all__ = ["ShmTransport"]
 
@@ -305,7 +305,7 @@ class ShmTransport(Transport):
 
         A rank that dies in here leaves its segment's name held only until it has exited: its peers
         fail and sweep it (waiting briefly for a dying peer), or the next start-up on the host does."""
-        layout = SegmentLayout(len(self.local), capacity)
+        layout = SegmentLayout(len(self.local), capacity, meta_cell_bytes(self.num_ranks))
         sweep_stale()
         mine = Segment.create(segment_name(), layout)
         try:
@@ -335,6 +335,11 @@ class ShmTransport(Transport):
     def capacity(self) -> int:
         """Bytes of one data slot."""
         return self._segments[0].layout.capacity
+
+    @property
+    def metadata_room(self) -> int:
+        """Bytes of one rank's rows to another in ``all_to_all``: a metadata cell."""
+        return self._segments[0].layout.cell
 
     # ------------------------------------------------------------------ slots
     def _next(self, channel: int) -> tuple[int, int]:
@@ -371,6 +376,16 @@ class ShmTransport(Transport):
     def exited_ranks(self) -> list[int]:
         return self._coll.exited_ranks()
 
+    def posted_exchange(self, sent: Sequence[Sequence[int]], record_bytes: int, packed: torch.Tensor, *, op: str,
+                        device: torch.device) -> Exchange:
+        """The rows of a post through ``exchange``: straight into the data slots of this host's ranks, whatever
+        their size (the data slots grow, every rank seeing the same counts), the rest through the collective
+        transport."""
+        def rows(dest: int, first: int, out: torch.Tensor) -> None:
+            out.copy_(packed[first:first + out.shape[0]])
+
+        return self.exchange(sent, record_bytes, rows, op=op, device=device)
+
     def _consumed(self, rank: int, channel: int) -> int:
         """The last exchange of ``channel`` that host rank ``rank`` has consumed in its own segment: one
         at or past an exchange this rank still waits for means ``rank`` went on without it."""
@@ -391,8 +406,9 @@ class ShmTransport(Transport):
             return super().gather_tolerant(row, send_to, recv_from, op=op)
         seq, slot = self._next(META)
         data = torch.tensor([int(v) for v in row], dtype=torch.int64).view(torch.uint8)
-        if data.numel() > META_CELL:
-            raise ValueError(f"{op}: shm transport: {data.numel()} bytes of metadata exceed the {META_CELL}-byte cell")
+        if data.numel() > self.metadata_room:
+            raise ValueError(f"{op}: shm transport: {data.numel()} bytes of metadata exceed the "
+                             f"{self.metadata_room}-byte cell")
         me, late = self.rank, []
         for dest in send_to:
             if dest == me:
@@ -564,9 +580,9 @@ class ShmTransport(Transport):
             remote = self._remote_exchange(keep, input_splits, output_splits, op, skip, bulk=False)
         for dest in local:
             nbytes = input_splits[dest] * row_bytes
-            if nbytes > META_CELL:
+            if nbytes > self.metadata_room:
                 raise ValueError(f"{op}: shm transport: {nbytes} bytes of metadata for rank {dest} exceed the "
-                                 f"{META_CELL}-byte cell")
+                                 f"{self.metadata_room}-byte cell")
 
             def write(segment: Segment, dest: int = dest, nbytes: int = nbytes) -> None:
                 if nbytes:

@@ -3,7 +3,7 @@
 Layout, for L ranks on the host (local index 0..L-1) and NUM_SLOTS slots per channel:
 
     flags   arrived[channel][slot][source], then consumed[channel][slot]: int64, one per 64-byte line
-    meta    NUM_SLOTS x L cells of META_CELL bytes; cell (slot, i) is written by local rank i
+    meta    NUM_SLOTS x L cells of ``meta_cell_bytes(R)`` bytes; cell (slot, i) is written by local rank i
     data    NUM_SLOTS slots of ``capacity`` bytes; every source writes its block at its own offset
 
 Segments live in /dev/shm (what ``shm_open`` uses on Linux) under names starting with PREFIX and
@@ -32,6 +32,7 @@ import torch
 from ..core.native import native
 
 __all__ = ["SEGMENT_DIR", "META", "DATA", "NUM_SLOTS", "META_CELL", "PREFIX", "COUNTERS_PREFIX", "SegmentLayout", "Segment",
+           "meta_cell_bytes",
            "segment_name", "create_held", "open_held", "process_gone", "sweep_stale"]
 
 META, DATA = 0, 1  # channels: small all-to-alls, payload exchanges
@@ -48,12 +49,20 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def meta_cell_bytes(num_ranks: int) -> int:
+    """Bytes of one metadata cell for a group of ``num_ranks``: ``META_CELL``, or more where a low-latency post's
+    header (``protocol/call_header.py``: 40 bytes a rank, 1 KiB of message, behind 8 bytes a rank of counts)
+    would not fit, so the headers of any group size travel in one cell."""
+    return max(META_CELL, _round_up(64 * num_ranks + 4096, _PAGE))
+
+
 @dataclass(frozen=True)
 class SegmentLayout:
     """Byte offsets inside a segment for ``num_local`` ranks and data slots of ``capacity`` bytes."""
 
     num_local: int
     capacity: int
+    cell: int = META_CELL  # bytes of one metadata cell (``meta_cell_bytes``)
 
     def arrived(self, channel: int, slot: int, source: int) -> int:
         return ((channel * NUM_SLOTS + slot) * self.num_local + source) * _LINE
@@ -66,7 +75,7 @@ class SegmentLayout:
         return _round_up(self.consumed(DATA, NUM_SLOTS - 1) + _LINE, _PAGE)
 
     def meta_cell(self, slot: int, source: int) -> int:
-        return self.meta_offset + (slot * self.num_local + source) * META_CELL
+        return self.meta_offset + (slot * self.num_local + source) * self.cell
 
     def data_slot(self, slot: int) -> int:
         return self.meta_cell(NUM_SLOTS, 0) + slot * self.capacity

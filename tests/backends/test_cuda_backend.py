@@ -725,7 +725,7 @@ def _across_hosts_backend() -> type:
 
     class AcrossHosts(base):
         def _across_hosts(self) -> bool:
-            assert self.topology.internode, "run with LOCAL_WORLD_SIZE splitting the ranks into nodes"
+            assert self.topology.internode, "run with MOE_COMM_RANKS_PER_NODE splitting the ranks into nodes"
             return True
 
         @staticmethod
@@ -738,10 +738,10 @@ def _across_hosts_backend() -> type:
 @contextlib.contextmanager
 def _registered_as_cuda(emulated: type, ranks_per_node: Optional[int] = None):
     """``emulated`` registered as the "cuda" backend in this rank (and the default one), ``ranks_per_node``
-    splitting the group into nodes (LOCAL_WORLD_SIZE), for the duration."""
+    splitting the group into nodes (MOE_COMM_RANKS_PER_NODE), for the duration."""
     import moe_comm.backends as registry
     if ranks_per_node is not None:
-        os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
+        os.environ["MOE_COMM_RANKS_PER_NODE"] = str(ranks_per_node)
     built, reason, default = registry._built, registry._cuda_reason, os.environ.get("MOE_COMM_BACKEND")
     registry._built = lambda: {**built(), "cuda": emulated}
     registry._cuda_reason = lambda: None
@@ -750,7 +750,7 @@ def _registered_as_cuda(emulated: type, ranks_per_node: Optional[int] = None):
         yield
     finally:
         registry._built, registry._cuda_reason = built, reason
-        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        os.environ.pop("MOE_COMM_RANKS_PER_NODE", None)
         if default is None:
             os.environ.pop("MOE_COMM_BACKEND")
         else:
@@ -761,7 +761,7 @@ def _emulated_equals_portable(group, seed: int, config: dict[str, int], ranks_pe
                               across_hosts: bool = False) -> tuple[list[bool], int]:
     """``_calls`` on the cuda backend's class over ``_HostAsDevice`` (registered as "cuda" in this rank)
     and on the portable backend, both on the CPU; ``ranks_per_node`` splits the group into nodes
-    (LOCAL_WORLD_SIZE), ``across_hosts`` takes the NVSHMEM path between them."""
+    (MOE_COMM_RANKS_PER_NODE), ``across_hosts`` takes the NVSHMEM path between them."""
     emulated = _across_hosts_backend() if across_hosts else _emulated_backend()
     with _registered_as_cuda(emulated, ranks_per_node):
         a = calls(group, "portable", "cpu", seed, config)
@@ -800,7 +800,7 @@ INTERNODE_CONFIG = dict(num_sms=4, num_max_nvl_chunked_send_tokens=2, num_max_nv
 @pytest.mark.skipif(not CUDA_BUILT, reason="moe_comm._cuda is not built (device_backend.py imports it)")
 @pytest.mark.parametrize("across_hosts", [False, True])
 def test_the_backend_runs_across_nodes_on_the_host_builds_kernels(across_hosts):
-    """The same end to end across 2 nodes of 2 ranks: on one host (LOCAL_WORLD_SIZE; every buffer over
+    """The same end to end across 2 nodes of 2 ranks: on one host (MOE_COMM_RANKS_PER_NODE; every buffer over
     IPC), and as if each node were a host (NVSHMEM's world joined by unique id, symmetric RDMA and
     low-latency buffers, IPC buffers of the node's ranks only): the same bits as the portable backend."""
     from helpers.transports import local_world

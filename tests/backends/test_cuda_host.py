@@ -57,7 +57,7 @@ INTERNODE_CONFIGS = {"default": dict(num_sms=20),
     exhaustive(4, 2, "default"), (4, 2, "tiny_rings"), exhaustive(4, 2, "one_slot_nvl"), exhaustive(6, 3, "tiny_rings"),
     (4, 1, "four_nodes"), exhaustive(2, 1, "one_slot_nvl")])
 def test_same_bits_as_portable_across_nodes(world_size, ranks_per_node, config):
-    """The same calls on a group split into nodes (LOCAL_WORLD_SIZE): normal mode through the kernels'
+    """The same calls on a group split into nodes (MOE_COMM_RANKS_PER_NODE): normal mode through the kernels'
     two hops (RDMA rings to the forwarders, NVL rings to the ranks; the two-level combine sum), the
     internode handle, and low latency: every output bitwise equal to the portable backend's."""
     with local_world(world_size, "shm", timeout_s=240, threads_per_rank=1) as world:

@@ -10,6 +10,7 @@ import pytest
 
 from moe_comm import Buffer, Config, EventHandle, EventOverlap
 from moe_comm.core import env
+from moe_comm.core.topology import split_nodes
 
 FIELDS = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
           "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
@@ -375,7 +376,7 @@ def test_env_transport(monkeypatch):
     assert env.transport() == "collective"
 
 
-def test_env_pool_bytes_and_local_world_size(monkeypatch):
+def test_env_pool_bytes_and_ranks_per_node(monkeypatch):
     monkeypatch.delenv("MOE_COMM_POOL_BYTES", raising=False)
     assert env.pool_bytes() == 2 << 30
     monkeypatch.setenv("MOE_COMM_POOL_BYTES", "0")
@@ -383,11 +384,19 @@ def test_env_pool_bytes_and_local_world_size(monkeypatch):
     monkeypatch.setenv("MOE_COMM_POOL_BYTES", "-1")
     with pytest.raises(ValueError, match=re.escape("MOE_COMM_POOL_BYTES must be a non-negative int, got '-1'")):
         env.pool_bytes()
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert env.local_world_size() is None
-    for value, want in (("4", 4), ("0", None), ("x", None), (" 2 ", 2)):
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
-        assert env.local_world_size() == want
+    monkeypatch.delenv("MOE_COMM_RANKS_PER_NODE", raising=False)
+    assert env.ranks_per_node() is None
+    for value, want in (("4", 4), (" 2 ", 2), ("", None)):
+        monkeypatch.setenv("MOE_COMM_RANKS_PER_NODE", value)
+        assert env.ranks_per_node() == want
+    for value in ("0", "x", "-2"):
+        monkeypatch.setenv("MOE_COMM_RANKS_PER_NODE", value)
+        with pytest.raises(ValueError, match=re.escape(f"MOE_COMM_RANKS_PER_NODE must be a positive int (ranks per "
+                                                       f"emulated node), got {value!r}")):
+            env.ranks_per_node()
+    monkeypatch.delenv("MOE_COMM_RANKS_PER_NODE")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # a launcher's or an engine's: never splits a host
+    assert split_nodes([7, 7, 7], [0, 1, 2]) == [[0, 1, 2]]
 
 
 def test_output_pool_recycles_blocks_once_tensors_die():

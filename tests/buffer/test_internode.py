@@ -1,4 +1,4 @@
-"""DeepEP's internode forms on groups of several nodes: one host split into nodes by LOCAL_WORLD_SIZE
+"""DeepEP's internode forms on groups of several nodes: one host split into nodes by MOE_COMM_RANKS_PER_NODE
 (2 nodes of 2 ranks, 2 of 3 on every transport and backend), and 16 ranks as two 8-rank nodes, as
 DeepEP's test_internode runs."""
 import pytest
@@ -28,7 +28,7 @@ def test_internode_forms_are_the_same_on_every_transport(worlds, transport):
 
 @pytest.mark.exhaustive  # 16 processes: half a minute on 2 cores
 def test_sixteen_ranks_are_two_nodes_of_eight():
-    """DeepEP's shape: more than 8 ranks make nodes of 8 (no LOCAL_WORLD_SIZE)."""
+    """DeepEP's shape: more than 8 ranks make nodes of 8 (no MOE_COMM_RANKS_PER_NODE)."""
     with local_world(16, "shm", timeout_s=300, threads_per_rank=1) as world:
         results = world.run(internode, None, 24, 128, 4, 32, 4)
     assert [r["checks"] for r in results] == [10] * 16

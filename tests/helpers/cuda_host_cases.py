@@ -88,27 +88,27 @@ def calls(group: dist.ProcessGroup, backend: str, device: str, seed: int, config
 def both_backends(group: dist.ProcessGroup, seed: int, config: dict[str, int],
                   ranks_per_node: Optional[int] = None) -> list[bool]:
     """Per output of ``calls``: equal (bitwise) on the portable and the cuda_host backends; with
-    ``ranks_per_node`` the group is split into nodes of that many ranks (``LOCAL_WORLD_SIZE``), so
+    ``ranks_per_node`` the group is split into nodes of that many ranks (``MOE_COMM_RANKS_PER_NODE``), so
     normal mode takes DeepEP's internode forms and the cuda_host kernels' two hops."""
     if ranks_per_node is not None:
-        os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
+        os.environ["MOE_COMM_RANKS_PER_NODE"] = str(ranks_per_node)
     try:
         a, b = calls(group, "portable", "cpu", seed, config), calls(group, "cuda_host", "cpu", seed, config)
     finally:
-        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        os.environ.pop("MOE_COMM_RANKS_PER_NODE", None)
     assert len(a) == len(b) > 50
     return [torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v for u, v in zip(a, b)]
 
 
 def tampered_internode_handle(group: dist.ProcessGroup) -> tuple[str, str, bool]:
-    """cuda_host across 2 nodes (LOCAL_WORLD_SIZE=2): rank 0 changes its handle's forwarded-token prefix
+    """cuda_host across 2 nodes (MOE_COMM_RANKS_PER_NODE=2): rank 0 changes its handle's forwarded-token prefix
     in place before a combine (the forwarders index by it): its ValueError, the others'
     CrossRankMismatchError; with the field restored the next combine is the portable sum."""
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    os.environ["MOE_COMM_RANKS_PER_NODE"] = "2"
     try:
         buf = moe_comm.Buffer(group, backend="cuda_host", explicitly_destroy=True, timeout_s=60)
     finally:
-        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        os.environ.pop("MOE_COMM_RANKS_PER_NODE", None)
     g = torch.Generator().manual_seed(group.rank())
     T, H, E = 17, 256, 2 * group.size()
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)

@@ -55,16 +55,16 @@ def roundtrip(group: dist.ProcessGroup, num_tokens: int, hidden: int, num_topk: 
               options: dict) -> dict:
     """One dispatch (then its cached repeat) and one combine, every output checked; returns the checks made.
     ``options``: fp8, expand, alignment, cpu_sync (default True), masked, num_bias, tma_sf, and
-    ranks_per_node (the group split into nodes by LOCAL_WORLD_SIZE: hybrid mode)."""
+    ranks_per_node (the group split into nodes by MOE_COMM_RANKS_PER_NODE: hybrid mode)."""
     options = dict(options)
     per_node = options.pop("ranks_per_node", None)
     if per_node is None:
         return _roundtrip(group, num_tokens, hidden, num_topk, num_experts, **options)
-    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    os.environ["MOE_COMM_RANKS_PER_NODE"] = str(per_node)
     try:
         return _roundtrip(group, num_tokens, hidden, num_topk, num_experts, ranks_per_node=per_node, **options)
     finally:
-        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        os.environ.pop("MOE_COMM_RANKS_PER_NODE", None)
 
 
 def _expected_sum(t: int, ranks: torch.Tensor, biases: tuple, rank: int, max_tokens: int, hidden: int,

@@ -100,14 +100,14 @@ def _reference_fields(rank: int, num_ranks: int, L: int, C: int, in_ranks: list[
 
 def internode(group: dist.ProcessGroup, ranks_per_node: Optional[int], num_tokens: int, hidden: int, num_topk: int,
               num_experts: int, num_sms: int = 8) -> dict[str, Any]:
-    """Runs with ``LOCAL_WORLD_SIZE=ranks_per_node`` (None: unset, e.g. 16 ranks as two 8-rank nodes)."""
+    """Runs with ``MOE_COMM_RANKS_PER_NODE=ranks_per_node`` (None: unset, e.g. 16 ranks as two 8-rank nodes)."""
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     if ranks_per_node is not None:
-        os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
+        os.environ["MOE_COMM_RANKS_PER_NODE"] = str(ranks_per_node)
     try:
         buffer = moe_comm.Buffer(group, explicitly_destroy=True, timeout_s=60)
     finally:
-        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        os.environ.pop("MOE_COMM_RANKS_PER_NODE", None)
     checks = 0
     try:
         topo = buffer.topology
@@ -221,7 +221,7 @@ def zero_token_rank(group: dist.ProcessGroup, ranks_per_node: int) -> dict:
     """Two nodes where the last rank has no tokens: its dispatch receives every row meant for it (the
     internode handle's exchanges carry no rows from it) and every rank's combine gives each token back
     once per rank it went to."""
-    os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
+    os.environ["MOE_COMM_RANKS_PER_NODE"] = str(ranks_per_node)
     try:
         rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
         buf = moe_comm.Buffer(group, explicitly_destroy=True, timeout_s=60)
@@ -242,4 +242,4 @@ def zero_token_rank(group: dist.ProcessGroup, ranks_per_node: int) -> dict:
         buf.destroy()
         return {"rank": rank, "received": recv_x.shape[0], "combined": torch.equal(out, expected)}
     finally:
-        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        os.environ.pop("MOE_COMM_RANKS_PER_NODE", None)

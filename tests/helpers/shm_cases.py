@@ -251,13 +251,40 @@ def rejoin_after_mask(group: dist.ProcessGroup) -> tuple[str, str, list[int]]:
     return "no exception", "", status.tolist()
 
 
+def engine_local_world_size(group: dist.ProcessGroup, variable: str) -> dict[str, Any]:
+    """With ``variable`` (LOCAL_WORLD_SIZE, or MOE_COMM_RANKS_PER_NODE) set to 1: a low-latency round trip at a
+    real model's size (128 BF16 tokens x hidden 2048, top-2 of 8 experts, M 256, hooked) goes through, equal to
+    the dense sum. vLLM's CPU platform sets LOCAL_WORLD_SIZE so (the tensor-parallel size): every rank of this
+    host stays local to the shm transport. Nodes of one rank each move every row between ranks, a rank's rows
+    to itself included, through the collective transport's posts."""
+    os.environ[variable] = "1"
+    try:
+        R, m, hidden, experts = dist.get_world_size(group), 256, 2048, 8
+        buf = moe_comm.Buffer(group, transport="shm", low_latency_mode=True, timeout_s=30,
+                              num_rdma_bytes=moe_comm.Buffer.get_low_latency_rdma_size_hint(m, hidden, R, experts))
+        g = torch.Generator().manual_seed(dist.get_rank(group))
+        x = torch.randn(128, hidden, generator=g).bfloat16()
+        idx = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(128)])
+        w = torch.rand(128, 2, generator=g)
+        recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, m, experts, use_fp8=False,
+                                                              return_recv_hook=True)
+        hook()
+        combined = buf.low_latency_combine(recv_x, idx, w, handle)[0]
+        want = (x.float() * w.sum(1, keepdim=True)).bfloat16()
+        return dict(local=buf.runtime.transport.local, remote=buf.runtime.transport.remote,
+                    internode=buf.topology.internode, equal=bool((combined.float() - want.float()).abs().max() <= 0.1))
+    finally:
+        del os.environ[variable]
+
+
 def node_split(group: dist.ProcessGroup) -> dict[str, Any]:
-    """With LOCAL_WORLD_SIZE=2 one host acts as two: shm inside each pair, collective between them;
+    """With MOE_COMM_RANKS_PER_NODE=2 one host acts as two: shm inside each pair, collective between them;
     outputs equal the collective transport's."""
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    os.environ["MOE_COMM_RANKS_PER_NODE"] = "2"
     try:
         result = both_transports(group)
         buf = moe_comm.Buffer(group, transport="shm", timeout_s=30)
-        return dict(local=buf.runtime.transport.local, remote=buf.runtime.transport.remote, same=result["shm"] == result["collective"])
+        return dict(local=buf.runtime.transport.local, remote=buf.runtime.transport.remote,
+                    same=result["shm"] == result["collective"])
     finally:
-        del os.environ["LOCAL_WORLD_SIZE"]
+        del os.environ["MOE_COMM_RANKS_PER_NODE"]

@@ -4,7 +4,7 @@ into a bridge), a UTS namespace with its own hostname and its own /dev/shm (``ne
 The shm transport groups ranks by hostname, so inside a host rows move through shared memory and
 between hosts through gloo over the veths. The fixed program of ``output_digest_cases`` (both modes,
 BF16 and FP8, top-k, cached dispatch) must give, on every rank, bitwise the outputs of the same
-program on 4 ranks of this machine split into the same two nodes by ``LOCAL_WORLD_SIZE=2``: the
+program on 4 ranks of this machine split into the same two nodes by ``MOE_COMM_RANKS_PER_NODE=2``: the
 node split is what changes the outputs' forms (DeepEP's internode handle and two-level combine sum),
 so that is the one-host run that must agree.
 """
@@ -44,15 +44,16 @@ def hosts():
 
 def test_two_hosts_give_the_bits_of_one_host_split_in_two(hosts, tmp_path):
     spread = run_ranks(hosts, RANKS_PER_HOST, WORKER, env={}, workdir=tmp_path / "hosts", timeout_s=RUN_S)
-    together = run_ranks([THIS_MACHINE], HOSTS * RANKS_PER_HOST, WORKER, env={"LOCAL_WORLD_SIZE": str(RANKS_PER_HOST)},
-                         workdir=tmp_path / "one_host", timeout_s=RUN_S)
+    together = run_ranks([THIS_MACHINE], HOSTS * RANKS_PER_HOST, WORKER,
+                         env={"MOE_COMM_RANKS_PER_NODE": str(RANKS_PER_HOST)}, workdir=tmp_path / "one_host",
+                         timeout_s=RUN_S)
 
     for rank, report in enumerate(spread):
         host = hosts[rank // RANKS_PER_HOST]
         others = {h.ip for h in hosts if h is not host}
         assert report["hostname"] == host.hostname, f"rank {rank}"
         assert report["interfaces"] == sorted(["lo", IFNAME]), f"rank {rank}: its host has another way out"
-        # Split by hostname alone (no LOCAL_WORLD_SIZE here): shared memory inside a host, gloo across.
+        # Split by hostname alone (no MOE_COMM_RANKS_PER_NODE here): shared memory inside a host, gloo across.
         assert (report["transport"], report["nodes"], report["internode"]) == ("shm", NODES, True), f"rank {rank}"
         assert others <= set(report["tcp_peers"]), f"rank {rank}: no TCP connection to the other host"
         assert report["if_tx_bytes"] >= MIN_CROSS_HOST_BYTES, f"rank {rank}: its host's {IFNAME} sent too little"

@@ -11,9 +11,9 @@ import pytest
 from moe_comm.launch import LocalWorld
 
 from helpers.deadlines import before
-from helpers.shm_cases import (both_transports, grow_with_many_in_flight, growth, killed_mid_run, many_in_flight,
-                               masked_rank_survives, node_split, plant_stale_segment, rejoin_after_mask,
-                               segments_after_setup)
+from helpers.shm_cases import (both_transports, engine_local_world_size, grow_with_many_in_flight, growth,
+                               killed_mid_run, many_in_flight, masked_rank_survives, node_split, plant_stale_segment,
+                               rejoin_after_mask, segments_after_setup)
 from helpers.transports import local_world
 
 
@@ -92,7 +92,21 @@ def test_rank_masked_while_alive_cannot_rejoin():
         assert (kind, mask) == ("no exception", [0, 0, 1]), (kind, message)
 
 
-def test_local_world_size_splits_one_host_into_nodes(worlds):
+def test_engine_local_world_size_keeps_the_host_local(worlds):
+    for result in worlds(2).run(engine_local_world_size, "LOCAL_WORLD_SIZE"):
+        assert (result["local"], result["remote"], result["internode"]) == ([0, 1], [], False), result
+        assert result["equal"], result
+
+
+def test_nodes_of_one_rank_post_rows_of_a_real_model_size(worlds):
+    """Rows to other nodes, and to itself, past the size of a metadata cell (the issue's vLLM case before the
+    host decided the transport)."""
+    for rank, result in enumerate(worlds(2).run(engine_local_world_size, "MOE_COMM_RANKS_PER_NODE")):
+        assert (result["local"], result["remote"], result["internode"]) == ([rank], [1 - rank], True), result
+        assert result["equal"], result
+
+
+def test_ranks_per_node_splits_one_host_into_nodes(worlds):
     results = worlds(4).run(node_split)
     assert [r["local"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["remote"] for r in results] == [[2, 3], [2, 3], [0, 1], [0, 1]]

@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
     env.setdefault("MOE_COMM_NUM_THREADS", "1")
     if opts.nodes > 1 and "--num-processes" in args:
         # each copy's ranks are one node, also below DeepEP's 8 ranks a node (core/topology.py)
-        env.setdefault("LOCAL_WORLD_SIZE", args[args.index("--num-processes") + 1])
+        env.setdefault("MOE_COMM_RANKS_PER_NODE", args[args.index("--num-processes") + 1])
     utils = script.parent.parent.parent / "deep_ep" / "utils"  # V2's tests/elastic/*.py use DeepEP's utilities
     if script.parent.name == "elastic" and utils.is_dir():
         env["MOE_COMM_DEEPEP_UTILS"] = str(utils)

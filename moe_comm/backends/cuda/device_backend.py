@@ -10,7 +10,7 @@ rings, low-latency slots and signals) moves every byte between the ranks' GPU bu
 (``ipc_buffers.IpcBuffers``). Payload tensors stay on the GPU; the kernels read and write them by address.
 
 Across nodes (``topology.Topology``; nodes of equal size) normal mode takes the two-hop kernels
-(``internode.KernelInternodeMode``): on one host (nodes split by ``LOCAL_WORLD_SIZE``) every buffer is
+(``internode.KernelInternodeMode``): on one host (nodes split by ``MOE_COMM_RANKS_PER_NODE``) every buffer is
 an IPC buffer; across hosts the node's NVL buffers are IPC buffers of its ranks, and the RDMA and
 low-latency buffers NVSHMEM's symmetric memory (``symmetric_buffers``: one NVSHMEM world per process,
 joined by a unique id the transport all-gathers), with ``moe_comm._cuda_nvshmem``'s kernels (puts with
@@ -100,7 +100,7 @@ class CudaBackend(KernelLowLatencyCalls, PortableBackend):
                                                              self._guard)
             else:
                 self._normal_buffers = IpcBuffers(self.transport, "normal-mode", kernels, self._guard)
-                if self.topology.internode:  # nodes of one host (LOCAL_WORLD_SIZE): RDMA buffers over IPC too
+                if self.topology.internode:  # nodes of one host (MOE_COMM_RANKS_PER_NODE): RDMA buffers over IPC too
                     self._rdma_buffers = IpcBuffers(self.transport, "RDMA", kernels, self._guard)
                 self._low_latency_buffers = IpcBuffers(self.transport, "low-latency", kernels, self._guard)
             pids = self._normal_buffers.pids
@@ -149,7 +149,7 @@ class CudaBackend(KernelLowLatencyCalls, PortableBackend):
                              f"(DeepEP's rule), at most {self.kernels_module.MAX_NODES} of them; these "
                              f"{self.num_ranks} ranks make {topo.num_nodes} nodes of up to {topo.ranks_per_node} ranks"
                              + (f", and ranks {split} share a node with a rank of another host" if split else "")
-                             + "; use backend='portable', or LOCAL_WORLD_SIZE to set the node size")
+                             + "; use backend='portable', or MOE_COMM_RANKS_PER_NODE to set the node size")
         return True
 
     @staticmethod

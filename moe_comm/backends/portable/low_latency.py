@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...core.errors import CommTimeoutError
+from ...core.errors import CommTimeoutError, bad_argument
 from ...core.memory import empty
 from ...ops import quantize
 from ...ops.combine_reduce import combine_reduce
@@ -130,14 +130,17 @@ class LowLatencyMode:
         return receive
 
     # ------------------------------------------------------------------ calls posted with their headers
-    def _check_room(self, op: str, record_bytes: int, counts: list[int]) -> None:
-        """Rows to one rank must fit where the transport posts them (a rejection, before anything moves)."""
+    def _check_room(self, op: str, record_bytes: int, counts: list[int], m: int, per_token: int) -> None:
+        """Rows to one rank must fit where the transport posts them (a rejection, before anything moves):
+        ValueError naming the M that fits any routing (``per_token``: the most rows one token makes for one rank)."""
         room = self.transport.post_room(header_bytes(self.agreement.vector_len), record_bytes)
         if room is not None and max(counts, default=0) > room:
             rank = max(range(len(counts)), key=lambda r: counts[r])
-            raise ValueError(f"{op}: {counts[rank]} rows of {record_bytes} bytes go to rank {rank}, more than the "
-                             f"{room} the {self.transport.name} transport's buffer holds per rank; create the Buffer "
-                             f"with a larger num_rdma_bytes (Buffer.get_low_latency_rdma_size_hint)")
+            bad_argument(op, "num_max_dispatch_tokens_per_rank", f"at most {room // max(per_token, 1)} here: "
+                         f"{counts[rank]} rows of {record_bytes} bytes go to rank {rank}, more than the {room} a data "
+                         f"slot of the {self.transport.name} transport holds per rank (its slots of "
+                         f"{self.transport.capacity} bytes are sized from num_rdma_bytes when the Buffer is made), and "
+                         f"a token makes up to {per_token} rows for one rank; or use transport='collective'", m)
 
     def _post(self, op: str, header: torch.Tensor, counts: list[int], record_bytes: int, pack: Rows,
               device: torch.device, compare: tuple[Field, ...], hook: bool) -> "_PostedCall":
@@ -234,7 +237,7 @@ class LowLatencyMode:
         slot = self._acquire(op)
         msg, experts, send_counts = send_order(topk_idx, num_experts, R)
         records, pack, scales = self._dispatch_records(x, fp8_format, msg, experts, topk_idx.shape[1], local)
-        self._check_room(op, records.record_bytes, send_counts)
+        self._check_room(op, records.record_bytes, send_counts, m, min(topk_idx.shape[1], local))
         fields = {Field.HIDDEN: hidden, Field.NUM_EXPERTS: num_experts, Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: m,
                   Field.FP8_FORMAT: fp8_format}
         header = self.agreement.header(Op.LOW_LATENCY_DISPATCH, fields, send_counts)
@@ -378,7 +381,8 @@ class LowLatencyMode:
         send_counts = handle.counts().sum(0).tolist()  # rows going back to each source rank
         send_rows = combine_rows(handle.layout_range, rows)  # by source rank, then local expert, then row
         records, pack = self._combine_records(slot, x, zero_copy, send_rows, use_logfmt)
-        self._check_room(op, records.record_bytes, send_counts)
+        self._check_room(op, records.record_bytes, send_counts, handle.num_max_dispatch_tokens_per_rank,
+                         min(topk_idx.shape[1], local))
         fields = {Field.HIDDEN: hidden, Field.NUM_EXPERTS: handle.num_experts,
                   Field.NUM_MAX_DISPATCH_TOKENS_PER_RANK: handle.num_max_dispatch_tokens_per_rank,
                   Field.USE_LOGFMT: int(use_logfmt)}

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from ...core.config import Config
-from ...core.errors import CrossRankMismatchError
+from ...core.errors import CrossRankMismatchError, bad_argument
 from ...core.memory import empty
 from ...core.topology import Topology
 from ...ops.combine_reduce import combine_reduce
@@ -146,6 +146,12 @@ class NormalMode:
         num_channels = config.num_channels
         num_experts = layout.num_tokens_per_expert.numel()
         experts_per_rank = num_experts // R
+        room = self.transport.metadata_room  # the per-expert counts and channel prefixes below travel there
+        if room is not None and 8 * (experts_per_rank + num_channels) > room:
+            bad_argument("dispatch", "num_experts", f"at most {(room // 8 - num_channels) * R} on {R} ranks: each "
+                         f"rank's counts per local expert, with its {num_channels} channel prefixes, go to every "
+                         f"rank in the {self.transport.name} transport's {room}-byte metadata cells (DeepEP allows "
+                         f"at most 1024 local experts)", num_experts)
         plan, shake = self.agree_dispatch(x, scales, topk_idx, layout, num_worst_tokens, config)
         recv_counts = shake.recv_counts(me)
         num_recv = sum(recv_counts)
