@@ -27,6 +27,7 @@ enum class PreparedStatus : int32_t {
     kPostFailed = 2,  // a flow-control wait failed while posting (failed_index: the rank, failed_outcome: why)
     kWaitFailed = 3,  // the receive's wait failed (failed_index: the source not reached, failed_outcome: why)
     kDisagree = 4,    // every header arrived, and they differ (or one carries a rejection)
+    kGrow = 5,        // (normal mode) the payload needs larger data slots than those mapped now
 };
 
 // Where one rank's posts go, per data slot: the shm transport's segments of the R ranks of the host
@@ -49,6 +50,13 @@ struct ShmPostPlan {
     uint64_t compare = 0;
     std::vector<uint8_t> header;              // the template: every word but the call and the per-rank parts
     int num_threads = 1;
+    // The metadata channel (ShmTransport.all_to_all), for normal-mode calls: per slot, per host rank.
+    int64_t cell_bytes = 0;
+    std::vector<uint8_t*> meta_cells[2];          // [slot][d]: this rank's cell in d's segment
+    std::vector<int64_t*> meta_arrived[2];        // [slot][d]: d's "arrived from me" flag
+    std::vector<int64_t*> meta_consumed[2];       // [slot][d]: d's "cell consumed" flag
+    std::vector<const uint8_t*> meta_mine[2];     // [slot][s]: s's cell in this rank's segment
+    std::vector<int64_t*> meta_mine_arrived[2];   // [slot][s]
 };
 
 // Why the last call failed, for the caller's error (valid after kPostFailed / kWaitFailed).
@@ -78,6 +86,8 @@ class PreparedPosts {
     PreparedStatus arrive(int slot, int64_t seq, int64_t* recv_counts);
     // This rank is done with `slot`'s rows of exchange seq.
     void release(int slot, int64_t seq);
+    // The header of rank s in `slot` (valid after arrive).
+    const uint8_t* header_of(int slot, int s) const { return plan_.slots[slot][plan_.me] + s * plan_.header_bytes; }
     const uint8_t* records(int slot) const { return plan_.slots[slot][plan_.me] + plan_.rows_at; }
 
     ShmPostPlan plan_;

@@ -16,7 +16,7 @@ namespace py = pybind11;
 // torch's objects a prepared call compares against, looked up once.
 struct TorchObjects {
     PyTypeObject* tensor = nullptr;  // torch.Tensor (exactly: subclasses take the checked path)
-    py::object bfloat16, int32, int64, float32, empty;
+    py::object bfloat16, int32, int64, float32, boolean, empty;
 
     explicit TorchObjects(const py::module_& torch)
         : tensor(reinterpret_cast<PyTypeObject*>(torch.attr("Tensor").ptr())),
@@ -24,6 +24,7 @@ struct TorchObjects {
           int32(torch.attr("int32")),
           int64(torch.attr("int64")),
           float32(torch.attr("float32")),
+          boolean(torch.attr("bool")),
           empty(torch.attr("empty")) {}
 };
 

@@ -165,6 +165,22 @@ class Backend(abc.ABC):
         """Low-latency combine: ``(out, receive)``; the receive fills ``out``. ``use_logfmt``: rows
         travel in DeepEP's LogFMT-10 (``moe_comm.ops.logfmt``), never with ``zero_copy``."""
 
+    def prepare_dispatch(self, key: tuple, x: torch.Tensor, scales: Optional[torch.Tensor],
+                         topk_idx: Optional[torch.Tensor], num_experts: int, expert_alignment: int,
+                         num_worst_tokens: int, config: Config) -> Optional[Any]:
+        """A prepared call for the later normal-mode dispatches (non-cached, with DeepEP's layout tensors) of one
+        signature, after a checked call of it (``key``: as ``Buffer`` builds it; the other arguments checked), or
+        None where this backend takes none: its ``send(key, x, scales, topk_idx, topk_weights, num_tokens_per_rank,
+        is_token_in_rank, num_tokens_per_expert)`` returns DeepEP's outputs but the event, or None for the
+        checked path (``portable.prepared_normal.PreparedNormalDispatch``)."""
+        return None
+
+    def prepare_combine(self, key: tuple, x: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                        config: Config) -> Optional[Any]:
+        """As ``prepare_dispatch``, for combines: ``send(key, x, handle, topk_weights, bias0, bias1)`` returns
+        ``(combined_x, combined_topk_weights)`` or None (``portable.prepared_normal.PreparedNormalCombine``)."""
+        return None
+
     def prepare_low_latency_dispatch(self, key: tuple, hidden: int, num_topk: int, num_max_dispatch_tokens_per_rank: int,
                                      num_experts: int, fp8_format: Fp8Format, hook: bool,
                                      async_finish: bool) -> Optional[Any]:

@@ -21,13 +21,14 @@ from ..protocol.handle import NormalHandle
 from ..protocol.internode_layout import check_tokens_per_node, tokens_per_node
 from ..transport.mpi import as_comm
 from . import library
-from .event import EventHandle, EventOverlap
-from .low_latency import LowLatencyAPI, XType
+from .event import NO_EVENT, EventHandle, EventOverlap
+from .low_latency import MAX_PREPARED, LowLatencyAPI, XType
 from .low_latency_args import low_latency_buffer_bytes
 from .normal_args import (TOPK_IDX_T, check_combine_args, check_dispatch_routing, check_num_experts, check_topk_idx,
                           split_x)
 
 __all__ = ["Buffer"]
+
 
 
 class Buffer(LowLatencyAPI):
@@ -130,7 +131,8 @@ class Buffer(LowLatencyAPI):
         self.topology = self.runtime.topology
         #: how a compiled graph names this buffer: an id, and the state tensor its calls write (``library``)
         self._op_id, self._op_state = library.register(self)
-        self._prepared_dispatches, self._prepared_combines = {}, {}
+        self._prepared_dispatches, self._prepared_combines = {}, {}  # normal mode's prepared calls
+        self._prepared_ll_dispatches, self._prepared_ll_combines = {}, {}
 
     def __repr__(self) -> str:
         return (f"Buffer(rank {self.rank} of {self.group_size}, {self.backend_choice}"
@@ -259,8 +261,6 @@ class Buffer(LowLatencyAPI):
         event = EventOverlap(EventHandle()) if async_finish else EventOverlap()
         return layout.num_tokens_per_rank, per_node, layout.num_tokens_per_expert, layout.is_token_in_rank, event
 
-    @library.traced_as(library.dispatch)
-    @agreed_call("dispatch")
     def dispatch(self, x: XType, handle: Optional[tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -298,6 +298,54 @@ class Buffer(LowLatencyAPI):
             internode 10-tuple (``handle.InternodeHandle``; ``handle[-4]`` is the inclusive prefix of the
             rows received from each rank); rows come in the same order.
         """
+        if torch.compiler.is_compiling():
+            return library.dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                    num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                                    config, previous_event, async_finish, allocate_on_comm_stream,
+                                    num_experts=num_experts)
+        # A call of a signature seen before runs its prepared call (docs/DESIGN.md), unless that declines the
+        # arguments; then the checked path runs it (and words any error).
+        key = prepared = None
+        if handle is None and is_token_in_rank is not None and previous_event is None:
+            key = (type(x) is tuple, topk_idx is None, expert_alignment, num_worst_tokens, config, async_finish,
+                   allocate_on_comm_stream, num_experts)
+            try:
+                prepared = self._prepared_dispatches.get(key)
+            except TypeError:  # an unhashable argument
+                prepared = key = None
+        if prepared:
+            data, scales = x if type(x) is tuple and len(x) == 2 else (x, None)
+            result = prepared.send(key, data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                                   num_tokens_per_expert)
+            if result is not None:
+                return (*result, EventOverlap(EventHandle(), (data, scales) + result[:3]) if async_finish else
+                        NO_EVENT)
+        result = self._checked_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                        num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                        num_worst_tokens, config, previous_event, async_finish, allocate_on_comm_stream,
+                                        num_experts=num_experts)
+        if key is not None and (prepared is None or prepared and prepared.stale) and \
+                len(self._prepared_dispatches) < MAX_PREPARED:
+            data, scales = split_x("dispatch", x)
+            self._prepared_dispatches[key] = self.runtime.prepare_dispatch(
+                key, data, scales, topk_idx, num_tokens_per_expert.numel(), expert_alignment, num_worst_tokens,
+                self._config("dispatch", config, Buffer.get_dispatch_config)) or False
+        return result
+
+    @agreed_call("dispatch")
+    def _checked_dispatch(self, x: XType, handle: Optional[tuple] = None,
+                          num_tokens_per_rank: Optional[torch.Tensor] = None,
+                          num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                          is_token_in_rank: Optional[torch.Tensor] = None,
+                          num_tokens_per_expert: Optional[torch.Tensor] = None, topk_idx: Optional[torch.Tensor] = None,
+                          topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1,
+                          num_worst_tokens: int = 0, config: Optional[Config] = None,
+                          previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                          allocate_on_comm_stream: bool = False, *, num_experts: Optional[int] = None
+                          ) -> tuple[XType, Optional[torch.Tensor], Optional[torch.Tensor], Optional[list[int]],
+                                     Optional[tuple], EventOverlap]:
+        """``dispatch`` with every argument checked (a call of a new signature, or one its prepared call
+        declined)."""
         op = "dispatch"
         config = self._config(op, config, Buffer.get_dispatch_config)
         data, scales = split_x(op, x)
@@ -328,8 +376,6 @@ class Buffer(LowLatencyAPI):
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
                 handle_out, event)
 
-    @library.traced_as(library.combine)
-    @agreed_call("combine")
     def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -350,6 +396,38 @@ class Buffer(LowLatencyAPI):
             every add in fp32, rounded once: bitwise reproducible. Across nodes the sum runs in DeepEP's two
             levels (``ops.node_reduce``): each node's ranks first, rounded to x's dtype, then the nodes.
         """
+        if torch.compiler.is_compiling():
+            return library.combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                   allocate_on_comm_stream)
+        key = prepared = None
+        if previous_event is None and type(handle) is tuple:  # as in dispatch
+            bias0, bias1 = bias if type(bias) is tuple and len(bias) == 2 else (bias, None)
+            if bias0 is None:
+                bias0, bias1 = bias1, None
+            key = (topk_weights is None, bias0 is None, bias1 is None, config, async_finish, allocate_on_comm_stream)
+            try:
+                prepared = self._prepared_combines.get(key)
+            except TypeError:
+                prepared = key = None
+        if prepared:
+            result = prepared.send(key, x, handle, topk_weights, bias0, bias1)
+            if result is not None:
+                return (*result, EventOverlap(EventHandle(), (x, topk_weights) + result) if async_finish else NO_EVENT)
+        result = self._checked_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                       allocate_on_comm_stream)
+        if key is not None and (prepared is None or prepared and prepared.stale) and \
+                len(self._prepared_combines) < MAX_PREPARED:
+            self._prepared_combines[key] = self.runtime.prepare_combine(
+                key, x, topk_weights, self._config("combine", config, Buffer.get_combine_config)) or False
+        return result
+
+    @agreed_call("combine")
+    def _checked_combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
+                         bias: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None] = None,
+                         config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                         async_finish: bool = False, allocate_on_comm_stream: bool = False
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """``combine`` with every argument checked."""
         op = "combine"
         config = self._config(op, config, Buffer.get_combine_config)
         if not isinstance(x, torch.Tensor):

@@ -42,7 +42,7 @@ _SF_PACK_ALIGN = 4            # DeepEP's kNumAlignedSFPacks: 16-byte TMA alignme
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # The V1 methods without their call agreement: an ElasticBuffer call is itself one agreed call.
-_v1_dispatch = inspect.unwrap(Buffer.dispatch)
+_v1_dispatch = inspect.unwrap(Buffer._checked_dispatch)  # inside this Buffer's own agreed call
 
 
 def _align(x: int, y: int) -> int:

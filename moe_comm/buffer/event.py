@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["EventHandle", "EventOverlap"]
+__all__ = ["EventHandle", "EventOverlap", "NO_EVENT"]
 
 
 class EventHandle:
@@ -78,3 +78,8 @@ class EventOverlap:
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
         if self.event is not None:
             self.event.current_stream_wait()
+
+
+#: the event of a call made without ``async_finish``, shared by prepared calls (DeepEP's empty ``EventOverlap``:
+#: it holds nothing, and waiting on it raises)
+NO_EVENT = EventOverlap()

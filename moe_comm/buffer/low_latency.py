@@ -13,17 +13,18 @@ from ..core.errors import bad_argument
 from ..protocol.codes import Fp8Format
 from ..protocol.handle import LowLatencyHandle
 from . import library
-from .event import EventHandle, EventOverlap
+from .event import NO_EVENT, EventHandle, EventOverlap
 from .low_latency_args import check_ll_combine, check_ll_counts, check_ll_dispatch, check_ll_sizes, check_rdma_bytes
 from .variant_knobs import LOW_LATENCY_COMBINE, LOW_LATENCY_DISPATCH, reject_unsupported
 
-__all__ = ["LowLatencyAPI", "XType"]
+__all__ = ["LowLatencyAPI", "MAX_PREPARED", "XType"]
 
 #: ``x`` of a dispatch: a tensor, or an ``(fp8 data, scales)`` pair
 XType = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
-#: the event of a call made without ``async_finish`` (DeepEP's empty ``EventOverlap``; it holds nothing)
-_NO_EVENT = EventOverlap()
+#: prepared calls a Buffer keeps per operation (signatures past that run checked: a caller whose arguments
+#: change every call pays no preparation every call)
+MAX_PREPARED = 64
 
 
 class LowLatencyAPI:
@@ -37,7 +38,9 @@ class LowLatencyAPI:
     runtime: Backend
     _alive: Callable[[str], None]  # raises once the buffer is destroyed or broken
     #: prepared calls by signature (``backends.portable.prepared``); False: the backend takes none for it
-    _prepared_dispatches: dict[tuple, Any]
+    _prepared_ll_dispatches: dict[tuple, Any]
+    _prepared_ll_combines: dict[tuple, Any]
+    _prepared_dispatches: dict[tuple, Any]  # normal mode's (``buffer.py``)
     _prepared_combines: dict[tuple, Any]
 
     # ------------------------------------------------------------------ low-latency mode
@@ -103,24 +106,25 @@ class LowLatencyAPI:
                                           cumulative_local_expert_recv_stats is None,
                                           dispatch_wait_recv_cost_stats is None)
         try:
-            prepared = self._prepared_dispatches.get(key)
+            prepared = self._prepared_ll_dispatches.get(key)
         except TypeError:  # an unhashable argument
             prepared = key = None
         if prepared:
             half = prepared.send(key, x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
             if half >= 0:
                 if return_recv_hook:
-                    return (*prepared.results[half], _NO_EVENT, prepared.receive)
+                    return (*prepared.results[half], NO_EVENT, prepared.receive)
                 if async_finish:
                     return (*prepared.results[half], EventOverlap(EventHandle(prepared.receive.complete),
                                                                   (x, topk_idx)), None)
-                return (*prepared.results[half], _NO_EVENT, None)
+                return (*prepared.results[half], NO_EVENT, None)
         result = self._checked_low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
             **variant_knobs)
-        if key is not None and (prepared is None or prepared and prepared.stale):
-            self._prepared_dispatches[key] = self.runtime.prepare_low_latency_dispatch(
+        if key is not None and (prepared is None or prepared and prepared.stale) and \
+                len(self._prepared_ll_dispatches) < MAX_PREPARED:
+            self._prepared_ll_dispatches[key] = self.runtime.prepare_low_latency_dispatch(
                 key, x.shape[1], topk_idx.shape[1], num_max_dispatch_tokens_per_rank, num_experts,
                 Fp8Format.of(use_fp8, round_scale, use_ue8m0), return_recv_hook, async_finish) or False
         return result
@@ -192,23 +196,24 @@ class LowLatencyAPI:
             key = handle[2:] + (use_logfmt, zero_copy, async_finish, return_recv_hook, out is None,
                                 combine_wait_recv_cost_stats is None)
             try:
-                prepared = self._prepared_combines.get(key)
+                prepared = self._prepared_ll_combines.get(key)
             except TypeError:
                 prepared = key = None
         if prepared:
             combined = prepared.send(key, x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
             if combined is not None:
                 if return_recv_hook:
-                    return combined, _NO_EVENT, prepared.receive
+                    return combined, NO_EVENT, prepared.receive
                 if async_finish:
                     return combined, EventOverlap(EventHandle(prepared.receive.complete),
                                                   (x, topk_idx, topk_weights, combined)), None
-                return combined, _NO_EVENT, None
+                return combined, NO_EVENT, None
         result = self._checked_low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
                                                    async_finish, return_recv_hook, out, combine_wait_recv_cost_stats,
                                                    **variant_knobs)
-        if key is not None and (prepared is None or prepared and prepared.stale):
-            self._prepared_combines[key] = not use_logfmt and not zero_copy and self.runtime.prepare_low_latency_combine(
+        if key is not None and (prepared is None or prepared and prepared.stale) and \
+                len(self._prepared_ll_combines) < MAX_PREPARED:
+            self._prepared_ll_combines[key] = not use_logfmt and not zero_copy and self.runtime.prepare_low_latency_combine(
                 key, handle[3], topk_idx.shape[1], handle[2], handle[4], return_recv_hook, async_finish) or False
         return result
 
@@ -295,8 +300,9 @@ class LowLatencyAPI:
     def _drop_prepared(self) -> None:
         """Forgets the prepared calls (a mask change, ``clean_low_latency_buffer``, ``destroy``): later calls
         prepare again, for what holds then."""
-        self._prepared_dispatches.clear()
-        self._prepared_combines.clear()
+        for prepared in (self._prepared_ll_dispatches, self._prepared_ll_combines, self._prepared_dispatches,
+                         self._prepared_combines):
+            prepared.clear()
 
     @staticmethod
     def _no_async_with_hook(op: str, async_finish: bool, return_recv_hook: bool) -> None:

@@ -68,6 +68,18 @@ class Config:
         """Channels of the normal kernels: ``num_sms // 2`` (at least 1 for handle bookkeeping)."""
         return max(self.num_sms // 2, 1)
 
+    def _values(self) -> tuple[int, ...]:
+        return (self.num_sms, self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens,
+                self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens)
+
+    def __eq__(self, other: object) -> bool:
+        """Configs of the same values are equal (callers make a new one per call: a prepared call's signature
+        holds the config by its values)."""
+        return isinstance(other, Config) and self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes DeepEP's intranode buffer needs for ``hidden_bytes`` per token (``hidden * max(elem, 2)``).
 

@@ -535,6 +535,65 @@ class ShmTransport(Transport):
         return (slots, list(self._local_pids), self.capacity, rows_at, self.post_room(header_bytes, record_bytes),
                 self.mapping)
 
+    def metadata_plan(self) -> tuple[list[tuple[list[int], ...]], int]:
+        """(per metadata slot: per host rank this rank's cell there, its arrived flag for this rank and its
+        consumed flag; per host rank as a source its cell here and its arrived flag here; the cells' bytes), for
+        a prepared normal-mode call's count exchange (as ``all_to_all`` moves it)."""
+        mine = self._segments[self.local_index]
+        me, n = self.local_index, len(self.local)
+        slots = []
+        for slot in range(NUM_SLOTS):
+            pairs = [(segment, segment.layout) for segment in self._segments]
+            slots.append(([segment.base + layout.meta_cell(slot, me) for segment, layout in pairs],
+                          [segment.flag(layout.arrived(META, slot, me)) for segment, layout in pairs],
+                          [segment.flag(layout.consumed(META, slot)) for segment, layout in pairs],
+                          [mine.base + mine.layout.meta_cell(slot, s) for s in range(n)],
+                          [mine.flag(mine.layout.arrived(META, slot, s)) for s in range(n)]))
+        return slots, self.metadata_room
+
+    def next_exchanges(self, mapping: int, metadata: bool) -> Optional[tuple[int, int]]:
+        """(the first of the next two data exchange numbers, the next metadata one or 0) when a prepared normal-mode
+        call may take them now (a handshake's post, then a payload exchange; with ``metadata`` a count exchange
+        between them): the segments are still those of ``mapping`` and the slots they would use are free here;
+        else None."""
+        if mapping != self.mapping:
+            return None
+        seq, meta = self._seq[DATA] + 1, self._seq[META] + 1
+        for key in [(DATA, seq % NUM_SLOTS), (DATA, (seq + 1) % NUM_SLOTS)] + ([(META, meta % NUM_SLOTS)] if metadata
+                                                                               else []):
+            held = self._held.get(key)
+            if held is not None and not (held.done if key[0] == META else held.released):
+                return None
+        return seq, meta if metadata else 0
+
+    def exchanged(self, seq: int, meta: int) -> None:
+        """A prepared normal-mode call took data exchanges up to ``seq`` and metadata ones up to ``meta`` (0: none)
+        and holds nothing in their slots."""
+        for key in ((DATA, seq % NUM_SLOTS), (DATA, (seq - 1) % NUM_SLOTS)) + (((META, meta % NUM_SLOTS),) if meta
+                                                                               else ()):
+            self._held.pop(key, None)
+        self._seq[DATA] = seq
+        if meta:
+            self._seq[META] = meta
+
+    def wait_failed(self, channel: int, slot: int, seq: int, index: int, outcome: object, op: str) -> None:
+        """Raises the error of a prepared call's wait for every host rank's ``arrived`` flag of exchange ``seq`` in
+        ``slot`` of ``channel`` that ended with ``outcome`` at host rank ``index``."""
+        mine = self._segments[self.local_index]
+        flags = [mine.flag(mine.layout.arrived(channel, slot, i)) for i in range(len(self.local))]
+        self.waiter.raise_for(outcome, flags, [seq] * len(flags), list(self.local), index, op)
+
+    def metadata_post_failed(self, slot: int, seq: int, index: int, outcome: object, op: str) -> None:
+        """Raises the error of a prepared call's wait for host rank ``index``'s metadata cell ``slot`` to be free."""
+        segment = self._segments[index]
+        self.waiter.raise_for(outcome, [segment.flag(segment.layout.consumed(META, slot))], [seq - NUM_SLOTS],
+                              [self.local[index]], 0, op)
+
+    def grow(self, need: int, seq: int) -> None:
+        """Data slots of at least ``need`` bytes before exchange ``seq`` (collective: every rank sees the same
+        counts and grows here together)."""
+        self._map(max(need, 2 * self.capacity), [self._seq[META] + 1, seq])
+
     def next_post(self, mapping: int) -> int:
         """The exchange number a prepared call's post takes next, or 0 when it may not post now: the segments
         were mapped again since ``mapping``, or this rank still holds the exchange in the data slot it would
@@ -606,7 +665,7 @@ class ShmTransport(Transport):
         rows_to = [[0 if skip_self and i == j else int(n) for j, n in enumerate(row)] for i, row in enumerate(sent)]
         need = max(sum(row[j] for row in rows_to) for j in range(self.num_ranks)) * record_bytes
         if need > self.capacity:  # every rank sees the same matrix, so all grow here together
-            self._map(max(need, 2 * self.capacity), [self._seq[META] + 1, seq])
+            self.grow(need, seq)
         remote = None
         if self.remote:
             # A fresh buffer: the collective transport reads it in the background.

@@ -22,6 +22,8 @@ from ..base import Backend, DispatchResult, LowLatencyDispatch, Receive
 from .low_latency import LowLatencyMode
 from .normal import NormalMode
 from .prepared import PreparedCombine, PreparedDispatch, prepare_combine, prepare_dispatch
+from .prepared_normal import (PreparedNormalCombine, PreparedNormalDispatch, prepare_normal_combine,
+                              prepare_normal_dispatch)
 
 __all__ = ["PortableBackend"]
 
@@ -124,6 +126,20 @@ class PortableBackend(Backend):
                             use_logfmt: bool = False) -> tuple[torch.Tensor, Receive]:
         return self.low_latency.combine(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, hook,
                                         use_logfmt)
+
+    def prepare_dispatch(self, key: tuple, x: torch.Tensor, scales: Optional[torch.Tensor],
+                         topk_idx: Optional[torch.Tensor], num_experts: int, expert_alignment: int,
+                         num_worst_tokens: int, config: Config) -> Optional[PreparedNormalDispatch]:
+        if not isinstance(self.normal, NormalMode):  # a backend's own normal mode (the kernels'): none
+            return None
+        return prepare_normal_dispatch(self.normal, self.low_latency._unsettled, key, x, scales, topk_idx, num_experts,
+                                       expert_alignment, num_worst_tokens, config)
+
+    def prepare_combine(self, key: tuple, x: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                        config: Config) -> Optional[PreparedNormalCombine]:
+        if not isinstance(self.normal, NormalMode):
+            return None
+        return prepare_normal_combine(self.normal, self.low_latency._unsettled, key, x, topk_weights, config)
 
     def prepare_low_latency_dispatch(self, key: tuple, hidden: int, num_topk: int, num_max_dispatch_tokens_per_rank: int,
                                      num_experts: int, fp8_format: Fp8Format, hook: bool,

@@ -30,10 +30,11 @@ from ...ops.records import RecordLayout
 from ...protocol.call_header import compare_mask
 from ...protocol.codes import Field, Fp8Format, Op
 from ...protocol.low_latency_layout import dispatch_outputs, dispatch_record_layout
+from ...transport import Transport
 from ..base import Receive
 from .low_latency import _COMPARED, LowLatencyMode, _PostedCall
 
-__all__ = ["PreparedDispatch", "PreparedCombine", "prepare_dispatch", "prepare_combine"]
+__all__ = ["PreparedDispatch", "PreparedCombine", "prepare_dispatch", "prepare_combine", "shm_plan"]
 
 #: how far a prepared call's half got (``moe_comm._C.PreparedStatus``, as ints)
 _OK, _NOT_TAKEN, _POST_FAILED = 0, 1, 2
@@ -85,18 +86,7 @@ class _Prepared:
         self.receive: Optional[Receive] = None
         #: the transport mapped its segments again: this call's addresses are stale (prepare a new one)
         self.stale = False
-        slots, pids, capacity, rows_at, room, self.mapping = self.transport.prepared_plan(header.numel(),
-                                                                                          record_bytes)
-        plan = native().ShmPostPlan()
-        plan.num_ranks, plan.me, plan.timeout_s = mode.num_ranks, mode.rank, self.transport.timeout_s
-        plan.pids, plan.slot_bytes, plan.rows_at, plan.room = pids, capacity, rows_at, room
-        plan.header_bytes, plan.record_bytes = header.numel(), record_bytes
-        plan.call_word, plan.rejected_word, plan.per_rank_word = int(Field.CALL), int(Field.REJECTED), len(Field)
-        plan.compare, plan.num_threads = compare_mask(self.compare), cpu_threads()
-        plan.set_header(header.data_ptr(), header.numel())  # copied: no host read of tensor data
-        for k, (bases, consumed, arrived, mine) in enumerate(slots):
-            plan.set_slot(k, bases, consumed, arrived, mine)
-        self.plan = plan
+        self.plan, self.mapping = shm_plan(self.transport, header, record_bytes, self.compare)
 
     def _start(self) -> tuple[int, int]:
         """(buffer half, exchange number) of the next call when this prepared call may run it now; exchange 0
@@ -249,6 +239,28 @@ class PreparedCombine(_Prepared):
             return None
         self._sent(status, half, number, seq)
         return combined
+
+
+def shm_plan(transport: Transport, header: torch.Tensor, record_bytes: int, compare: tuple[Field, ...],
+             metadata: bool = False) -> tuple[Any, int]:
+    """(``moe_comm._C.ShmPostPlan`` of a prepared call whose headers are ``header`` (its template: the call number
+    and the per-rank words are each call's) and records ``record_bytes``, compared on ``compare``; with
+    ``metadata`` the metadata cells too (normal mode's count exchange); the transport's mapping it holds)."""
+    slots, pids, capacity, rows_at, room, mapping = transport.prepared_plan(header.numel(), record_bytes)
+    plan = native().ShmPostPlan()
+    plan.num_ranks, plan.me, plan.timeout_s = transport.num_ranks, transport.rank, transport.timeout_s
+    plan.pids, plan.slot_bytes, plan.rows_at, plan.room = pids, capacity, rows_at, room
+    plan.header_bytes, plan.record_bytes = header.numel(), record_bytes
+    plan.call_word, plan.rejected_word, plan.per_rank_word = int(Field.CALL), int(Field.REJECTED), len(Field)
+    plan.compare, plan.num_threads = compare_mask(compare), cpu_threads()
+    plan.set_header(header.data_ptr(), header.numel())  # copied: no host read of tensor data
+    for k, (bases, consumed, arrived, mine) in enumerate(slots):
+        plan.set_slot(k, bases, consumed, arrived, mine)
+    if metadata:
+        cells, plan.cell_bytes = transport.metadata_plan()
+        for k, addresses in enumerate(cells):
+            plan.set_meta_slot(k, *addresses)
+    return plan, mapping
 
 
 def _preparable(mode: LowLatencyMode) -> bool:
