@@ -566,13 +566,13 @@ class ShmTransport(Transport):
                 return None
         return seq, meta if metadata else 0
 
-    def exchanged(self, seq: int, meta: int) -> None:
-        """A prepared normal-mode call took data exchanges up to ``seq`` and metadata ones up to ``meta`` (0: none)
-        and holds nothing in their slots."""
-        for key in ((DATA, seq % NUM_SLOTS), (DATA, (seq - 1) % NUM_SLOTS)) + (((META, meta % NUM_SLOTS),) if meta
-                                                                               else ()):
+    def exchanged(self, first: int, last: int, meta: int) -> None:
+        """A prepared normal-mode call took data exchanges ``first`` to ``last`` and metadata exchange ``meta`` (0:
+        none), and holds nothing in their slots."""
+        for key in [(DATA, seq % NUM_SLOTS) for seq in range(first, last + 1)] + ([(META, meta % NUM_SLOTS)] if meta
+                                                                                   else []):
             self._held.pop(key, None)
-        self._seq[DATA] = seq
+        self._seq[DATA] = last
         if meta:
             self._seq[META] = meta
 

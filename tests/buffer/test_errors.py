@@ -144,7 +144,7 @@ def test_bad_argument(worlds, name):
     assert __import__("re").search(pattern, message), message
 
 
-@pytest.mark.parametrize("name", sorted(n for n in EXPECTED if n.startswith(("ll_", "llc_"))))
+@pytest.mark.parametrize("name", sorted(n for n in EXPECTED if n.startswith(("ll_", "llc_", "dispatch_", "combine_"))))
 def test_bad_argument_after_a_valid_call(worlds, name):
     """The same errors when a valid call of the bad call's signature came first: its prepared call declines
     every bad argument, and the checked path words the error."""

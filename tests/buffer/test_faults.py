@@ -22,9 +22,10 @@ MISMATCH = {
 }
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["first_call", "prepared"])
 @pytest.mark.parametrize("kind", sorted(MISMATCH))
-def test_cross_rank_mismatch_same_error_everywhere(worlds, kind):
-    results = worlds(3).run(mismatch, kind)
+def test_cross_rank_mismatch_same_error_everywhere(worlds, kind, warm):
+    results = worlds(3).run(mismatch, kind, warm)
     kinds = {r[0] for r in results}
     messages = {r[1] for r in results}
     assert kinds == {"CrossRankMismatchError"}, results

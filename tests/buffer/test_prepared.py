@@ -3,11 +3,16 @@ half (docs/layout.md, "The path of a call"), bitwise equal to the checked path's
 without prepared calls run the checked path for both Buffers)."""
 import pytest
 
-from helpers.prepared_cases import prepared_equals_checked, python_calls, two_batches
+from helpers.prepared_cases import (normal_prepared_equals_checked, normal_python_calls, prepared_equals_checked,
+                                   python_calls, two_batches)
 
 #: the world kinds whose low-latency calls are prepared: at most this many Python calls per op half
 PREPARED_KINDS = ("shm", "cuda_host")
 MAX_PYTHON_CALLS = 10
+#: the world kinds whose normal-mode calls are prepared (the kernels' run as their launches): at most this many
+#: Python calls per op
+NORMAL_PREPARED_KINDS = ("shm",)
+MAX_NORMAL_PYTHON_CALLS = 25
 
 
 @pytest.mark.every_transport
@@ -30,3 +35,16 @@ def test_two_batches_and_pending_hooks(worlds):
 def test_a_prepared_op_half_is_a_few_python_calls(worlds):
     for counts in worlds(2).run(python_calls):
         assert max(counts.values()) <= MAX_PYTHON_CALLS, counts
+
+
+@pytest.mark.every_transport
+def test_prepared_normal_calls_equal_the_checked_path(worlds, transport):
+    for result in worlds(3).run(normal_prepared_equals_checked, 24):
+        assert result["differ"] == 0, result
+        assert result["prepared"] == (result["signatures"] if transport in NORMAL_PREPARED_KINDS else (0, 0)), result
+
+
+@pytest.mark.parametrize("transport", NORMAL_PREPARED_KINDS, indirect=True)
+def test_a_prepared_normal_op_is_a_few_python_calls(worlds):
+    for counts in worlds(2).run(normal_python_calls):
+        assert max(counts.values()) <= MAX_NORMAL_PYTHON_CALLS, counts

@@ -22,8 +22,11 @@ def _dispatch(buf: moe_comm.Buffer, **overrides: Any) -> Any:
     args = _inputs(buf.group_size)
     ntr, _, nte, itr, _ = buf.get_dispatch_layout(args["topk_idx"], E)
     args.update(num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte)
+    valid = dict(args)
     args.update(overrides)
-    return buf.dispatch(**{k: v for k, v in args.items() if v is not _DROP})
+    args = {k: v for k, v in args.items() if v is not _DROP}
+    _warm_up(buf.dispatch, args, valid)
+    return buf.dispatch(**args)
 
 
 _DROP = object()
@@ -32,7 +35,9 @@ _DROP = object()
 def _combine(buf: moe_comm.Buffer, **overrides: Any) -> Any:
     recv_x, _, recv_w, _, handle, _ = _dispatch(buf)
     args = dict(x=recv_x, handle=handle, topk_weights=recv_w)
+    valid = dict(args, bias=torch.zeros(T, H, dtype=torch.bfloat16))
     args.update(overrides)
+    _warm_up(buf.combine, args, valid)
     return buf.combine(**args)
 
 
@@ -48,9 +53,9 @@ def _ll_buffer(buf: moe_comm.Buffer, **kw: Any) -> moe_comm.Buffer:
     return moe_comm.Buffer(buf.group, low_latency_mode=kw.pop("low_latency_mode", True), timeout_s=20, **kw)
 
 
-#: run_case(..., warm=True): every low-latency case first makes a valid call of its bad call's signature, so the
-#: bad call meets that signature's prepared call (backends/portable/prepared.py), which must decline it for the
-#: checked path to raise the expected error
+#: run_case(..., warm=True): every dispatch and combine case (normal and low-latency) first makes a valid call of
+#: its bad call's signature, so the bad call meets that signature's prepared call (backends/portable/prepared.py,
+#: prepared_normal.py), which must decline it for the checked path to raise the expected error
 _warm = False
 
 

@@ -1,6 +1,7 @@
 """Faults inside ranks: cross-rank mismatches, a rank that skips a call, a rank that dies."""
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any, Callable
@@ -18,10 +19,16 @@ def _routing(tokens: int, experts: int, topk: int, seed: int) -> tuple[torch.Ten
     return idx, torch.rand(tokens, topk, generator=g)
 
 
-def _dispatch(buf: moe_comm.Buffer, hidden: int = 64, dtype: torch.dtype = torch.bfloat16, experts: int = 12,
-              topk: int = 2, tokens: int = 6, **kw: Any) -> tuple:
+def _dispatch_form(buf: moe_comm.Buffer, hidden: int = 64, dtype: torch.dtype = torch.bfloat16, experts: int = 12,
+                   topk: int = 2, tokens: int = 6, layout: bool = False, **kw: Any) -> tuple:
+    """A dispatch of made-up tokens; with ``layout`` in DeepEP's form (the layout tensors given), else with
+    moe-comm's ``num_experts`` keyword."""
     idx, w = _routing(tokens, experts, topk, buf.rank)
     x = torch.full((tokens, hidden), float(buf.rank), dtype=dtype)
+    if layout:
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+        return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, **kw)
     return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts, **kw)
 
 
@@ -35,10 +42,16 @@ def _outcome(call: Callable[[], Any], still_works: Callable[[], torch.Tensor]) -
     return outcome + (bool(torch.isfinite(still_works().float()).all()),)
 
 
-def mismatch(group: dist.ProcessGroup, kind: str) -> tuple[str, str, bool]:
-    """Rank 0 and the others disagree in one way; returns (exception, message, buffer still works)."""
+def mismatch(group: dist.ProcessGroup, kind: str, warm: bool = False) -> tuple[str, str, bool]:
+    """Rank 0 and the others disagree in one way; returns (exception, message, buffer still works). ``warm``:
+    every rank first makes the calls the others make (DeepEP's form), so they meet the disagreement on their
+    prepared calls."""
     buf = moe_comm.Buffer(group, timeout_s=20)
     odd = buf.rank == 0
+    _dispatch = functools.partial(_dispatch_form, layout=warm)
+    if warm:
+        recv_x, _, _, _, handle, _ = _dispatch(buf, num_worst_tokens=100 if kind == "worst" else 0)
+        buf.combine(recv_x, handle)
 
     def call() -> None:
         if kind == "hidden":
@@ -69,6 +82,9 @@ def mismatch(group: dist.ProcessGroup, kind: str) -> tuple[str, str, bool]:
         return buf.combine(recv_x, handle)[0]
 
     return _outcome(call, still_works)
+
+
+_dispatch = _dispatch_form
 
 
 def skip_dispatch(group: dist.ProcessGroup, timeout_s: float) -> Any:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
+from moe_comm.ops import per_token_cast_to_fp8
 
 
 def _buffers(group: dist.ProcessGroup, m: int, hidden: int, experts: int) -> tuple[moe_comm.Buffer, moe_comm.Buffer]:
@@ -17,8 +18,9 @@ def _buffers(group: dist.ProcessGroup, m: int, hidden: int, experts: int) -> tup
     size = moe_comm.Buffer.get_low_latency_rdma_size_hint(m, hidden, dist.get_world_size(group), experts)
     prepared = moe_comm.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, timeout_s=60)
     checked = moe_comm.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, timeout_s=60)
-    checked.runtime.prepare_low_latency_dispatch = lambda *args: None
-    checked.runtime.prepare_low_latency_combine = lambda *args: None
+    for name in ("prepare_low_latency_dispatch", "prepare_low_latency_combine", "prepare_dispatch",
+                 "prepare_combine"):
+        setattr(checked.runtime, name, lambda *args: None)
     return prepared, checked
 
 
@@ -72,8 +74,8 @@ def prepared_equals_checked(group: dist.ProcessGroup, iterations: int, vary_hidd
             outputs.append(got + [combined.clone()])
         differ += sum(not torch.equal(a, b) for a, b in zip(*outputs))
     return {"differ": differ, "signatures": (len(dispatches), len(combines)),
-            "prepared": (sum(bool(p) for p in prepared._prepared_dispatches.values()),
-                         sum(bool(p) for p in prepared._prepared_combines.values()))}
+            "prepared": (sum(bool(p) for p in prepared._prepared_ll_dispatches.values()),
+                         sum(bool(p) for p in prepared._prepared_ll_combines.values()))}
 
 
 def _finish(event: Any, hook: Any, mode: int) -> None:
@@ -110,6 +112,70 @@ def two_batches(group: dist.ProcessGroup, steps: int) -> dict[str, Any]:
             outputs.append(got + [c[0].clone() for c in combines])
         differ += sum(not torch.equal(a, b) for a, b in zip(*outputs))
     return {"differ": differ}
+
+
+def normal_prepared_equals_checked(group: dist.ProcessGroup, iterations: int) -> dict[str, Any]:
+    """``iterations`` normal-mode dispatch + combine rounds with random token counts (0 to 39), -1 top-k entries,
+    with and without top-k, BF16 and FP8 tuples, ``num_worst_tokens``, alignments, async, combine weights and
+    biases, on both Buffers (DeepEP's form, the layout tensors given); returns how many outputs differ, the
+    signatures used and how many each prepared."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    hidden, topk, experts = 256, 3, 4 * R
+    prepared, checked = _buffers(group, 8, hidden, experts)
+    g = torch.Generator().manual_seed(rank)
+    differ, dispatches, combines = 0, set(), set()
+    for it in range(iterations):
+        tokens = int(torch.randint(0, 40, (1,), generator=g))
+        x = torch.randn(tokens, hidden, generator=g).bfloat16()
+        idx = _routing(g, tokens, topk, experts)
+        w = torch.rand(tokens, topk, generator=g)
+        bias = torch.randn(tokens, hidden, generator=g).bfloat16() if it % 3 == 0 else None
+        form = it % 4  # 0, 1: top-k given (1: combine weights too), 2: no top-k, 3: FP8
+        kw = dict(expert_alignment=1 + it % 3, num_worst_tokens=R * 40 if it % 5 == 0 and form != 2 else 0,
+                  async_finish=it % 2 == 1)
+        dispatches.add((form == 3, form == 2, kw["expert_alignment"], kw["num_worst_tokens"], kw["async_finish"]))
+        if form != 3:
+            combines.add((form != 1, bias is None))
+        outputs = []
+        for buf in (prepared, checked):
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+            routing = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+            if form != 2:
+                routing.update(topk_idx=idx, topk_weights=w)
+            recv, recv_idx, recv_w, counts, handle, event = buf.dispatch(
+                per_token_cast_to_fp8(x) if form == 3 else x, **routing, **kw)
+            if kw["async_finish"]:
+                event.current_stream_wait()
+            data = recv[0].view(torch.uint8) if form == 3 else recv
+            got = [data.clone(), torch.tensor(counts)] + [t.clone() for t in handle]
+            got += [] if recv_idx is None else [recv_idx.clone(), recv_w.clone()]
+            got += [recv[1].clone()] if form == 3 else []
+            if form != 3:
+                combined, combined_w, _ = buf.combine(recv * 2, handle, topk_weights=recv_w if form == 1 else None,
+                                                      bias=bias)
+                got += [combined.clone()] + ([] if combined_w is None else [combined_w.clone()])
+            outputs.append(got)
+        differ += sum(a.shape != b.shape or not torch.equal(a, b) for a, b in zip(*outputs))
+    return {"differ": differ, "signatures": (len(dispatches), len(combines)),
+            "prepared": (sum(bool(p) for p in prepared._prepared_dispatches.values()),
+                         sum(bool(p) for p in prepared._prepared_combines.values()))}
+
+
+def normal_python_calls(group: dist.ProcessGroup) -> dict[str, int]:
+    """The Python calls of a normal-mode dispatch and combine (DeepEP's form, top-k given), after a first call."""
+    R = dist.get_world_size(group)
+    tokens, hidden, topk, experts = 8, 128, 2, 4 * R
+    buf, _ = _buffers(group, 8, hidden, experts)
+    x, idx = torch.randn(tokens, hidden).bfloat16(), _routing(torch.Generator().manual_seed(1), tokens, topk, experts)
+    w = torch.rand(tokens, topk)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    dispatch = functools.partial(buf.dispatch, x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                 num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    counts: dict[str, int] = {}
+    for _ in range(2):
+        (recv, _, _, _, handle, _), counts["dispatch"] = _counted(dispatch)
+        _, counts["combine"] = _counted(functools.partial(buf.combine, recv, handle))
+    return counts
 
 
 def python_calls(group: dist.ProcessGroup) -> dict[str, int]:

@@ -482,6 +482,9 @@ class _PostedCall:
     def _run(self) -> None:
         try:
             self._result = self._mode.agreement.receive_counts(self._op, self._headers(), self._compare)
+            # the rows move now, in post order (a transport's thread may still move an earlier call's on the same
+            # channel); ``rows`` takes them where they are when they are consumed
+            self._posted.rows()
         except BaseException as exc:
             self._failed(exc)
 

@@ -57,6 +57,18 @@ class _PreparedNormal:
         self.stale = seqs is None and self.mapping != self.transport.mapping
         return seqs
 
+    def _took(self, status: int, number: int, seq: int, meta: int) -> None:
+        """The bookkeeping of call ``number`` after its ``begin`` ended with ``status`` (the exchanges it took, as
+        far as the checked path takes them: a handshake that fails ends the call there); then larger data slots
+        when it needs them, or its failure."""
+        self.agreement.calls = number
+        ended = status == _DISAGREE or status not in (_OK, _GROW) and self.native.failure[2] == _HEADER
+        self.transport.exchanged(seq, seq if ended else seq + 1, 0 if ended else meta)
+        if status == _GROW:
+            self._grow(seq)
+        elif status != _OK:
+            self._failed(status, number, seq, meta)
+
     def _failed(self, status: int, number: int, seq: int, meta: int) -> None:
         """Raises for call ``number``'s round that failed (exchanges ``seq`` (the handshake), ``seq + 1``, and
         ``meta``): the handshake's verdict, the same on every rank (the buffer stays usable), or a wait's error
@@ -143,12 +155,7 @@ class PreparedNormalDispatch(_PreparedNormal):
                                    num_tokens_per_expert, number, seq, meta, seq + 1)
         if status == _NOT_TAKEN:
             return None
-        self.agreement.calls = number
-        self.transport.exchanged(seq + 1, meta)
-        if status == _GROW:
-            self._grow(seq)
-        elif status != _OK:
-            self._failed(status, number, seq, meta)
+        self._took(status, number, seq, meta)
         R, T = self.mode.num_ranks, is_token_in_rank.shape[0]
         rows = self._num_worst or self.native.num_recv
         recv_x = empty((rows, self._hidden), x.dtype, x.device)
@@ -207,12 +214,7 @@ class PreparedNormalCombine(_PreparedNormal):
         status = self.native.begin(key, x, handle, topk_weights, bias0, bias1, number, seq, seq + 1)
         if status == _NOT_TAKEN:
             return None
-        self.agreement.calls = number
-        self.transport.exchanged(seq + 1, 0)
-        if status == _GROW:
-            self._grow(seq)
-        elif status != _OK:
-            self._failed(status, number, seq, 0)
+        self._took(status, number, seq, 0)
         num_tokens = handle[4].shape[0]
         out = empty((num_tokens, x.shape[1]), x.dtype, x.device)
         out_weights = torch.empty((num_tokens, self._num_topk), dtype=torch.float32) if self._num_topk else None
