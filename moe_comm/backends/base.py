@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional, TypeVar
 
@@ -25,7 +26,7 @@ from ..ops import DispatchLayout
 from ..protocol.codes import Fp8Format
 from ..protocol.handle import LowLatencyHandle, NormalHandle
 
-__all__ = ["Backend", "DispatchResult", "LowLatencyDispatch", "Receive", "agreed_call"]
+__all__ = ["Backend", "DispatchResult", "LowLatencyDispatch", "Receive", "agreed_call", "agreed_signature"]
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -225,5 +226,26 @@ def agreed_call(op: str) -> Callable[[F], F]:
         @functools.wraps(method)
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             return self.runtime.call(op, lambda: method(self, *args, **kwargs))
+        return run  # type: ignore[return-value]
+    return wrap
+
+
+def agreed_signature(checked: str) -> Callable[[F], F]:
+    """Makes a ``Buffer`` method with a prepared-call fast path fail like its ``agreed_call`` method
+    ``checked`` when its arguments do not bind to its signature: the call runs ``checked``, where the
+    TypeError is a call every rank fails alike (the fast path runs before any agreement)."""
+    def wrap(method: F) -> F:
+        signature = inspect.signature(method)
+
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except TypeError:
+                try:  # only on the error path: binding costs more than the whole fast call
+                    signature.bind(self, *args, **kwargs)
+                except TypeError:
+                    return getattr(self, checked)(*args, **kwargs)
+                raise
         return run  # type: ignore[return-value]
     return wrap

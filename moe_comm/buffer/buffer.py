@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import backends
-from ..backends.base import Backend, agreed_call
+from ..backends.base import Backend, agreed_call, agreed_signature
 from ..core import env
 from ..core.checks import check_bools, check_int, describe
 from ..core.config import Config, check_internode_combine_config, combine_config, dispatch_config
@@ -261,6 +261,7 @@ class Buffer(LowLatencyAPI):
         event = EventOverlap(EventHandle()) if async_finish else EventOverlap()
         return layout.num_tokens_per_rank, per_node, layout.num_tokens_per_expert, layout.is_token_in_rank, event
 
+    @agreed_signature("_checked_dispatch")
     def dispatch(self, x: XType, handle: Optional[tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -376,6 +377,7 @@ class Buffer(LowLatencyAPI):
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
                 handle_out, event)
 
+    @agreed_signature("_checked_combine")
     def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,

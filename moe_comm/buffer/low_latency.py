@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ..backends.base import Backend, agreed_call
+from ..backends.base import Backend, agreed_call, agreed_signature
 from ..core.checks import check_bools, check_int, check_tensor
 from ..core.errors import bad_argument
 from ..protocol.codes import Fp8Format
@@ -60,6 +60,7 @@ class LowLatencyAPI:
         self.runtime.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._drop_prepared()
 
+    @agreed_signature("_checked_low_latency_dispatch")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
@@ -161,6 +162,7 @@ class LowLatencyAPI:
         event, hook = self._ll_end(result.receive, async_finish, return_recv_hook, (args.x, args.topk_idx) + outputs)
         return recv_x, result.recv_count, result.handle.as_tuple(), event, hook
 
+    @agreed_signature("_checked_low_latency_combine")
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,

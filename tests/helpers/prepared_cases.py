@@ -116,20 +116,23 @@ def two_batches(group: dist.ProcessGroup, steps: int) -> dict[str, Any]:
 
 def normal_prepared_equals_checked(group: dist.ProcessGroup, iterations: int) -> dict[str, Any]:
     """``iterations`` normal-mode dispatch + combine rounds with random token counts (0 to 39), -1 top-k entries,
-    with and without top-k, BF16 and FP8 tuples, ``num_worst_tokens``, alignments, async, combine weights and
-    biases, on both Buffers (DeepEP's form, the layout tensors given); returns how many outputs differ, the
-    signatures used and how many each prepared."""
+    with and without top-k, BF16, FP32 and FP8 tuples, hidden sizes and dtypes that change within one signature
+    (a prepared call must decline those), ``num_worst_tokens``, alignments, async, combine weights and biases,
+    on both Buffers (DeepEP's form, the layout tensors given); returns how many outputs differ, the signatures
+    used and how many each prepared."""
     rank, R = dist.get_rank(group), dist.get_world_size(group)
-    hidden, topk, experts = 256, 3, 4 * R
-    prepared, checked = _buffers(group, 8, hidden, experts)
+    topk, experts = 3, 4 * R
+    prepared, checked = _buffers(group, 8, 512, experts)
     g = torch.Generator().manual_seed(rank)
     differ, dispatches, combines = 0, set(), set()
     for it in range(iterations):
         tokens = int(torch.randint(0, 40, (1,), generator=g))
-        x = torch.randn(tokens, hidden, generator=g).bfloat16()
+        hidden = 512 if it % 7 == 3 else 256  # the same on every rank
+        dtype = torch.float32 if it % 6 == 2 else torch.bfloat16
+        x = torch.randn(tokens, hidden, generator=g).to(dtype)
         idx = _routing(g, tokens, topk, experts)
         w = torch.rand(tokens, topk, generator=g)
-        bias = torch.randn(tokens, hidden, generator=g).bfloat16() if it % 3 == 0 else None
+        bias = torch.randn(tokens, hidden, generator=g).to(dtype) if it % 3 == 0 else None
         form = it % 4  # 0, 1: top-k given (1: combine weights too), 2: no top-k, 3: FP8
         kw = dict(expert_alignment=1 + it % 3, num_worst_tokens=R * 40 if it % 5 == 0 and form != 2 else 0,
                   async_finish=it % 2 == 1)

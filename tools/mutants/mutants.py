@@ -433,4 +433,60 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "empty call with a dtype no program writes returns instead of refusing",
         hints=("tests/ops/test_tilelang.py",),
     ),
+    # ------------------------------------------------------------------ prepared calls (csrc/cpu/prepared*, bindings)
+    Mutant(
+        id="prepared-ll-stale-hidden",
+        file="csrc/python/prepared_bindings.cpp",
+        old="            xa.shape[1] != g_.hidden || !xa.contiguous() || "
+            "!read_tensor(topk_idx, torch, torch.int64, 2, &ta) ||",
+        new="            !xa.contiguous() || !read_tensor(topk_idx, torch, torch.int64, 2, &ta) ||",
+        description="a prepared low-latency dispatch takes x of another hidden size than its signature's first call "
+                    "(hidden is not in the key): rows are read at the old width",
+        hints=("tests/buffer/test_prepared.py",),
+    ),
+    Mutant(
+        id="prepared-normal-stale-hidden",
+        file="csrc/python/prepared_bindings.cpp",
+        old="!read_tensor(x, t, x_dtype_, 2, &xa) || xa.shape[1] != hidden_ ||",
+        new="!read_tensor(x, t, x_dtype_, 2, &xa) ||",
+        description="a prepared normal-mode dispatch takes x of another hidden size than its signature's first "
+                    "call: rows are packed at the old width",
+        hints=("tests/buffer/test_prepared.py",),
+    ),
+    Mutant(
+        id="prepared-topk-duplicate-taken",
+        file="csrc/cpu/prepared.cpp",
+        old="return lo >= -1 && hi < num_experts && dup_row < 0;",
+        new="return lo >= -1 && hi < num_experts;",
+        description="a prepared low-latency call skips the value check for an expert picked twice in one row: "
+                    "the call runs (and sends the token twice) where the checked path refuses it on every rank",
+        hints=("tests/buffer/test_errors.py", "tests/buffer/test_fuzz.py"),
+    ),
+    Mutant(
+        id="prepared-ll-one-half",
+        file="csrc/cpu/prepared.cpp",
+        old="const DispatchHalf& out = halves_[half];",
+        new="const DispatchHalf& out = halves_[0];",
+        description="a prepared low-latency dispatch always unpacks into buffer half 0 while its results name the "
+                    "call's own half: every second call returns the outputs of an older one",
+        hints=("tests/buffer/test_prepared.py",),
+    ),
+    Mutant(
+        id="prepared-kernel-one-half",
+        file="csrc/cuda/host/bindings.cpp",
+        old="const Outputs& o = outputs_[(call - 1) & 1];",
+        new="const Outputs& o = outputs_[0];",
+        description="the kernels' prepared dispatch (cuda_host) always writes buffer half 0: the results of a "
+                    "call on half 1 are never written",
+        hints=("tests/buffer/test_prepared.py",),
+    ),
+    Mutant(
+        id="prepared-wrong-signature-local",
+        file="moe_comm/backends/base.py",
+        old="                    return getattr(self, checked)(*args, **kwargs)\n",
+        new="                    raise\n",
+        description="a fast-path Buffer method called with a wrong signature raises its TypeError on that rank "
+                    "only: the other ranks wait for a call that never comes",
+        hints=("tests/buffer/test_fuzz.py",),
+    ),
 )
