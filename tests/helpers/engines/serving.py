@@ -38,7 +38,8 @@ MIN_ROUTER_GAP = 0.1
 MIN_LOGPROB_GAP = 0.04
 #: How far a logprob may move between the single-process run and the EP ranks, in bf16 steps of the model's
 #: largest logit (the logits are rounded to bf16; EP sums the experts in another order): 0.0625 for logits in
-#: [4, 8) (hidden 256), 0.125 in [8, 16) (hidden 2048, where one step is 0.0625 and 0.075 was measured).
+#: [4, 8) (hidden 256; measured up to 0.031), 0.125 in [8, 16) (hidden 2048: logits up to 15.6; measured up to
+#: 0.098, high-throughput, where one step, 0.0625, would not do).
 LOGPROB_STEPS = 2
 
 
