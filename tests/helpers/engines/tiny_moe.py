@@ -59,18 +59,20 @@ def save(path: Path, hidden: int, experts: int = EXPERTS) -> Path:
     return path
 
 
-def router_margin(path: Path, sequences: list[list[int]]) -> float:
-    """The smallest gap, over every token of ``sequences``, every layer and every sequence, between the
-    2nd and 3rd largest router logits (what decides the top-2): a near-tie could route one token to other
-    experts under a different summation order. Computed by ``transformers`` in fp32."""
+def margins(path: Path, sequences: list[list[int]]) -> tuple[float, float]:
+    """Over every token of ``sequences``, computed by ``transformers`` in fp32: the smallest gap, over every layer,
+    between the 2nd and 3rd largest router logits (what decides the top-2: a near-tie could route one token to
+    other experts under a different summation order), and the largest output logit's magnitude (what sets the
+    bf16 rounding step of the logits)."""
     from transformers import Qwen3MoeForCausalLM
 
     model = Qwen3MoeForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
-    smallest = float("inf")
+    smallest, largest = float("inf"), 0.0
     with torch.no_grad():
         for ids in sequences:
             out = model(torch.tensor([ids]), output_router_logits=True)
+            largest = max(largest, float(out.logits.abs().max()))
             for logits in out.router_logits:
                 top = logits.float().reshape(logits.shape[0], -1).topk(TOP_K + 1, dim=-1).values
                 smallest = min(smallest, float((top[:, TOP_K - 1] - top[:, TOP_K]).min()))
-    return smallest
+    return smallest, largest
