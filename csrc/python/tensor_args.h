@@ -28,7 +28,7 @@ struct TorchObjects {
           empty(torch.attr("empty")) {}
 };
 
-// A CPU tensor's data pointer, sizes and strides (in elements), up to 3 dimensions.
+// A tensor's data pointer, sizes and strides (in elements), up to 3 dimensions.
 struct TensorArg {
     uint8_t* data = nullptr;
     int dim = 0;
@@ -72,11 +72,15 @@ inline bool ints(PyObject* tuple, int n, int64_t* out) {
 
 }  // namespace detail
 
-// Reads `t` when it is exactly a torch.Tensor on the CPU, of `dtype` (one of torch's dtype objects), with
-// `dim` dimensions; false otherwise (and for a null data pointer with elements).
-inline bool read_tensor(py::handle t, const TorchObjects& torch, const py::object& dtype, int dim, TensorArg* out) {
+// Reads `t` when it is exactly a torch.Tensor on the CPU (`device` -1) or on CUDA device `device`, of `dtype`
+// (one of torch's dtype objects), with `dim` dimensions; false otherwise (and for a null data pointer with
+// elements).
+inline bool read_tensor(py::handle t, const TorchObjects& torch, const py::object& dtype, int dim, TensorArg* out,
+                        int device = -1) {
     static PyObject* const kDtype = detail::name("dtype");
     static PyObject* const kIsCpu = detail::name("is_cpu");
+    static PyObject* const kIsCuda = detail::name("is_cuda");
+    static PyObject* const kGetDevice = detail::name("get_device");
     static PyObject* const kShape = detail::name("shape");
     static PyObject* const kStride = detail::name("stride");
     static PyObject* const kDataPtr = detail::name("data_ptr");
@@ -86,10 +90,22 @@ inline bool read_tensor(py::handle t, const TorchObjects& torch, const py::objec
     const bool same_dtype = got == dtype.ptr();
     Py_XDECREF(got);
     if (!same_dtype) return false;
-    got = detail::get(obj, kIsCpu);
-    const bool cpu = got == Py_True;
+    got = detail::get(obj, device < 0 ? kIsCpu : kIsCuda);
+    const bool there = got == Py_True;
     Py_XDECREF(got);
-    if (!cpu) return false;
+    if (!there) return false;
+    if (device >= 0) {
+        int64_t index = -1;
+        got = PyObject_CallMethodNoArgs(obj, kGetDevice);
+        if (got == nullptr) {
+            PyErr_Clear();
+        } else {
+            index = PyLong_AsLongLong(got);
+            if (index == -1 && PyErr_Occurred()) PyErr_Clear();
+            Py_DECREF(got);
+        }
+        if (index != device) return false;
+    }
     got = detail::get(obj, kShape);
     bool ok = detail::ints(got, dim, out->shape);
     Py_XDECREF(got);

@@ -591,6 +591,11 @@ class _HostAsDevice:
         assert args[-1] == 0, "over CUDA IPC every rank is reached directly (node_ranks 0)"
         return _HostLaunches(self.host.LowLatency(bases, *args), True)
 
+    def PreparedLowLatency(self, kernel, *args, extra):  # noqa: N802
+        device, stream, mismatch = extra
+        assert device == torch.device("cpu") and stream == 0 and mismatch == int(self.WaitOutcome.MISMATCH), extra
+        return self.host.PreparedLowLatency(kernel._kernel, *args)
+
     def layout(self, *args):
         *args, stream = args
         self.host.layout(*args)
@@ -676,6 +681,7 @@ class _HostAsNvshmem(_HostAsDevice):
 class _NoStream:
     """CommStream's interface with no stream (get_comm_stream returns the object itself)."""
     handle = 0
+    device = torch.device("cpu")
 
     @property
     def stream(self) -> "_NoStream":
@@ -791,6 +797,28 @@ def test_the_backend_runs_end_to_end_on_the_host_builds_kernels(world_size):
             # the calls agreed in the data path: clean_low_latency_buffer zeroes nothing (every signal
             # carries its call), where a handshake-first buffer zeroes its own
             assert memsets == 0, memsets
+
+
+def _emulated_prepared(group) -> dict:
+    """``prepared_cases`` on the cuda backend's class over ``_HostAsDevice``: its prepared low-latency calls
+    (``DeviceKernels.PreparedLowLatency``) against its checked path, and their Python calls."""
+    from helpers.prepared_cases import prepared_equals_checked, python_calls
+    with _registered_as_cuda(_emulated_backend()):
+        return {"equal": prepared_equals_checked(group, 15, False), "calls": python_calls(group)}
+
+
+@pytest.mark.skipif(not CUDA_BUILT, reason="moe_comm._cuda is not built (device_backend.py imports it)")
+def test_the_backends_prepared_calls_are_the_host_builds_python():
+    """The cuda backend's prepared low-latency calls run the Python of cuda_host's (backends/cuda/prepared.py)
+    through DeviceKernels: bitwise equal to its checked path, a prepared call for every signature, and as few
+    Python calls per op half (what a GPU decode step pays on the host without a CUDA graph)."""
+    from helpers.prepared_cases import MAX_PYTHON_CALLS
+    from helpers.transports import local_world
+    with local_world(2, "shm", timeout_s=600, threads_per_rank=1) as world:
+        for result in world.run(_emulated_prepared):
+            equal = result["equal"]
+            assert equal["differ"] == 0 and equal["prepared"] == equal["signatures"], equal
+            assert max(result["calls"].values()) <= MAX_PYTHON_CALLS, result["calls"]
 
 
 INTERNODE_CONFIG = dict(num_sms=4, num_max_nvl_chunked_send_tokens=2, num_max_nvl_chunked_recv_tokens=4,

@@ -3,12 +3,11 @@ half (docs/layout.md, "The path of a call"), bitwise equal to the checked path's
 without prepared calls run the checked path for both Buffers)."""
 import pytest
 
-from helpers.prepared_cases import (normal_prepared_equals_checked, normal_python_calls, prepared_equals_checked,
-                                   python_calls, two_batches)
+from helpers.prepared_cases import (MAX_PYTHON_CALLS, normal_prepared_equals_checked, normal_python_calls,
+                                   prepared_equals_checked, python_calls, two_batches)
 
-#: the world kinds whose low-latency calls are prepared: at most this many Python calls per op half
+#: the world kinds whose low-latency calls are prepared (the cuda backend's too: test_cuda_backend.py)
 PREPARED_KINDS = ("shm", "cuda_host")
-MAX_PYTHON_CALLS = 10
 #: the world kinds whose normal-mode calls are prepared (the kernels' run as their launches): at most this many
 #: Python calls per op
 NORMAL_PREPARED_KINDS = ("shm",)

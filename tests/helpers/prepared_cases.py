@@ -12,16 +12,30 @@ import torch.distributed as dist
 import moe_comm
 from moe_comm.ops import per_token_cast_to_fp8
 
+#: the most Python calls a prepared low-latency op half may make (issue 46: DeepEP's is six statements around one
+#: native call)
+MAX_PYTHON_CALLS = 10
+
 
 def _buffers(group: dist.ProcessGroup, m: int, hidden: int, experts: int) -> tuple[moe_comm.Buffer, moe_comm.Buffer]:
-    """(a Buffer that prepares its calls, one whose every call runs the checked path), on the world's kind."""
+    """(a Buffer that prepares its calls, one whose every call runs the checked path), on the world's kind; the
+    caller destroys them (``_destroyed``)."""
     size = moe_comm.Buffer.get_low_latency_rdma_size_hint(m, hidden, dist.get_world_size(group), experts)
-    prepared = moe_comm.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, timeout_s=60)
-    checked = moe_comm.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, timeout_s=60)
+    prepared = moe_comm.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, timeout_s=60,
+                               explicitly_destroy=True)
+    checked = moe_comm.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, timeout_s=60,
+                              explicitly_destroy=True)
     for name in ("prepare_low_latency_dispatch", "prepare_low_latency_combine", "prepare_dispatch",
                  "prepare_combine"):
         setattr(checked.runtime, name, lambda *args: None)
     return prepared, checked
+
+
+def _destroyed(result: Any, *buffers: moe_comm.Buffer) -> Any:
+    """``result``, once ``buffers`` are destroyed (their memory released now, not at garbage collection)."""
+    for buf in buffers:
+        buf.destroy()
+    return result
 
 
 def _routing(g: torch.Generator, tokens: int, topk: int, experts: int) -> torch.Tensor:
@@ -73,9 +87,10 @@ def prepared_equals_checked(group: dist.ProcessGroup, iterations: int, vary_hidd
             _finish(event, hook, mode)
             outputs.append(got + [combined.clone()])
         differ += sum(not torch.equal(a, b) for a, b in zip(*outputs))
-    return {"differ": differ, "signatures": (len(dispatches), len(combines)),
-            "prepared": (sum(bool(p) for p in prepared._prepared_ll_dispatches.values()),
-                         sum(bool(p) for p in prepared._prepared_ll_combines.values()))}
+    return _destroyed({"differ": differ, "signatures": (len(dispatches), len(combines)),
+                       "prepared": (sum(bool(p) for p in prepared._prepared_ll_dispatches.values()),
+                                    sum(bool(p) for p in prepared._prepared_ll_combines.values()))},
+                      prepared, checked)
 
 
 def _finish(event: Any, hook: Any, mode: int) -> None:
@@ -111,7 +126,7 @@ def two_batches(group: dist.ProcessGroup, steps: int) -> dict[str, Any]:
                 c[-1]()
             outputs.append(got + [c[0].clone() for c in combines])
         differ += sum(not torch.equal(a, b) for a, b in zip(*outputs))
-    return {"differ": differ}
+    return _destroyed({"differ": differ}, prepared, checked)
 
 
 def normal_prepared_equals_checked(group: dist.ProcessGroup, iterations: int) -> dict[str, Any]:
@@ -159,16 +174,17 @@ def normal_prepared_equals_checked(group: dist.ProcessGroup, iterations: int) ->
                 got += [combined.clone()] + ([] if combined_w is None else [combined_w.clone()])
             outputs.append(got)
         differ += sum(a.shape != b.shape or not torch.equal(a, b) for a, b in zip(*outputs))
-    return {"differ": differ, "signatures": (len(dispatches), len(combines)),
-            "prepared": (sum(bool(p) for p in prepared._prepared_dispatches.values()),
-                         sum(bool(p) for p in prepared._prepared_combines.values()))}
+    return _destroyed({"differ": differ, "signatures": (len(dispatches), len(combines)),
+                       "prepared": (sum(bool(p) for p in prepared._prepared_dispatches.values()),
+                                    sum(bool(p) for p in prepared._prepared_combines.values()))},
+                      prepared, checked)
 
 
 def normal_python_calls(group: dist.ProcessGroup) -> dict[str, int]:
     """The Python calls of a normal-mode dispatch and combine (DeepEP's form, top-k given), after a first call."""
     R = dist.get_world_size(group)
     tokens, hidden, topk, experts = 8, 128, 2, 4 * R
-    buf, _ = _buffers(group, 8, hidden, experts)
+    buf, unused = _buffers(group, 8, hidden, experts)
     x, idx = torch.randn(tokens, hidden).bfloat16(), _routing(torch.Generator().manual_seed(1), tokens, topk, experts)
     w = torch.rand(tokens, topk)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
@@ -178,7 +194,7 @@ def normal_python_calls(group: dist.ProcessGroup) -> dict[str, int]:
     for _ in range(2):
         (recv, _, _, _, handle, _), counts["dispatch"] = _counted(dispatch)
         _, counts["combine"] = _counted(functools.partial(buf.combine, recv, handle))
-    return counts
+    return _destroyed(counts, buf, unused)
 
 
 def python_calls(group: dist.ProcessGroup) -> dict[str, int]:
@@ -186,7 +202,7 @@ def python_calls(group: dist.ProcessGroup) -> dict[str, int]:
     and BF16 combine, and of a blocking one, after a first call of each signature."""
     R = dist.get_world_size(group)
     m, hidden, topk, experts = 8, 128, 2, 4 * R
-    buf, _ = _buffers(group, m, hidden, experts)
+    buf, unused = _buffers(group, m, hidden, experts)
     x, idx = torch.randn(m, hidden).bfloat16(), _routing(torch.Generator().manual_seed(0), m, topk, experts)
     w = torch.rand(m, topk)
     y = torch.zeros(experts // R, R * m, hidden, dtype=torch.bfloat16)
@@ -200,7 +216,7 @@ def python_calls(group: dist.ProcessGroup) -> dict[str, int]:
         sent, counts["combine_send"] = _counted(functools.partial(combine, return_recv_hook=True))
         _, counts["combine_recv"] = _counted(sent[-1])
         _, counts["combine_blocking"] = _counted(combine)
-    return counts
+    return _destroyed(counts, buf, unused)
 
 
 def _counted(fn: Callable[[], Any]) -> tuple[Any, int]:

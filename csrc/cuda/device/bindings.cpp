@@ -302,4 +302,5 @@ PYBIND11_MODULE(_cuda, m) {
         .def_property_readonly("device", [](const LowLatency& l) { return l.r.device; })
         .def_property_readonly("budget_cycles", [](const LowLatency& l) { return l.r.budget; });
     def_low_latency_launches(low_latency);
+    def_prepared_low_latency<LowLatency>(m);
 }

@@ -8,7 +8,10 @@
 // and IN::notify, prologue, dispatch, combine.
 #pragma once
 
+#include <memory>
+
 #include "../python/layout_bindings.h"
+#include "../python/prepared_low_latency.h"
 #include "binding_support.h"
 
 namespace moe_comm::cuda::device::bind {
@@ -165,6 +168,90 @@ void def_internode_launches(py::class_<IN>& cls) {
            py::arg("recv_channel_count"), py::arg("recv_rdma_channel_prefix"), py::arg("forward_bits"),
            py::arg("send_rdma_head"), py::arg("bias0"), py::arg("bias1"), py::arg("out"), py::arg("out_weights"),
            py::arg("stream") = 0);;
+}
+
+// A device build's part of a prepared low-latency call (csrc/cuda/python/prepared_low_latency.h) on launch object
+// LL, doing natively what the Python adapter does around a launch (moe_comm/backends/cuda/device_kernels.py,
+// _LowLatencyLaunches): each launch on the comm stream after the work queued so far on the caller's current
+// stream; a send (or a receive while a graph is captured) returns at once, the caller's stream ordered after
+// it; a receive waits for the comm stream on the host and returns the launches' record, clearing a MISMATCH
+// (a verdict against the call, which the caller raises). Calls with statistics tensors are not taken: adding
+// them would be kernels of their own, which the checked path runs.
+template <class LL>
+struct DevicePrepared {
+    static constexpr bool kStats = false;
+    py::object owner;  // the launch object, alive while this is
+    LL* ll;
+    py::object device_object_;  // the torch.device of the outputs
+    cudaStream_t comm;
+    int mismatch;
+    py::object current_stream;  // torch._C._cuda_getCurrentRawStream: a builtin (no Python frame)
+    std::shared_ptr<DeviceMemory> skip;  // [R] zeros: a prepared call leaves no rank out
+    std::shared_ptr<StreamEvent> event;
+
+    // extra: (torch.device of the outputs, the comm stream as an int, WaitOutcome.MISMATCH as an int)
+    DevicePrepared(py::object kernel, const py::tuple& extra, const py::module_& torch)
+        : owner(kernel), ll(kernel.cast<LL*>()) {
+        if (ll->r.emulated) throw py::value_error("PreparedLowLatency: an emulated launch object takes no prepared calls");
+        if (extra.size() != 3)
+            throw py::value_error("PreparedLowLatency: extra must be (device, comm stream, MISMATCH), got " +
+                                  std::to_string(extra.size()) + " values");
+        device_object_ = extra[0];
+        comm = stream_of(extra[1].cast<int64_t>());
+        mismatch = extra[2].cast<int>();
+        current_stream = torch.attr("_C").attr("_cuda_getCurrentRawStream");
+        DeviceGuard on(ll->r.device);
+        skip = std::make_shared<DeviceMemory>(static_cast<size_t>(ll->r.num_ranks));
+        event = std::make_shared<StreamEvent>(ll->r.device);
+    }
+
+    int device() const { return ll->r.device; }
+    py::object device_object() const { return device_object_; }
+    const LowLatencyLayout& layout() const { return ll->layout; }
+
+    python::PreparedError run(python::PreparedPending& p, const PostArgs& post, bool receive) {
+        const cudaStream_t caller = stream_of(current_stream(device()).template cast<int64_t>());
+        const LowLatencyPost placed_post =
+            placed(*ll, post, p.call, p.is_dispatch ? HeaderKind::kDispatch : HeaderKind::kCombine);
+        PerRank no_skip;
+        no_skip.values = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(skip->get()))};
+        const auto on_comm = static_cast<int64_t>(reinterpret_cast<uintptr_t>(comm));
+        {
+            DeviceGuard on(device());
+            event->order(comm, caller);
+        }
+        if (p.is_dispatch)
+            ll->template launch<LowLatencyDispatchArgs>(
+                receive ? "low-latency dispatch (receive)" : "low-latency dispatch (send)", p.call, no_skip,
+                placed_post, on_comm, [&](size_t) { return p.dispatch; }, receive ? LL::dispatch_recv : LL::dispatch_send);
+        else
+            ll->template launch<LowLatencyCombineArgs>(
+                receive ? "low-latency combine (receive)" : "low-latency combine (send)", p.call, no_skip, placed_post,
+                on_comm, [&](size_t) { return p.combine; }, receive ? LL::combine_recv : LL::combine_send);
+        if (!receive || capturing(caller)) {
+            DeviceGuard on(device());
+            event->order(caller, comm);
+            return std::nullopt;
+        }
+        {
+            py::gil_scoped_release unlocked;
+            check(cudaStreamSynchronize(comm), "moe_comm: prepared low-latency receive");
+        }
+        auto record = ll->r.results().template cast<python::PreparedError>();
+        if (record && std::get<0>(*record) == mismatch) ll->r.clear();
+        return record;
+    }
+};
+
+// Binds `PreparedLowLatency` of a device build whose launch objects are LL.
+template <class LL>
+void def_prepared_low_latency(py::module_& m) {
+    python::def_prepared_low_latency<DevicePrepared<LL>>(
+        m,
+        [](py::object kernel, const py::tuple& extra, const py::module_& torch) {
+            return DevicePrepared<LL>(kernel, extra, torch);
+        },
+        "(the outputs' torch.device, the comm stream as an int, WaitOutcome.MISMATCH as an int).");
 }
 
 }  // namespace moe_comm::cuda::device::bind

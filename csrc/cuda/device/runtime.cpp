@@ -74,6 +74,30 @@ void DeviceMemory::reset() {
 }
 
 // ---------------------------------------------------------------------- MappedMemory
+StreamEvent::StreamEvent(int device) : device_(device) {
+    int previous = 0;
+    check(cudaGetDevice(&previous), "cudaGetDevice");
+    if (previous != device_) check(cudaSetDevice(device_), "cudaSetDevice");
+    const cudaError_t e = cudaEventCreateWithFlags(&event_, cudaEventDisableTiming);
+    if (previous != device_) (void)cudaSetDevice(previous);
+    check(e, "cudaEventCreateWithFlags");
+}
+
+StreamEvent::~StreamEvent() {
+    if (event_ != nullptr) (void)cudaEventDestroy(event_);
+}
+
+void StreamEvent::order(cudaStream_t waiter, cudaStream_t first) const {
+    check(cudaEventRecord(event_, first), "cudaEventRecord");
+    check(cudaStreamWaitEvent(waiter, event_, 0), "cudaStreamWaitEvent");
+}
+
+bool capturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    check(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing");
+    return status != cudaStreamCaptureStatusNone;
+}
+
 MappedMemory::MappedMemory(size_t bytes) : bytes_(bytes) {
     if (bytes == 0) return;
     check(cudaHostAlloc(&host_, bytes, cudaHostAllocMapped | cudaHostAllocPortable),

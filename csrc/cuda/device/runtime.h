@@ -81,6 +81,26 @@ private:
     size_t bytes_ = 0;
 };
 
+// A CUDA event for stream ordering (no timing), created on a device and destroyed with the object.
+class StreamEvent {
+public:
+    explicit StreamEvent(int device);
+    ~StreamEvent();
+    StreamEvent(const StreamEvent&) = delete;
+    StreamEvent& operator=(const StreamEvent&) = delete;
+
+    // Orders `waiter` after the work queued so far on `first` (torch's Stream.wait_stream; allowed while a
+    // graph is captured).
+    void order(cudaStream_t waiter, cudaStream_t first) const;
+
+private:
+    int device_;
+    cudaEvent_t event_ = nullptr;
+};
+
+// Whether `stream` is capturing a CUDA graph (no host wait may happen then).
+bool capturing(cudaStream_t stream);
+
 // CUDA IPC: the handle of a cudaMalloc'd allocation (its base address) as the bytes every rank
 // all-gathers, and a peer's handle opened in this process (peer access enabled lazily).
 constexpr size_t kIpcHandleBytes = sizeof(cudaIpcMemHandle_t);

@@ -11,8 +11,8 @@
 #include <tuple>
 #include <vector>
 
-#include "../../python/tensor_args.h"
 #include "../python/layout_bindings.h"
+#include "../python/prepared_low_latency.h"
 #include "launches.h"
 
 namespace py = pybind11;
@@ -99,170 +99,39 @@ struct LowLatency {
     }
 };
 
-// A low-latency operation prepared for one signature (moe_comm/backends/cuda/prepared.py): its launch
-// object, its call header's template, the outputs of both buffer halves (a dispatch's). Each call reads
-// and checks its Python arguments here against the signature (moe_comm/python/tensor_args.h: anything
-// else is "not taken", for the checked path), then launches: one crossing per op half. The kernels check
-// the top-k ids and the handle themselves, as on the checked path.
-class PreparedLowLatency {
-  public:
-    struct Outputs {
-        int64_t recv_x, recv_scales, src_info, layout_range, recv_count;  // recv_scales: the [E_loc, S, R * M] storage
-    };
+// The host build's part of a prepared low-latency call (csrc/cuda/python/prepared_low_latency.h): launches run
+// here, on the calling thread (the GIL released), and a received call's statistics are added here.
+struct HostPrepared {
+    static constexpr bool kStats = true;
+    LowLatency ll;
+    std::vector<uint8_t> skip;  // [R] zeros: a prepared call leaves no rank out
 
-    PreparedLowLatency(const LowLatency& ll, const std::vector<uint8_t>& header, int call_word, const python::PostArgs& post,
-                       int64_t num_experts, int num_topk, const CastFormat& format, const std::vector<Outputs>& halves,
-                       py::object key, const py::module_& torch)
-        : ll_(ll), torch_(torch), key_(std::move(key)), header_(header), call_word_(call_word), num_topk_(num_topk),
-          format_(format), skip_(ll.peers.bases.size(), 0) {
-        if (call_word < 0 || 8 * (call_word + 1) > static_cast<int64_t>(header_.size()))
-            throw py::value_error("PreparedLowLatency: call word " + std::to_string(call_word) + " outside the " +
-                                  std::to_string(header_.size()) + "-byte header");
-        post_ = {reinterpret_cast<int64_t>(header_.data()), static_cast<int64_t>(header_.size()), std::get<2>(post),
-                 std::get<3>(post), std::get<4>(post)};
-        python::post_of(post_, ll_.layout);  // the header fits the cells
-        const int R = ll_.layout.num_ranks;
-        local_ = ll_.layout.experts_per_rank;
-        if (num_experts != int64_t{local_} * R)
-            throw py::value_error("PreparedLowLatency: num_experts " + std::to_string(num_experts) + " for " +
-                                  std::to_string(local_) + " local experts on " + std::to_string(R) + " ranks");
-        if (!halves.empty() && halves.size() != 2) throw py::value_error("PreparedLowLatency: need both halves' outputs");
-        for (size_t h = 0; h < halves.size(); ++h) outputs_[h] = halves[h];
-        scale_bytes_ = format.fp8 ? 4 * (ll_.layout.hidden / moe_comm::kFp8Group / (format.ue8m0 ? 4 : 1)) : 0;
-    }
+    explicit HostPrepared(const LowLatency& l) : ll(l), skip(l.peers.bases.size(), 0) {}
 
-    // (taken, the record of the launches that ran: the send's if it failed, else with `receive` the receive's)
-    std::tuple<bool, Error> dispatch(py::handle key, py::handle x, py::handle topk_idx, py::handle recv_stats,
-                                     py::handle wait_stats, int64_t number, int64_t call, bool receive) {
-        const auto& t = torch_;
-        const int64_t M = ll_.layout.max_tokens, H = ll_.layout.hidden;
-        moe_comm::python::TensorArg xa, ta;
-        Pending p;
-        if (!moe_comm::python::same_key(key, key_) || !moe_comm::python::read_tensor(x, t, t.bfloat16, 2, &xa) ||
-            xa.shape[1] != H || xa.shape[0] > M || !xa.contiguous() ||
-            !moe_comm::python::read_tensor(topk_idx, t, t.int64, 2, &ta) || ta.shape[0] != xa.shape[0] ||
-            ta.shape[1] != num_topk_ || !ta.contiguous() || !stats(recv_stats, t.int32, local_, &p.recv_stats) ||
-            !stats(wait_stats, t.int64, ll_.layout.num_ranks, &p.wait_stats) || outputs_[0].recv_x == 0)
-            return {false, std::nullopt};
-        const Outputs& o = outputs_[(call - 1) & 1];
-        p.dispatch = {xa.shape[0], scale_bytes_, num_topk_, format_, reinterpret_cast<const uint16_t*>(xa.data),
-                      reinterpret_cast<const int64_t*>(ta.data), ptr<uint8_t>(o.recv_x), ptr<uint8_t>(o.recv_scales),
-                      ptr<int32_t>(o.src_info), ptr<int64_t>(o.layout_range), ptr<int32_t>(o.recv_count)};
-        p.is_dispatch = true;
-        p.held = py::make_tuple(x, topk_idx, recv_stats, wait_stats);
-        return {true, launch(std::move(p), number, call, receive)};
-    }
+    int device() const { return -1; }
+    py::object device_object() const { return py::none(); }
+    const LowLatencyLayout& layout() const { return ll.layout; }
 
-    // (taken, record as dispatch's, out: the given or a new [T, hidden] bf16 tensor)
-    std::tuple<bool, Error, py::object> combine(py::handle key, py::handle x, py::handle topk_idx,
-                                                py::handle topk_weights, py::handle handle, py::handle out,
-                                                py::handle wait_stats, int64_t number, int64_t call, bool receive) {
-        const auto& t = torch_;
-        const int64_t R = ll_.layout.num_ranks, M = ll_.layout.max_tokens, H = ll_.layout.hidden;
-        const std::tuple<bool, Error, py::object> not_taken{false, std::nullopt, py::none()};
-        moe_comm::python::TensorArg xa, src, range, ta, wa, oa;
-        Pending p;
-        if (!moe_comm::python::same_key(key, key_) || !PyTuple_CheckExact(handle.ptr()) ||
-            PyTuple_GET_SIZE(handle.ptr()) != 5 || !moe_comm::python::read_tensor(x, t, t.bfloat16, 3, &xa) ||
-            xa.shape[0] != local_ || xa.shape[1] != R * M || xa.shape[2] != H || !xa.contiguous() ||
-            !moe_comm::python::read_tensor(PyTuple_GET_ITEM(handle.ptr(), 0), t, t.int32, 2, &src) ||
-            src.shape[0] != local_ || src.shape[1] != R * M || !src.contiguous() ||
-            !moe_comm::python::read_tensor(PyTuple_GET_ITEM(handle.ptr(), 1), t, t.int64, 2, &range) ||
-            range.shape[0] != local_ || range.shape[1] != R || !range.contiguous() ||
-            !moe_comm::python::read_tensor(topk_idx, t, t.int64, 2, &ta) || ta.shape[1] != num_topk_ ||
-            ta.shape[0] > M || !ta.contiguous() || !moe_comm::python::read_tensor(topk_weights, t, t.float32, 2, &wa) ||
-            wa.shape[0] != ta.shape[0] || wa.shape[1] != num_topk_ || !wa.contiguous() ||
-            !stats(wait_stats, t.int64, R, &p.wait_stats))
-            return not_taken;
-        py::object result = py::reinterpret_borrow<py::object>(out);
-        if (out.is_none()) result = t.empty(py::make_tuple(ta.shape[0], H), py::arg("dtype") = t.bfloat16);
-        if (!moe_comm::python::read_tensor(result, t, t.bfloat16, 2, &oa) || oa.shape[0] != ta.shape[0] ||
-            oa.shape[1] != H || !oa.contiguous())
-            return not_taken;
-        p.combine = {ta.shape[0], num_topk_, reinterpret_cast<const uint16_t*>(xa.data),
-                     reinterpret_cast<const int32_t*>(src.data), reinterpret_cast<const int64_t*>(range.data),
-                     reinterpret_cast<const int64_t*>(ta.data), reinterpret_cast<const float*>(wa.data),
-                     reinterpret_cast<uint16_t*>(oa.data), false};
-        p.held = py::make_tuple(x, handle, topk_idx, topk_weights, result, wait_stats);
-        return {true, launch(std::move(p), number, call, receive), result};
-    }
-
-    // The receive launch of the call last sent on `half` (its record), then its stats.
-    Error receive(int half) {
-        if (half != 0 && half != 1) throw py::value_error("PreparedLowLatency: half must be 0 or 1");
-        Pending& p = pending_[half];
-        Error record = run(p, true);
-        if (!record) p.held = py::object();
-        return record;
-    }
-
-  private:
-    struct Pending {
-        bool is_dispatch = false;
-        LowLatencyDispatchArgs dispatch{};
-        LowLatencyCombineArgs combine{};
-        int64_t call = 0;
-        int32_t* recv_stats = nullptr;
-        int64_t* wait_stats = nullptr;
-        py::object held;  // the tensors the launches read, alive until the receive
-    };
-
-    template <class T>
-    bool stats(py::handle h, const py::object& dtype, int64_t size, T** out) const {
-        *out = nullptr;
-        if (h.is_none()) return true;
-        moe_comm::python::TensorArg a;
-        if (!moe_comm::python::read_tensor(h, torch_, dtype, 1, &a) || a.shape[0] != size || !a.contiguous())
-            return false;
-        *out = reinterpret_cast<T*>(a.data);
-        return true;
-    }
-
-    Error launch(Pending p, int64_t number, int64_t call, bool receive) {
-        std::memcpy(header_.data() + 8 * call_word_, &number, 8);
-        p.call = call;
-        Pending& slot = pending_[(call - 1) & 1];
-        slot = std::move(p);
-        Error record = run(slot, false);
-        if (!record && receive) record = run(slot, true);
-        if (receive && !record) slot.held = py::object();
-        return record;
-    }
-
-    Error run(Pending& p, bool receive) {
+    Error run(python::PreparedPending& p, const python::PostArgs& post, bool receive) {
         const auto begin = std::chrono::steady_clock::now();
-        const auto skip = reinterpret_cast<int64_t>(skip_.data());
+        const auto at = reinterpret_cast<int64_t>(skip.data());
         Error record = p.is_dispatch
-            ? ll_.launch(p.call, skip, post_, [&](const LowLatencyContext& k, const uint8_t* remote) {
+            ? ll.launch(p.call, at, post, [&](const LowLatencyContext& k, const uint8_t* remote) {
                   receive ? host::ll_dispatch_recv(k, p.dispatch) : host::ll_dispatch_send(k, p.dispatch, remote);
               })
-            : ll_.launch(p.call, skip, post_, [&](const LowLatencyContext& k, const uint8_t* remote) {
+            : ll.launch(p.call, at, post, [&](const LowLatencyContext& k, const uint8_t* remote) {
                   receive ? host::ll_combine_recv(k, p.combine) : host::ll_combine_send(k, p.combine, remote);
               });
         if (receive && !record) {  // the stats of a received call, as the checked path adds them
             const int64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(
                 std::chrono::steady_clock::now() - begin).count();
             if (p.recv_stats != nullptr)
-                for (int e = 0; e < local_; ++e) p.recv_stats[e] += p.dispatch.recv_count[e];
+                for (int e = 0; e < ll.layout.experts_per_rank; ++e) p.recv_stats[e] += p.dispatch.recv_count[e];
             if (p.wait_stats != nullptr)
-                for (int r = 0; r < ll_.layout.num_ranks; ++r) p.wait_stats[r] += waited;
+                for (int r = 0; r < ll.layout.num_ranks; ++r) p.wait_stats[r] += waited;
         }
         return record;
     }
-
-    LowLatency ll_;
-    moe_comm::python::TorchObjects torch_;
-    py::object key_;
-    std::vector<uint8_t> header_;
-    int call_word_;
-    python::PostArgs post_;
-    int32_t num_topk_;
-    CastFormat format_;
-    int32_t local_ = 0;
-    int64_t scale_bytes_ = 0;
-    std::vector<uint8_t> skip_;
-    Outputs outputs_[2] = {};
-    Pending pending_[2];
 };
 
 // Node n's ranks are [n * node_ranks, (n + 1) * node_ranks); 0: one node.
@@ -459,34 +328,10 @@ PYBIND11_MODULE(_cuda_host, m) {
         .def_property_readonly("header_offsets", [](const LowLatency& l) { return python::header_offsets(l.layout); },
                                "Where each header cell of this rank's buffer starts: [half * R + source].");
 
-    py::class_<PreparedLowLatency>(m, "PreparedLowLatency",
-                                   "A low-latency dispatch or combine prepared for one signature.")
-        .def(py::init([](const LowLatency& ll, int64_t header, int64_t header_bytes, int call_word, const python::PostArgs& post,
-                         int64_t num_experts, int num_topk, bool fp8, bool round_scale, bool ue8m0,
-                         const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>>& halves,
-                         py::object key, const py::module_& torch) {
-                 std::vector<PreparedLowLatency::Outputs> outputs;
-                 for (const auto& [x, scales, src, range, count] : halves) outputs.push_back({x, scales, src, range, count});
-                 if (header_bytes < 0) throw py::value_error("PreparedLowLatency: header_bytes must be >= 0");
-                 const auto* bytes = ptr<const uint8_t>(header);
-                 return PreparedLowLatency(ll, std::vector<uint8_t>(bytes, bytes + header_bytes), call_word, post,
-                                           num_experts, num_topk,
-                                           CastFormat{fp8, round_scale, ue8m0}, outputs, std::move(key), torch);
-             }),
-             py::arg("kernel"), py::arg("header"), py::arg("header_bytes"), py::arg("call_word"), py::arg("post"),
-             py::arg("num_experts"),
-             py::arg("num_topk"), py::arg("fp8"), py::arg("round_scale"), py::arg("ue8m0"), py::arg("halves"),
-             py::arg("key"), py::arg("torch"),
-             "kernel: the launch object; header, header_bytes: the call header with call number 0, copied (the "
-             "call's number is written into word call_word); post: as a launch's, its address unused; halves: a dispatch's outputs per buffer "
-             "half (recv_x, the scales' [E_loc, S, R * M] storage or 0, src_info, layout_range, recv_count "
-             "addresses), none for a combine; key: the signature every call must carry exactly.")
-        .def("dispatch", &PreparedLowLatency::dispatch, py::arg("key"), py::arg("x"), py::arg("topk_idx"),
-             py::arg("recv_stats"), py::arg("wait_stats"), py::arg("number"), py::arg("call"), py::arg("receive"),
-             "(taken, error record or None) of low-latency call `call` (the Buffer's call `number`).")
-        .def("combine", &PreparedLowLatency::combine, py::arg("key"), py::arg("x"), py::arg("topk_idx"),
-             py::arg("topk_weights"), py::arg("handle"), py::arg("out"), py::arg("wait_stats"), py::arg("number"),
-             py::arg("call"), py::arg("receive"), "(taken, error record or None, out).")
-        .def("receive", &PreparedLowLatency::receive, py::arg("half"),
-             "The receive launch of the call last sent on `half`: its error record or None.");
+    python::def_prepared_low_latency<HostPrepared>(
+        m,
+        [](py::object kernel, const py::tuple&, const py::module_&) {
+            return HostPrepared(kernel.cast<const LowLatency&>());
+        },
+        "unused.");
 }

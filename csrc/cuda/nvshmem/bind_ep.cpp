@@ -175,4 +175,5 @@ void bind_ep(py::module_& m) {
              "One rank's low-latency launches over NVSHMEM (NVLink stores where a peer is mapped).")
         .def_property_readonly("ranks", [](const LowLatency& l) { return l.r.ranks; });
     def_low_latency_launches(low_latency);
+    def_prepared_low_latency<LowLatency>(m);
 }

@@ -111,7 +111,8 @@ class CudaBackend(KernelLowLatencyCalls, PortableBackend):
                                            notify_outputs=self._notify_outputs, name=self.name,
                                            rdma_buffers=self._rdma_buffers)
             self.low_latency = KernelLowLatencyMode(self.transport, self.agreement, node_kernels,
-                                                    self._low_latency_buffers, self.stream, timeout_s, node_ranks)
+                                                    self._low_latency_buffers, self.stream, timeout_s, node_ranks,
+                                                    self.device)
         except BaseException:
             self.transport.close()
             raise

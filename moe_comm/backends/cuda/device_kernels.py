@@ -176,6 +176,14 @@ class DeviceKernels:
             self.module.LowLatency(peers, list(pids), rank, timeout_s, L, M, H, node_ranks), self.comm,
             int(self.WaitOutcome.MISMATCH)))
 
+    def PreparedLowLatency(self, kernel: _LowLatencyLaunches, *args: Any) -> Any:  # noqa: N802 (the host build's name)
+        """The build's prepared low-latency call (``csrc/cuda/python/prepared_low_latency.h``) on ``kernel``'s launch
+        object, with the host build's arguments: its launches go on the comm stream in the order
+        ``_LowLatencyLaunches`` gives them, natively (one crossing per op half, as DeepEP's)."""
+        with self._guard():
+            return self.module.PreparedLowLatency(kernel.kernel, *args, extra=(
+                self.comm.device, self.comm.handle, int(self.WaitOutcome.MISMATCH)))
+
     def forget(self) -> None:
         """Drops the kept objects (at destroy, after the last launch)."""
         self._objects.clear()

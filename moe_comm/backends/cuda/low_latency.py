@@ -72,12 +72,14 @@ class KernelLowLatencyMode(LowLatencyMode):
     device build's adapter ``device_kernels.DeviceKernels``)."""
 
     def __init__(self, transport: Transport, agreement: CallAgreement, kernels: Any,
-                 buffers: SharedBuffers, stream: HostStream, timeout_s: float, node_ranks: int = 0) -> None:
+                 buffers: SharedBuffers, stream: HostStream, timeout_s: float, node_ranks: int = 0,
+                 device: torch.device = torch.device("cpu")) -> None:
         #: the launches post and judge call headers once ``reserve`` mapped their buffers (a
         #: low_latency_mode Buffer that does not shrink); else the handshake comes first
         self.agrees_in_data_path = False
         super().__init__(transport, agreement)
         self.kernels, self.buffers, self.stream, self.timeout_s = kernels, buffers, stream, timeout_s
+        self.device = device  # where the calls' tensors live (the outputs of a prepared call, ``prepared.py``)
         #: > 0: the ranks form nodes of this many, and the kernels reach other nodes' ranks as NVSHMEM
         #: does, putting from this rank's staging (the host build; its buffers are laid out for it)
         self.node_ranks = node_ranks

@@ -1,5 +1,9 @@
-"""Prepared low-latency calls on the kernels (``moe_comm._cuda_host.PreparedLowLatency``): the call's fixed
-cost paid once per signature, as ``portable/prepared.py`` does over the shm transport.
+"""Prepared low-latency calls on the kernels (``PreparedLowLatency`` of every build: ``moe_comm._cuda_host``,
+``moe_comm._cuda`` and ``moe_comm._cuda_nvshmem`` through ``device_kernels.DeviceKernels``;
+``csrc/cuda/python/prepared_low_latency.h``): the call's fixed cost paid once per signature, as
+``portable/prepared.py`` does over the shm transport. The ``cuda_host`` and ``cuda`` backends run this same
+Python; on a GPU the native call also orders the comm stream after the caller's as the checked path's launches
+do, and takes no call with statistics tensors (their adds run on the checked path).
 
 The first call of a signature runs the checked path (``low_latency.KernelLowLatencyMode``); the prepared call
 then holds its launch object, its call header's template and the outputs of both buffer halves, and every
@@ -73,7 +77,7 @@ class PreparedKernelCall:
             scales = (torch.int32 if fp8_format.ue8m0 else torch.float32, num_scales) if fp8 else None
             for _ in range(2):
                 recv_x, recv_scales, src_info, layout_range, recv_count = dispatch_outputs(
-                    local, R, m, hidden, scales, torch.device("cpu"))
+                    local, R, m, hidden, scales, mode.device)
                 halves.append((recv_x.data_ptr(), 0 if recv_scales is None else recv_scales.data_ptr(),
                                src_info.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr()))
                 self.results.append((recv_x if recv_scales is None else (recv_x, recv_scales), recv_count,
@@ -155,8 +159,8 @@ class PreparedKernelCombine(PreparedKernelCall):
 
 
 def _preparable(mode: KernelLowLatencyMode) -> bool:
-    """Whether ``mode``'s calls can be prepared: the host build's kernels, their calls agreeing in the data
-    path (not a shrinking buffer's, whose handshake comes first)."""
+    """Whether ``mode``'s calls can be prepared: their calls agree in the data path (not a shrinking buffer's,
+    whose handshake comes first)."""
     return mode.agrees_in_data_path and not mode.agreement.shrink and hasattr(mode.kernels, "PreparedLowLatency")
 
 
