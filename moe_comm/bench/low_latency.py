@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import sys
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -29,6 +28,7 @@ from .checks import calc_diff, require_all_ranks
 from .floors import floor_columns, memcpy_bandwidth, mpi_all_to_all, vs_transport
 from .options import add_output_args, add_rank_args, add_tokens_arg, command_line
 from .plot import Panel, case_series, floor_series
+from .python_calls import counted
 from .ranks import launch_token_counts
 from .record import publish
 from .stats import case_rows, gather_results, time_cases
@@ -141,22 +141,6 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
             "kernel_threads_per_rank": cpu_threads(), "memcpy_GBps": bandwidth}
 
 
-def _counted(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """``fn()`` and the Python function calls it made on this thread (``sys.setprofile`` call events)."""
-    calls = 0
-
-    def count(frame: Any, event: str, arg: Any) -> None:
-        nonlocal calls
-        calls += event == "call"
-
-    sys.setprofile(count)
-    try:
-        out = fn()
-    finally:
-        sys.setprofile(None)
-    return out, calls
-
-
 def _python_calls(buf: moe_comm.Buffer, group: dist.ProcessGroup, x: torch.Tensor, topk_idx: torch.Tensor,
                   topk_weights: torch.Tensor, T: int, E: int, recv: torch.Tensor, handle: tuple) -> dict[str, int]:
     """Python calls of each op half of a hooked FP8 dispatch and BF16 combine on this rank's thread (a
@@ -170,9 +154,9 @@ def _python_calls(buf: moe_comm.Buffer, group: dist.ProcessGroup, x: torch.Tenso
                                                    return_recv_hook=True))):
         for _ in range(2):
             dist.barrier(group)
-            result, calls[f"{op}_send"] = _counted(call)
+            result, calls[f"{op}_send"] = counted(call)
             dist.barrier(group)
-            _, calls[f"{op}_recv"] = _counted(result[-1])
+            _, calls[f"{op}_recv"] = counted(result[-1])
     return calls
 
 
@@ -218,7 +202,9 @@ def _notes(res: dict[str, Any], cfg: dict[str, Any], by: dict[str, dict[str, Any
         "low-latency outputs are fixed [E_loc, R*M, H]; rows past recv_count are zero pages never written",
         "Python calls per op half, rank 0's thread, a call after the first of its signature: " + "; ".join(
             f"{name}: dispatch send {c['dispatch_send']} / recv {c['dispatch_recv']}, combine send "
-            f"{c['combine_send']} / recv {c['combine_recv']}" for name, c in res["python_calls_rank0"].items()),
+            f"{c['combine_send']} / recv {c['combine_recv']}" for name, c in res["python_calls_rank0"].items()) +
+        (" (the cuda backend's eager path is cuda_host's Python: backends/cuda/prepared.py)"
+         if "cuda_host" in res["python_calls_rank0"] else ""),
         f"{cfg['ranks']} ranks share {os.cpu_count()} CPU cores ({res['threads_per_rank']} torch / "
         f"{res['kernel_threads_per_rank']} moe_comm._C thread(s) per rank); shared, noisy VM",
     ]

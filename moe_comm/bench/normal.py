@@ -29,6 +29,7 @@ from .checks import calc_diff, require_all_ranks
 from .floors import floor_columns, memcpy_bandwidth, mpi_all_to_all, vs_transport
 from .options import add_output_args, add_rank_args, add_tokens_arg, command_line
 from .plot import Panel, case_series, floor_series
+from .python_calls import counted
 from .ranks import launch_token_counts
 from .record import publish
 from .stats import case_rows, gather_results, time_cases
@@ -94,6 +95,7 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     checks["transports_bitwise_equal"] = float(same)
     ok &= same
     recv_x, handle = first[0], first[4]
+    python_calls = {name: _python_calls(b, group, x, routing) for name, b in bufs.items()}
 
     # naive baseline (vLLM allgather_reducescatter): every rank gets every token, computes its own
     # experts' share (here: x itself for tokens routed to it, else 0), and a reduce-scatter sums.
@@ -160,8 +162,23 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
     res = gather_results(times, mine_bytes, checks, group)
     if res is None:
         return None
-    return {**res, "recv_rows_rank0": recv_x.shape[0], "threads_per_rank": torch.get_num_threads(),
+    return {**res, "recv_rows_rank0": recv_x.shape[0], "python_calls_rank0": python_calls,
+            "threads_per_rank": torch.get_num_threads(),
             "kernel_threads_per_rank": cpu_threads(), "memcpy_GBps": bandwidth}
+
+
+def _python_calls(buf: moe_comm.Buffer, group: dist.ProcessGroup, x: torch.Tensor,
+                  routing: dict[str, Any]) -> dict[str, int]:
+    """Python calls of a BF16 dispatch and of its combine on this rank's thread, each after a barrier: the
+    second call of each, as every layer's call after the first (which prepares its signature) makes them."""
+    calls: dict[str, int] = {}
+    dispatch = functools.partial(buf.dispatch, x, **routing)
+    for _ in range(2):
+        dist.barrier(group)
+        (recv, _, _, _, handle, _), calls["dispatch"] = counted(dispatch)
+        dist.barrier(group)
+        _, calls["combine"] = counted(functools.partial(buf.combine, recv, handle))
+    return calls
 
 
 def _elastic_cases(group: dist.ProcessGroup, cfg: dict[str, Any], x: torch.Tensor, topk_idx: torch.Tensor,
@@ -219,6 +236,9 @@ def _notes(res: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
         f"this run with every rank copying at once ({res['memcpy_GBps']['concurrent']:.2f} GB/s per rank; one "
         f"rank alone: {res['memcpy_GBps']['alone']:.2f} GB/s, see of_floor_alone in JSON); floor/median = 1.0 "
         f"would be as fast as one memcpy of the received bytes",
+        "Python calls per op, rank 0's thread, a call after the first of its signature: " + "; ".join(
+            f"{name}: dispatch {c['dispatch']}, combine {c['combine']}"
+            for name, c in res["python_calls_rank0"].items()),
         "vs_naive = naive median time / case median time; dispatch cases vs naive_dispatch, "
         "combine vs naive_combine (FP8 dispatch is compared with the BF16 naive all-gather)",
         "naive_combine uses torch.distributed.reduce_scatter_single on gloo; torch's ProcessGroupGloo implements "
@@ -251,7 +271,7 @@ def report(results: list[dict[str, Any]], command: str, launcher: str, *, cfgs: 
         print(format_table(COLUMNS, rows))
         for r in rows:
             r.pop("p10_p90")  # table only; JSON has the numbers
-        print("\n".join(notes[:2]))
+        print("\n".join(notes[:3]))
         print(f"\nbytes: per rank (mean over ranks); {BANDWIDTH_RULE}\nchecks (max over ranks): "
               f"{ {k: f'{v:.2e}' for k, v in res['checks_max_over_ranks'].items()} }\n")
         runs.append({"tokens": cfg["tokens"], "threads_per_rank": res["threads_per_rank"],
