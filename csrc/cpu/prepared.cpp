@@ -41,6 +41,14 @@ void add_stats(int32_t* recv_stats, const int32_t* recv_count, int64_t local, in
 
 }  // namespace
 
+void PreparedPosts::refresh_data(const ShmPostPlan& plan) {
+    for (int k = 0; k < kNumSlots; ++k) {
+        plan_.slots[k] = plan.slots[k], plan_.consumed[k] = plan.consumed[k];
+        plan_.arrived[k] = plan.arrived[k], plan_.mine[k] = plan.mine[k];
+    }
+    plan_.slot_bytes = plan.slot_bytes;
+}
+
 PreparedPosts::PreparedPosts(ShmPostPlan plan) : plan_(std::move(plan)) {
     const int R = plan_.num_ranks;
     MC_CHECK(R > 0 && plan_.me >= 0 && plan_.me < R, "PreparedPosts: rank " << plan_.me << " of " << R);

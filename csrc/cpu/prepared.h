@@ -71,6 +71,8 @@ class PreparedPosts {
     explicit PreparedPosts(ShmPostPlan plan);
     const ShmPostPlan& plan() const { return plan_; }
     const PreparedFailure& failure() const { return failure_; }
+    // After the transport grew its data slots: their new addresses (the metadata cells stay where they were).
+    void refresh_data(const ShmPostPlan& plan);
 
   protected:
     // Writes call `number`'s header (the template, the call number, the [4][R] per-rank words) into

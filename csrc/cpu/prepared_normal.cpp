@@ -122,14 +122,6 @@ PreparedNormalDispatch::PreparedNormalDispatch(ShmPostPlan plan, NormalDispatchG
     per_expert_.resize(static_cast<size_t>(g_.num_experts / R));
 }
 
-void PreparedNormalDispatch::refresh_data(const ShmPostPlan& plan) {
-    for (int k = 0; k < kNumSlots; ++k) {
-        plan_.slots[k] = plan.slots[k], plan_.consumed[k] = plan.consumed[k];
-        plan_.arrived[k] = plan.arrived[k], plan_.mine[k] = plan.mine[k];
-    }
-    plan_.slot_bytes = plan.slot_bytes;
-}
-
 PreparedStatus PreparedNormalDispatch::begin(const NormalDispatchInputs& in, int64_t number, int64_t seq_header,
                                              int64_t seq_meta, int64_t seq_data) {
     const int64_t R = plan_.num_ranks, T = in.num_tokens, C = g_.num_channels, local = g_.num_experts / R;
@@ -318,14 +310,6 @@ PreparedNormalCombine::PreparedNormalCombine(ShmPostPlan plan, NormalCombineGeom
     zeros_.assign(static_cast<size_t>(R), 0);
     source_rows_.resize(static_cast<size_t>(R));
     sources_.resize(static_cast<size_t>(R));
-}
-
-void PreparedNormalCombine::refresh_data(const ShmPostPlan& plan) {
-    for (int k = 0; k < kNumSlots; ++k) {
-        plan_.slots[k] = plan.slots[k], plan_.consumed[k] = plan.consumed[k];
-        plan_.arrived[k] = plan.arrived[k], plan_.mine[k] = plan.mine[k];
-    }
-    plan_.slot_bytes = plan.slot_bytes;
 }
 
 PreparedStatus PreparedNormalCombine::begin(const NormalCombineInputs& in, int64_t number, int64_t seq_header,

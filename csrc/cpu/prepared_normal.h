@@ -66,8 +66,6 @@ class PreparedNormalDispatch : public PreparedPosts {
     PreparedStatus begin(const NormalDispatchInputs& in, int64_t number, int64_t seq_header, int64_t seq_meta,
                          int64_t seq_data);
     PreparedStatus finish(const NormalDispatchOutputs& out);
-    // After kGrow: the data slots' new addresses (the header's slot and the metadata cells stay where they were).
-    void refresh_data(const ShmPostPlan& plan);
 
     int64_t num_recv() const { return num_recv_; }
     int64_t need() const { return need_; }
@@ -117,7 +115,6 @@ class PreparedNormalCombine : public PreparedPosts {
     PreparedStatus begin(const NormalCombineInputs& in, int64_t number, int64_t seq_header, int64_t seq_data);
     // The rows back and their sum into out [T, H] (and out_weights [T, K], or null).
     PreparedStatus finish(void* out, float* out_weights);
-    void refresh_data(const ShmPostPlan& plan);
     int64_t need() const { return need_; }
     const NormalFailure& round() const { return round_; }
 

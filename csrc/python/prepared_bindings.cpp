@@ -37,7 +37,8 @@ std::vector<T*> pointers(const std::vector<std::uintptr_t>& addresses) {
 }
 
 int check_half(int half) {
-    if (half != 0 && half != 1) throw py::value_error("prepared call: half must be 0 or 1, got " + std::to_string(half));
+    if (half != 0 && half != 1)
+        throw py::value_error("prepared call: half must be 0 or 1, got " + std::to_string(half));
     return half;
 }
 
@@ -62,19 +63,62 @@ struct Common {
     Common(const py::module_& torch_module, py::object signature) : torch(torch_module), key(std::move(signature)) {}
 };
 
-class DispatchCall {
+// What a prepared low-latency dispatch and combine share: their core's halves run with the GIL released, the
+// tensors a pending receive reads kept alive until it ran.
+template <class Core>
+class LowLatencyCall {
+  public:
+    int receive(int half) {
+        check_half(half);
+        cpu::PreparedStatus status;
+        {
+            py::gil_scoped_release release;
+            status = core_->receive(half);
+        }
+        if (status == cpu::PreparedStatus::kOk) common_.held[half] = py::object();
+        return static_cast<int>(status);
+    }
+
+    std::tuple<int64_t, moe_comm::WaitOutcome> failure() const {
+        return {core_->failure().index, core_->failure().outcome};
+    }
+
+  protected:
+    LowLatencyCall(const py::module_& torch, py::object key) : common_(torch, std::move(key)) {}
+
+    // The send half of call `number` on taken inputs (and with `receive` its receive half); `held`: what a receive
+    // still to run reads.
+    template <class Inputs>
+    cpu::PreparedStatus run(const Inputs& in, int64_t number, int64_t seq, int slot, int half, bool receive,
+                            py::object held) {
+        cpu::PreparedStatus status;
+        {
+            py::gil_scoped_release release;
+            status = core_->send(in, number, seq, slot, half);
+            if (status == cpu::PreparedStatus::kOk && receive) status = core_->receive(half);
+        }
+        if (status != cpu::PreparedStatus::kNotTaken)
+            common_.held[half] = receive && status == cpu::PreparedStatus::kOk ? py::object() : std::move(held);
+        return status;
+    }
+
+    Common common_;
+    std::unique_ptr<Core> core_;
+};
+
+class DispatchCall : public LowLatencyCall<cpu::PreparedDispatch> {
   public:
     DispatchCall(cpu::ShmPostPlan plan, cpu::DispatchGeometry geometry, const std::vector<py::tuple>& halves,
                  py::object key, const py::module_& torch)
-        : common_(torch, std::move(key)), g_(geometry), num_ranks_(plan.num_ranks) {
+        : LowLatencyCall(torch, std::move(key)), g_(geometry), num_ranks_(plan.num_ranks) {
         if (halves.size() != 2) throw py::value_error("PreparedDispatch: need the outputs of both halves");
         cpu::DispatchHalf h[2];
         for (int i = 0; i < 2; ++i) {
             const auto strides = halves[i][2].cast<std::tuple<int64_t, int64_t, int64_t>>();
-            h[i] = {ptr<uint8_t>(halves[i][0].cast<std::uintptr_t>()), ptr<uint8_t>(halves[i][1].cast<std::uintptr_t>()),
+            auto at = [&](int j) { return halves[i][j].cast<std::uintptr_t>(); };
+            h[i] = {ptr<uint8_t>(at(0)), ptr<uint8_t>(at(1)),
                     {std::get<0>(strides), std::get<1>(strides), std::get<2>(strides)},
-                    ptr<int32_t>(halves[i][3].cast<std::uintptr_t>()), ptr<int64_t>(halves[i][4].cast<std::uintptr_t>()),
-                    ptr<int32_t>(halves[i][5].cast<std::uintptr_t>())};
+                    ptr<int32_t>(at(3)), ptr<int64_t>(at(4)), ptr<int32_t>(at(5))};
         }
         core_ = std::make_unique<cpu::PreparedDispatch>(std::move(plan), geometry, h);
     }
@@ -98,45 +142,20 @@ class DispatchCall {
         in.num_tokens = xa.shape[0];
         in.x_row_stride = g_.hidden;
         in.topk_idx = reinterpret_cast<const int64_t*>(ta.data);
-        cpu::PreparedStatus status;
-        {
-            py::gil_scoped_release release;
-            status = core_->send(in, number, seq, slot, half);
-            if (status == cpu::PreparedStatus::kOk && receive) status = core_->receive(half);
-        }
-        if (status != cpu::PreparedStatus::kNotTaken)
-            common_.held[half] = receive && status == cpu::PreparedStatus::kOk ? py::object()
-                                                                                : py::make_tuple(recv_stats, wait_stats);
-        return static_cast<int>(status);
-    }
-
-    int receive(int half) {
-        check_half(half);
-        cpu::PreparedStatus status;
-        {
-            py::gil_scoped_release release;
-            status = core_->receive(half);
-        }
-        if (status == cpu::PreparedStatus::kOk) common_.held[half] = py::object();
-        return static_cast<int>(status);
-    }
-
-    std::tuple<int64_t, moe_comm::WaitOutcome> failure() const {
-        return {core_->failure().index, core_->failure().outcome};
+        return static_cast<int>(run(in, number, seq, slot, half, receive, py::make_tuple(recv_stats, wait_stats)));
     }
 
   private:
-    Common common_;
     cpu::DispatchGeometry g_;
     int64_t num_ranks_;
-    std::unique_ptr<cpu::PreparedDispatch> core_;
 };
 
-class CombineCall {
+class CombineCall : public LowLatencyCall<cpu::PreparedCombine> {
   public:
     CombineCall(cpu::ShmPostPlan plan, cpu::CombineGeometry geometry, py::object key, const py::module_& torch)
-        : common_(torch, std::move(key)), g_(geometry), num_ranks_(plan.num_ranks),
-          core_(std::make_unique<cpu::PreparedCombine>(std::move(plan), geometry)) {}
+        : LowLatencyCall(torch, std::move(key)), g_(geometry), num_ranks_(plan.num_ranks) {
+        core_ = std::make_unique<cpu::PreparedCombine>(std::move(plan), geometry);
+    }
 
     // (status, out): out is the given or a new [T, hidden] bf16 tensor when the call was taken.
     std::tuple<int, py::object> send(py::handle key, py::handle x, py::handle topk_idx, py::handle topk_weights,
@@ -175,39 +194,15 @@ class CombineCall {
         in.topk_weights = reinterpret_cast<const float*>(wa.data);
         in.num_tokens = T;
         in.out = reinterpret_cast<uint16_t*>(oa.data);
-        cpu::PreparedStatus status;
-        {
-            py::gil_scoped_release release;
-            status = core_->send(in, number, seq, slot, half);
-            if (status == cpu::PreparedStatus::kOk && receive) status = core_->receive(half);
-        }
+        const cpu::PreparedStatus status =
+            run(in, number, seq, slot, half, receive, py::make_tuple(topk_idx, topk_weights, result, wait_stats));
         if (status == cpu::PreparedStatus::kNotTaken) return not_taken;
-        common_.held[half] = receive && status == cpu::PreparedStatus::kOk
-                                 ? py::object()
-                                 : py::make_tuple(topk_idx, topk_weights, result, wait_stats);
         return {static_cast<int>(status), result};
     }
 
-    int receive(int half) {
-        check_half(half);
-        cpu::PreparedStatus status;
-        {
-            py::gil_scoped_release release;
-            status = core_->receive(half);
-        }
-        if (status == cpu::PreparedStatus::kOk) common_.held[half] = py::object();
-        return static_cast<int>(status);
-    }
-
-    std::tuple<int64_t, moe_comm::WaitOutcome> failure() const {
-        return {core_->failure().index, core_->failure().outcome};
-    }
-
   private:
-    Common common_;
     cpu::CombineGeometry g_;
     int64_t num_ranks_;
-    std::unique_ptr<cpu::PreparedCombine> core_;
 };
 
 // A tensor argument as a record field (its rows and columns in bytes), or false.

@@ -182,17 +182,18 @@ class Backend(abc.ABC):
         ``(combined_x, combined_topk_weights)`` or None (``portable.prepared_normal.PreparedNormalCombine``)."""
         return None
 
-    def prepare_low_latency_dispatch(self, key: tuple, hidden: int, num_topk: int, num_max_dispatch_tokens_per_rank: int,
-                                     num_experts: int, fp8_format: Fp8Format, hook: bool,
-                                     async_finish: bool) -> Optional[Any]:
+    def prepare_low_latency_dispatch(self, key: tuple, hidden: int, num_topk: int,
+                                     num_max_dispatch_tokens_per_rank: int, num_experts: int, fp8_format: Fp8Format,
+                                     hook: bool, async_finish: bool) -> Optional[Any]:
         """A prepared call for the later low-latency dispatches of one signature, after a checked call of it
         (``key``: the signature as ``Buffer`` builds it; the other arguments checked), or None where this
         backend takes none: its ``send(key, x, topk_idx, recv_stats, wait_stats)`` returns the buffer half of
         a call it ran, or -1 for the checked path to run it (``portable.prepared.PreparedDispatch``)."""
         return None
 
-    def prepare_low_latency_combine(self, key: tuple, hidden: int, num_topk: int, num_max_dispatch_tokens_per_rank: int,
-                                    num_experts: int, hook: bool, async_finish: bool) -> Optional[Any]:
+    def prepare_low_latency_combine(self, key: tuple, hidden: int, num_topk: int,
+                                    num_max_dispatch_tokens_per_rank: int, num_experts: int, hook: bool,
+                                    async_finish: bool) -> Optional[Any]:
         """As ``prepare_low_latency_dispatch``, for BF16 combines that are not zero-copy
         (``portable.prepared.PreparedCombine``)."""
         return None

@@ -215,8 +215,9 @@ class LowLatencyAPI:
                                                    **variant_knobs)
         if key is not None and (prepared is None or prepared and prepared.stale) and \
                 len(self._prepared_ll_combines) < MAX_PREPARED:
-            self._prepared_ll_combines[key] = not use_logfmt and not zero_copy and self.runtime.prepare_low_latency_combine(
-                key, handle[3], topk_idx.shape[1], handle[2], handle[4], return_recv_hook, async_finish) or False
+            self._prepared_ll_combines[key] = not use_logfmt and not zero_copy and \
+                self.runtime.prepare_low_latency_combine(key, handle[3], topk_idx.shape[1], handle[2], handle[4],
+                                                         return_recv_hook, async_finish) or False
         return result
 
     @agreed_call("low_latency_combine")

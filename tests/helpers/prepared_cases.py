@@ -3,13 +3,13 @@ path, run inside a rank: the same calls on two Buffers of one group, one of whic
 from __future__ import annotations
 
 import functools
-import sys
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import moe_comm
+from moe_comm.bench.python_calls import counted
 from moe_comm.ops import per_token_cast_to_fp8
 
 #: the most Python calls a prepared low-latency op half may make (issue 46: DeepEP's is six statements around one
@@ -192,8 +192,8 @@ def normal_python_calls(group: dist.ProcessGroup) -> dict[str, int]:
                                  num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
     counts: dict[str, int] = {}
     for _ in range(2):
-        (recv, _, _, _, handle, _), counts["dispatch"] = _counted(dispatch)
-        _, counts["combine"] = _counted(functools.partial(buf.combine, recv, handle))
+        (recv, _, _, _, handle, _), counts["dispatch"] = counted(dispatch)
+        _, counts["combine"] = counted(functools.partial(buf.combine, recv, handle))
     return _destroyed(counts, buf, unused)
 
 
@@ -209,25 +209,11 @@ def python_calls(group: dist.ProcessGroup) -> dict[str, int]:
     counts: dict[str, int] = {}
     for _ in range(2):  # the first call of a signature prepares it
         dispatch = functools.partial(buf.low_latency_dispatch, x, idx, m, experts)
-        sent, counts["dispatch_send"] = _counted(functools.partial(dispatch, return_recv_hook=True))
-        _, counts["dispatch_recv"] = _counted(sent[-1])
-        _, counts["dispatch_blocking"] = _counted(dispatch)
+        sent, counts["dispatch_send"] = counted(functools.partial(dispatch, return_recv_hook=True))
+        _, counts["dispatch_recv"] = counted(sent[-1])
+        _, counts["dispatch_blocking"] = counted(dispatch)
         combine = functools.partial(buf.low_latency_combine, y, idx, w, sent[2])
-        sent, counts["combine_send"] = _counted(functools.partial(combine, return_recv_hook=True))
-        _, counts["combine_recv"] = _counted(sent[-1])
-        _, counts["combine_blocking"] = _counted(combine)
+        sent, counts["combine_send"] = counted(functools.partial(combine, return_recv_hook=True))
+        _, counts["combine_recv"] = counted(sent[-1])
+        _, counts["combine_blocking"] = counted(combine)
     return _destroyed(counts, buf, unused)
-
-
-def _counted(fn: Callable[[], Any]) -> tuple[Any, int]:
-    calls = 0
-
-    def count(frame: Any, event: str, arg: Any) -> None:
-        nonlocal calls
-        calls += event == "call"
-
-    sys.setprofile(count)
-    try:
-        return fn(), calls
-    finally:
-        sys.setprofile(None)

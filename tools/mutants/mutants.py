@@ -473,12 +473,12 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         id="prepared-kernel-one-half",
-        file="csrc/cuda/host/bindings.cpp",
-        old="const Outputs& o = outputs_[(call - 1) & 1];",
-        new="const Outputs& o = outputs_[0];",
-        description="the kernels' prepared dispatch (cuda_host) always writes buffer half 0: the results of a "
+        file="csrc/cuda/python/prepared_low_latency.h",
+        old="const PreparedOutputs& o = outputs_[(call - 1) & 1];",
+        new="const PreparedOutputs& o = outputs_[0];",
+        description="the kernels' prepared dispatch (every build) always writes buffer half 0: the results of a "
                     "call on half 1 are never written",
-        hints=("tests/buffer/test_prepared.py",),
+        hints=("tests/buffer/test_prepared.py", "tests/backends/test_cuda_backend.py"),
     ),
     Mutant(
         id="prepared-wrong-signature-local",

@@ -192,7 +192,8 @@ struct DevicePrepared {
     // extra: (torch.device of the outputs, the comm stream as an int, WaitOutcome.MISMATCH as an int)
     DevicePrepared(py::object kernel, const py::tuple& extra, const py::module_& torch)
         : owner(kernel), ll(kernel.cast<LL*>()) {
-        if (ll->r.emulated) throw py::value_error("PreparedLowLatency: an emulated launch object takes no prepared calls");
+        if (ll->r.emulated)
+            throw py::value_error("PreparedLowLatency: an emulated launch object takes no prepared calls");
         if (extra.size() != 3)
             throw py::value_error("PreparedLowLatency: extra must be (device, comm stream, MISMATCH), got " +
                                   std::to_string(extra.size()) + " values");
@@ -223,7 +224,8 @@ struct DevicePrepared {
         if (p.is_dispatch)
             ll->template launch<LowLatencyDispatchArgs>(
                 receive ? "low-latency dispatch (receive)" : "low-latency dispatch (send)", p.call, no_skip,
-                placed_post, on_comm, [&](size_t) { return p.dispatch; }, receive ? LL::dispatch_recv : LL::dispatch_send);
+                placed_post, on_comm, [&](size_t) { return p.dispatch; },
+                receive ? LL::dispatch_recv : LL::dispatch_send);
         else
             ll->template launch<LowLatencyCombineArgs>(
                 receive ? "low-latency combine (receive)" : "low-latency combine (send)", p.call, no_skip, placed_post,

@@ -70,7 +70,8 @@ class PreparedLowLatency {
         if (num_experts != int64_t{local_} * R)
             throw py::value_error("PreparedLowLatency: num_experts " + std::to_string(num_experts) + " for " +
                                   std::to_string(local_) + " local experts on " + std::to_string(R) + " ranks");
-        if (!halves.empty() && halves.size() != 2) throw py::value_error("PreparedLowLatency: need both halves' outputs");
+        if (!halves.empty() && halves.size() != 2)
+            throw py::value_error("PreparedLowLatency: need both halves' outputs");
         for (size_t h = 0; h < halves.size(); ++h) outputs_[h] = halves[h];
         scale_bytes_ = format.fp8 ? 4 * (layout.hidden / moe_comm::kFp8Group / (format.ue8m0 ? 4 : 1)) : 0;
     }
@@ -83,8 +84,9 @@ class PreparedLowLatency {
         const int64_t M = build_.layout().max_tokens, H = build_.layout().hidden;
         moe_comm::python::TensorArg xa, ta;
         PreparedPending p;
-        if (!moe_comm::python::same_key(key, key_) || !moe_comm::python::read_tensor(x, t, t.bfloat16, 2, &xa, device) ||
-            xa.shape[1] != H || xa.shape[0] > M || !xa.contiguous() ||
+        if (!moe_comm::python::same_key(key, key_) ||
+            !moe_comm::python::read_tensor(x, t, t.bfloat16, 2, &xa, device) || xa.shape[1] != H || xa.shape[0] > M ||
+            !xa.contiguous() ||
             !moe_comm::python::read_tensor(topk_idx, t, t.int64, 2, &ta, device) || ta.shape[0] != xa.shape[0] ||
             ta.shape[1] != num_topk_ || !ta.contiguous() || !stats(recv_stats, t.int32, local_, &p.recv_stats) ||
             !stats(wait_stats, t.int64, build_.layout().num_ranks, &p.wait_stats) || outputs_[0].recv_x == 0)
@@ -199,14 +201,16 @@ void def_prepared_low_latency(py::module_& m, Make make, const char* extra_doc) 
     py::class_<Prepared>(m, "PreparedLowLatency", "A low-latency dispatch or combine prepared for one signature.")
         .def(py::init([make](py::object kernel, int64_t header, int64_t header_bytes, int call_word,
                              const PostArgs& post, int64_t num_experts, int num_topk, bool fp8, bool round_scale,
-                             bool ue8m0, const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>>& halves,
+                             bool ue8m0, const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>>&
+                                             halves,
                              py::object key, const py::module_& torch, py::tuple extra) {
                  std::vector<PreparedOutputs> outputs;
-                 for (const auto& [x, scales, src, range, count] : halves) outputs.push_back({x, scales, src, range, count});
+                 for (const auto& [x, scales, src, range, count] : halves)
+                     outputs.push_back({x, scales, src, range, count});
                  if (header_bytes < 0) throw py::value_error("PreparedLowLatency: header_bytes must be >= 0");
                  const auto* bytes = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(header));
-                 return Prepared(make(kernel, extra, torch), std::vector<uint8_t>(bytes, bytes + header_bytes), call_word,
-                                 post, num_experts, num_topk, CastFormat{fp8, round_scale, ue8m0}, outputs,
+                 return Prepared(make(kernel, extra, torch), std::vector<uint8_t>(bytes, bytes + header_bytes),
+                                 call_word, post, num_experts, num_topk, CastFormat{fp8, round_scale, ue8m0}, outputs,
                                  std::move(key), torch);
              }),
              py::arg("kernel"), py::arg("header"), py::arg("header_bytes"), py::arg("call_word"), py::arg("post"),

@@ -194,12 +194,14 @@ class KernelLowLatencyCalls:
     def low_latency_checks_topk(self) -> bool:
         return self.low_latency.agrees_in_data_path
 
-    def prepare_low_latency_dispatch(self, key: tuple, hidden: int, num_topk: int, num_max_dispatch_tokens_per_rank: int,
-                                     num_experts: int, fp8_format: Fp8Format, hook: bool, async_finish: bool) -> Any:
+    def prepare_low_latency_dispatch(self, key: tuple, hidden: int, num_topk: int,
+                                     num_max_dispatch_tokens_per_rank: int, num_experts: int, fp8_format: Fp8Format,
+                                     hook: bool, async_finish: bool) -> Any:
         return prepare_kernel_dispatch(self.low_latency, key, hidden, num_topk, num_max_dispatch_tokens_per_rank,
                                        num_experts, fp8_format, hook, async_finish)
 
-    def prepare_low_latency_combine(self, key: tuple, hidden: int, num_topk: int, num_max_dispatch_tokens_per_rank: int,
-                                    num_experts: int, hook: bool, async_finish: bool) -> Any:
+    def prepare_low_latency_combine(self, key: tuple, hidden: int, num_topk: int,
+                                    num_max_dispatch_tokens_per_rank: int, num_experts: int, hook: bool,
+                                    async_finish: bool) -> Any:
         return prepare_kernel_combine(self.low_latency, key, hidden, num_topk, num_max_dispatch_tokens_per_rank,
                                       num_experts, hook, async_finish)

@@ -141,14 +141,15 @@ class PortableBackend(Backend):
             return None
         return prepare_normal_combine(self.normal, self.low_latency._unsettled, key, x, topk_weights, config)
 
-    def prepare_low_latency_dispatch(self, key: tuple, hidden: int, num_topk: int, num_max_dispatch_tokens_per_rank: int,
-                                     num_experts: int, fp8_format: Fp8Format, hook: bool,
-                                     async_finish: bool) -> Optional[PreparedDispatch]:
+    def prepare_low_latency_dispatch(self, key: tuple, hidden: int, num_topk: int,
+                                     num_max_dispatch_tokens_per_rank: int, num_experts: int, fp8_format: Fp8Format,
+                                     hook: bool, async_finish: bool) -> Optional[PreparedDispatch]:
         return prepare_dispatch(self.low_latency, key, hidden, num_topk, num_max_dispatch_tokens_per_rank, num_experts,
                                 fp8_format, hook, async_finish)
 
-    def prepare_low_latency_combine(self, key: tuple, hidden: int, num_topk: int, num_max_dispatch_tokens_per_rank: int,
-                                    num_experts: int, hook: bool, async_finish: bool) -> Optional[PreparedCombine]:
+    def prepare_low_latency_combine(self, key: tuple, hidden: int, num_topk: int,
+                                    num_max_dispatch_tokens_per_rank: int, num_experts: int, hook: bool,
+                                    async_finish: bool) -> Optional[PreparedCombine]:
         return prepare_combine(self.low_latency, key, hidden, num_topk, num_max_dispatch_tokens_per_rank, num_experts,
                                hook, async_finish)
 
