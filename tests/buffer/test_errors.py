@@ -144,10 +144,12 @@ def test_bad_argument(worlds, name):
     assert __import__("re").search(pattern, message), message
 
 
+@pytest.mark.every_transport
+@pytest.mark.parametrize("transport", ("shm", "cuda_host"), indirect=True)  # the kinds that prepare calls
 @pytest.mark.parametrize("name", sorted(n for n in EXPECTED if n.startswith(("ll_", "llc_", "dispatch_", "combine_"))))
 def test_bad_argument_after_a_valid_call(worlds, name):
     """The same errors when a valid call of the bad call's signature came first: its prepared call declines
-    every bad argument, and the checked path words the error."""
+    every bad argument, and the checked path words the error (on every kind that prepares calls)."""
     (kind, message), = set(worlds(1).run(run_case, name, True))
     want_kind, pattern = EXPECTED[name]
     assert kind == want_kind, message

@@ -61,9 +61,12 @@ def prepared_equals_checked(group: dist.ProcessGroup, iterations: int, vary_hidd
     shapes = torch.Generator().manual_seed(7)  # the same hidden and top-k on every rank
     differ, dispatches, combines = 0, set(), set()
     for it in range(iterations):
-        hidden, topk = (512, 4) if it % 5 else (1024 if vary_hidden else 512, 3)
-        if not it % 7:
-            hidden, topk = int(torch.randint(1, 5, (1,), generator=shapes)) * 512 if vary_hidden else hidden, 2
+        # 12 iterations visit every signature (format it % 4, mode it % 3, stats it % 2) once: the first round
+        # prepares them; the second changes only the hidden size within each, the third the top-k width too
+        rnd, k = divmod(it, 12)
+        topk = (4, 3)[k % 2] if rnd % 3 < 2 else 2
+        drawn = int(torch.randint(1, 5, (1,), generator=shapes)) * 512
+        hidden = (512, 1024, drawn)[rnd % 3] if vary_hidden else 512
         tokens = int(torch.randint(0, m + 1, (1,), generator=g))
         x = (torch.randn(tokens, hidden, generator=g) * 0.3).bfloat16()
         idx, w = _routing(g, tokens, topk, experts), torch.rand(tokens, topk, generator=g)
