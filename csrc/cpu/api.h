@@ -174,7 +174,10 @@ void low_latency_positions(int32_t* pos, int64_t num_slots, const int64_t* msg, 
 // firsts[s], or, with firsts null, right after source s - 1's (from record 0). Checks (before writing
 // anything but the outputs' counts): every source's records inside [0, num_records) (with firsts null:
 // recv_counts sum to num_records), every field inside a record, every record's expert in
-// [0, num_local_experts), and no expert receiving more than rows_per_expert records.
+// [0, num_local_experts), and no expert receiving more than rows_per_expert records. With `padded` the
+// outputs already hold padding past their recv_count (a prepared call's buffer half, which an earlier call
+// filled): only the rows that call filled and this one does not are cleared (outputs untouched by a failed
+// check, so that stays true).
 void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int32_t* recv_count,
                         int64_t* layout_range,
                         const uint8_t* records, const int64_t* recv_counts, const int64_t* firsts,
@@ -183,7 +186,7 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
                         int64_t scales_offset, int64_t num_scales, int64_t scale_bytes,
                         int64_t scales_expert_stride, int64_t scales_row_stride, int64_t scales_col_stride,
                         int64_t src_offset, int64_t expert_offset,
-                        int num_threads);
+                        int num_threads, bool padded = false);
 
 // Routing digests of the handshake (moe_comm/handshake.py: digests_reference is the specification).
 // Keys are int32 (key_bytes 4, sign-extended) or int64; block b holds the next counts[b] keys and

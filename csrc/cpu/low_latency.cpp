@@ -101,7 +101,7 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
                         int64_t scales_offset, int64_t num_scales, int64_t scale_bytes,
                         int64_t scales_expert_stride, int64_t scales_row_stride, int64_t scales_col_stride,
                         int64_t src_offset, int64_t expert_offset,
-                        int num_threads) {
+                        int num_threads, bool padded) {
     const int64_t E = num_local_experts, R = num_ranks;
     const char* fn = "low_latency_unpack";
     MC_CHECK(num_records >= 0 && R >= 0 && E >= 0 && rows_per_expert >= 0 && record_bytes >= 0,
@@ -142,6 +142,15 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
             ++counts[static_cast<size_t>(e * R + s)];
         }
     }
+    // Rows an earlier call left filled (`padded`; clamped: the rows the clearing below may touch stay inside).
+    std::vector<int64_t> filled(static_cast<size_t>(E), rows_per_expert);
+    for (int64_t e = 0; e < E; ++e) {
+        int64_t row = 0;
+        for (int64_t s = 0; s < R; ++s) row += counts[static_cast<size_t>(e * R + s)];
+        MC_CHECK(row <= rows_per_expert, "low_latency_unpack: local expert " << e << " receives " << row
+                                             << " rows, more than its " << rows_per_expert);
+        if (padded) filled[static_cast<size_t>(e)] = std::clamp<int64_t>(recv_count[e], 0, rows_per_expert);
+    }
     std::vector<int64_t> begins(static_cast<size_t>(E * R));
     for (int64_t e = 0; e < E; ++e) {
         int64_t row = 0;
@@ -150,8 +159,6 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
             layout_range[e * R + s] = (row << 32) | counts[static_cast<size_t>(e * R + s)];
             row += counts[static_cast<size_t>(e * R + s)];
         }
-        MC_CHECK(row <= rows_per_expert, "low_latency_unpack: local expert " << e << " receives " << row
-                                             << " rows, more than its " << rows_per_expert);
         recv_count[e] = static_cast<int32_t>(row);
     }
     // Destination row of every record: the next free row of its (expert, source) block.
@@ -180,14 +187,16 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
         }
     });
     // Pass 3 (parallel over experts): the rows past each count are padding, written here so that the
-    // outputs may come from recycled memory: zero x and scales, src_info -1.
+    // outputs may come from recycled memory: zero x and scales, src_info -1 (with `padded`, up to the rows an
+    // earlier call filled: those past them hold padding already).
     parallel_for(E, std::max<int64_t>(1, grain / std::max<int64_t>(rows_per_expert, 1)), num_threads,
                  [&](int64_t lo, int64_t hi) {
         for (int64_t e = lo; e < hi; ++e) {
-            const int64_t used = recv_count[e], pad = rows_per_expert - used;
+            const int64_t used = recv_count[e], end = std::max(used, filled[static_cast<size_t>(e)]);
+            const int64_t pad = end - used;
             if (pad == 0) continue;
             stream_zero(recv_x + (e * rows_per_expert + used) * x_bytes, static_cast<size_t>(pad * x_bytes));
-            std::fill(src_info + e * rows_per_expert + used, src_info + (e + 1) * rows_per_expert, -1);
+            std::fill(src_info + e * rows_per_expert + used, src_info + e * rows_per_expert + end, -1);
             if (scales == nullptr) continue;
             for (int64_t c = 0; c < num_scales; ++c) {
                 uint8_t* column = scales + e * scales_expert_stride + c * scales_col_stride;
@@ -195,7 +204,7 @@ void low_latency_unpack(uint8_t* recv_x, uint8_t* scales, int32_t* src_info, int
                     std::memset(column + used * scale_bytes, 0, static_cast<size_t>(pad * scale_bytes));
                     continue;
                 }
-                for (int64_t r = used; r < rows_per_expert; ++r)
+                for (int64_t r = used; r < end; ++r)
                     std::memset(column + r * scales_row_stride, 0, static_cast<size_t>(scale_bytes));
             }
         }

@@ -194,7 +194,8 @@ PreparedStatus PreparedDispatch::receive(int half) {
                            recv_counts_.data(), firsts_.data(), R * plan_.room, R, local, R * g_.num_max_tokens,
                            plan_.record_bytes, g_.x_offset, g_.fp8 ? g_.hidden : 2 * g_.hidden, g_.scales_offset,
                            g_.fp8 ? g_.num_scales : 0, g_.scale_bytes, out.scales_strides[0], out.scales_strides[1],
-                           out.scales_strides[2], g_.src_offset, g_.expert_offset, plan_.num_threads);
+                           out.scales_strides[2], g_.src_offset, g_.expert_offset, plan_.num_threads,
+                           /*padded=*/true);
     } catch (...) {
         release(p.slot, p.seq);
         throw;

@@ -489,4 +489,13 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "only: the other ranks wait for a call that never comes",
         hints=("tests/buffer/test_fuzz.py",),
     ),
+    Mutant(
+        id="prepared-padding-not-cleared",
+        file="csrc/cpu/low_latency.cpp",
+        old="if (padded) filled[static_cast<size_t>(e)] = std::clamp<int64_t>(recv_count[e], 0, rows_per_expert);",
+        new="if (padded) filled[static_cast<size_t>(e)] = 0;",
+        description="a prepared dispatch's receive clears no padding in its buffer half: rows an earlier call "
+                    "filled past this call's counts keep that call's data (and src_info)",
+        hints=("tests/buffer/test_prepared.py",),
+    ),
 )

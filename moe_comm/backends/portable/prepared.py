@@ -272,7 +272,9 @@ def _preparable(mode: LowLatencyMode) -> bool:
 
 def _outputs(mode: LowLatencyMode, m: int, hidden: int, num_experts: int, fp8_format: Fp8Format) -> list[tuple]:
     """The dispatch outputs of both buffer halves for this geometry, shared by every prepared dispatch of it
-    (as DeepEP's two buffers are)."""
+    (as DeepEP's two buffers are), made as padding (no row received: zeros, src_info -1, counts 0). A receive
+    into a half then clears only the rows an earlier call filled past its own counts (``low_latency_unpack``'s
+    ``padded``): at a decode shape most rows of a half are padding, and stay so."""
     key = (m, hidden, num_experts, fp8_format)
     found = mode.prepared_outputs.get(key)
     if found is None:
@@ -284,6 +286,13 @@ def _outputs(mode: LowLatencyMode, m: int, hidden: int, num_experts: int, fp8_fo
         found = mode.prepared_outputs[key] = [
             dispatch_outputs(num_experts // mode.num_ranks, mode.num_ranks, m, hidden, scales, torch.device("cpu"))
             for _ in range(2)]
+        for recv_x, recv_scales, src_info, layout_range, recv_count in found:
+            recv_x.view(torch.uint8).zero_()
+            if recv_scales is not None:
+                recv_scales.zero_()
+            src_info.fill_(-1)
+            layout_range.zero_()
+            recv_count.zero_()
     return found
 
 
