@@ -122,7 +122,8 @@ def run_rank(group: dist.ProcessGroup, cfg: dict[str, Any]) -> Optional[dict[str
                   "a2a_ceiling_fp8": lambda: dist.all_to_all_single(a2a_out, a2a_in, rc, sc, group=group)})
     if "mpi" in bufs:
         cases["a2a_ceiling_fp8_mpi"] = mpi_all_to_all(a2a_out, a2a_in, rc, sc)
-    times = time_cases(cases, group, cfg["warmup"], cfg["iters"])
+    times = time_cases(cases, group, cfg["warmup"], cfg["iters"],
+                       after_previous=frozenset(n for n in cases if n.endswith("_hook_recv")))
 
     selections = int((topk_idx >= 0).sum())
     fp8_bytes, bf16_bytes = selections * fp8_msg, selections * 2 * H

@@ -39,19 +39,22 @@ def time_calls(fn: Callable[[], Any], warmup: int, iters: int) -> list[float]:
 
 
 def time_cases(cases: dict[str, Callable[[], Any]], group: dist.ProcessGroup, warmup: int,
-               iters: int) -> dict[str, list[float]]:
+               iters: int, after_previous: frozenset[str] = frozenset()) -> dict[str, list[float]]:
     """Per-iteration max-over-ranks seconds of every case. Collective. Cases take turns each
     iteration, so that noise from other tenants of a shared machine spreads over all of them alike,
     and the turn starts one case later each iteration: the case that follows the last one's
-    collective (gloo's threads still winding down on a 2-core machine) is each case in turn."""
+    collective (gloo's threads still winding down on a 2-core machine) is each case in turn. A case
+    named in ``after_previous`` (a hook's receive half) never starts a turn: it runs right after the
+    case before it in ``cases``."""
     for _ in range(warmup):
         for fn in cases.values():
             fn()
     fns = list(cases.values())
+    starts = [c for c, name in enumerate(cases) if name not in after_previous]
     times = torch.zeros(len(fns), iters, dtype=torch.float64)
     for i in range(iters):
         for j in range(len(fns)):
-            c = (i + j) % len(fns)
+            c = (starts[i % len(starts)] + j) % len(fns)
             fn = fns[c]
             dist.barrier(group)
             t0 = time.perf_counter()
