@@ -258,9 +258,11 @@ class Transport(abc.ABC):
         payload channel other buffers share gives posts a channel of their own."""
         return self.bulk_all_to_all(output, input, output_splits, input_splits, op=op)
 
-    def _close_poster(self) -> None:
+    def _close_poster(self, timeout_s: Optional[float] = None) -> None:
+        """Stops the posts' thread after the posts it holds; with ``timeout_s``, waits that long for them
+        (a post meets its peers' posts, so one left running could post after the transport closed)."""
         if self._poster is not None:
-            self._poster.stop()
+            self._poster.stop(timeout_s)
             self._poster = None
 
     @abc.abstractmethod
@@ -332,7 +334,8 @@ class _Poster:
 
     def __init__(self, name: str) -> None:
         self._jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
 
     def _loop(self) -> None:
         while True:
@@ -344,8 +347,11 @@ class _Poster:
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: Optional[float] = None) -> None:
+        """Ends the thread after the jobs already submitted; with ``timeout_s``, waits up to that long."""
         self._jobs.put(None)
+        if timeout_s is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
 
 class _Moved:

@@ -236,6 +236,7 @@ class CollectiveTransport(Transport):
         self._host = host_id()
         # NOTES: a failure inside _meet reports liveness from _peers, so give it a placeholder first.
         self._peers = [(self._host, os.getpid())] * self.num_ranks
+        self._closed = False
         self._metadata: Optional[dist.ProcessGroup] = None  # _meet runs on the group itself
         self._posts: Optional[dist.ProcessGroup] = None
         # who has come to this meeting, for its errors: ranks that never write here are the late ones
@@ -307,6 +308,8 @@ class CollectiveTransport(Transport):
               channel: Optional[dist.ProcessGroup]) -> Pending:
         """Starts the all-to-all on ``channel`` (the metadata group, whose ranks are the group's) or,
         when None, on the group itself."""
+        if self._closed:  # (a post still on its thread when close gave up waiting: never onto the group)
+            raise RuntimeError(f"{op}: rank {self.rank}: this Buffer's collective transport is closed (Buffer.destroy)")
         self._book.enter()
         if self.num_ranks == 1:
             if input.numel():
@@ -386,7 +389,21 @@ class CollectiveTransport(Transport):
         return ", ".join(dead)
 
     def close(self) -> None:
-        self._close_poster()
+        """Waits (one deadline each) for the posts still on this transport's thread and for the exchanges
+        it started, then drops its channels. Why: a post left on the thread would otherwise fall back to
+        the group itself after its channel is gone, where the ranks' next Buffer meets, and gloo aborts
+        the process on the mismatched sizes; the works' last references must not die on gloo's thread."""
+        if self._closed:
+            return
+        self._close_poster(self.timeout_s + STORE_WAIT_S)
+        self._closed = True
+        deadline = time.monotonic() + self.timeout_s
+        for works, _, _ in self._recent:
+            for work in works:
+                try:  # every rank posted the same exchanges; a failure was (or will be) raised by its call
+                    work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+                except RuntimeError:
+                    pass
         self._book = _ArrivalBook(self.rank, self.num_ranks)
         self._recent.clear()
         self._metadata = self._posts = None
