@@ -13,3 +13,11 @@ def test_pending_calls_across_destroy_leave_the_group_usable(worlds, world_size,
     for rank, result in enumerate(results):
         assert result["held"] >= 1, (rank, result)
         assert result["dispatch_equal"] and result["combine_equal"], (rank, result)
+
+
+@pytest.mark.every_transport  # the case the collective transport failed, on its own: on every world kind
+def test_late_post_rows_across_destroy_leave_the_group_usable(worlds):
+    """Rank 0's post thread moves a hooked call's rows at once, the others' 0.3 s late, after the buffer is
+    destroyed and the next one is meeting on the group (before the fix, a rank's process aborted)."""
+    for rank, result in enumerate(worlds(3).run(pending_then_new_buffer, "ll_hook_late_rows")):
+        assert result["held"] == 1 and result["dispatch_equal"] and result["combine_equal"], (rank, result)

@@ -3,6 +3,8 @@ destroyed buffer still held may reach the group after it (gloo aborts a process 
 has another size than the one it posted), and the new buffer's calls give what a synchronous call gave."""
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import torch
@@ -10,8 +12,22 @@ import torch.distributed as dist
 
 import moe_comm
 
-#: what is left pending when the first buffer is destroyed (every: the normal-mode three and a hooked combine)
+#: what is left pending when the first buffer is destroyed (every: the normal-mode three and a hooked combine);
+#: also ll_hook_late_rows: a hooked dispatch whose rows the post thread moves 0.3 s late on every rank but 0
 PENDING = ("dispatch", "cached_dispatch", "combine", "ll_dispatch_hook", "ll_combine_hook", "every")
+
+
+def _late_posts(transport: Any, delay_s: float) -> None:
+    """Makes the rows of this rank's posts late where a thread of the transport moves them (``collective``):
+    its ``posted_all_to_all``, called on that thread, sleeps ``delay_s`` first. Elsewhere nothing changes."""
+    posted_all_to_all = transport.posted_all_to_all
+
+    def late(*args: Any, **kw: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(delay_s)
+        return posted_all_to_all(*args, **kw)
+
+    transport.posted_all_to_all = late
 
 
 def pending_then_new_buffer(group: dist.ProcessGroup, pending: str) -> dict[str, Any]:
@@ -38,7 +54,9 @@ def pending_then_new_buffer(group: dist.ProcessGroup, pending: str) -> dict[str,
         held.append(first.dispatch(x, handle=handle, async_finish=True))
     if every or pending == "combine":
         held.append(first.combine(recv_x, handle, async_finish=True))
-    if pending == "ll_dispatch_hook":  # (not with every: three results would exceed the two buffer halves)
+    if pending == "ll_hook_late_rows" and hasattr(getattr(first.runtime, "transport", None), "posted_all_to_all"):
+        _late_posts(first.runtime.transport, 0.3 if rank else 0.0)  # rank 0's rows first, the others' late
+    if pending in ("ll_dispatch_hook", "ll_hook_late_rows"):  # (not with every: three results would exceed two halves)
         held.append(first.low_latency_dispatch(x, idx, tokens, experts, return_recv_hook=True))
     if every or pending == "ll_combine_hook":
         ll_x, _, ll_handle, _, _ = first.low_latency_dispatch(x, idx, tokens, experts, use_fp8=False)

@@ -498,4 +498,13 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "filled past this call's counts keep that call's data (and src_info)",
         hints=("tests/buffer/test_prepared.py",),
     ),
+    Mutant(
+        id="collective-post-after-close",
+        file="moe_comm/transport/collective.py",
+        old="        self._close_poster(self.timeout_s + STORE_WAIT_S)\n        self._closed = True\n",
+        new="        self._close_poster()\n",
+        description="destroy on the collective transport neither waits for the posts on its thread nor closes: "
+                    "a hooked call's late rows fall back to the group and meet the next Buffer's handshake",
+        hints=("tests/buffer/test_destroy_pending.py",),
+    ),
 )
