@@ -352,7 +352,9 @@ class MpiTransport(Transport):
         return [r for r in self._host_ranks if r != self.rank and not native().process_alive(self.pids[r])]
 
     def close(self) -> None:
-        self._close_poster()
+        # the posts still on the thread first (one deadline): their requests must be posted, and waited for below,
+        # before the communicators are freed under them (a hooked combine left pending hung 4 ranks at destroy)
+        self._close_poster(self.timeout_s + 1.0)
         if self._failed is not None:
             self._abort()
         for requests, _ in list(self._inflight):
