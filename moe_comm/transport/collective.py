@@ -185,6 +185,11 @@ class _Meeting:
         return late, ", ".join(exited)
 
 
+def _wait_work(work: dist.Work, deadline: float) -> None:
+    """Waits for ``work`` until ``deadline`` (``time.monotonic``); a backend error or timeout raises RuntimeError."""
+    work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+
+
 class _CollectivePending:
     def __init__(self, transport: "CollectiveTransport", works: list[dist.Work], op: str) -> None:
         self._transport, self._works, self._op = transport, works, op
@@ -195,7 +200,7 @@ class _CollectivePending:
         deadline = time.monotonic() + transport.timeout_s  # one deadline for all of the exchange's works
         for work in works:
             try:
-                work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+                _wait_work(work, deadline)
             except RuntimeError as exc:
                 transport.raise_failure(self._op, exc)
 
@@ -401,7 +406,7 @@ class CollectiveTransport(Transport):
         for works, _, _ in self._recent:
             for work in works:
                 try:  # every rank posted the same exchanges; a failure was (or will be) raised by its call
-                    work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+                    _wait_work(work, deadline)
                 except RuntimeError:
                     pass
         self._book = _ArrivalBook(self.rank, self.num_ranks)
