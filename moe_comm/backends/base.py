@@ -218,6 +218,15 @@ class Backend(abc.ABC):
     def clear_masks(self) -> None:
         """Unmasks every rank."""
 
+    def watch_rejoins(self, joinable: Callable[[frozenset[int]], frozenset[int]]) -> None:
+        """Asks ``joinable(masked ranks)`` in each shrinking dispatch's handshake which masked ranks have a
+        replacement ready (an elastic Buffer). Backends that cannot admit one ignore it."""
+
+    def take_admission(self) -> frozenset[int]:
+        """The masked ranks that every rank decided, in one handshake, to admit (then forgotten here):
+        the Buffer admits them at its next low-latency dispatch. Empty where nothing was decided."""
+        return frozenset()
+
 
 def agreed_call(op: str) -> Callable[[F], F]:
     """Makes a ``Buffer`` method one collective call ``op`` of the buffer's backend (``self.runtime``):

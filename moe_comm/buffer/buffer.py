@@ -19,11 +19,15 @@ from ..core.config import Config, check_internode_combine_config, combine_config
 from ..core.errors import bad_argument
 from ..protocol.handle import NormalHandle
 from ..protocol.internode_layout import check_tokens_per_node, tokens_per_node
+from .. import transport as transports
+from ..transport.collective import default_store
 from ..transport.mpi import as_comm
+from ..transport.store_group import StoreGroup
 from . import library
 from .event import NO_EVENT, EventHandle, EventOverlap
 from .low_latency import MAX_PREPARED, LowLatencyAPI, XType
 from .low_latency_args import low_latency_buffer_bytes
+from .rejoin import Membership
 from .normal_args import (TOPK_IDX_T, check_combine_args, check_dispatch_routing, check_num_experts, check_topk_idx,
                           split_x)
 
@@ -71,7 +75,14 @@ class Buffer(LowLatencyAPI):
             call completes without its experts (``low_latency_query_mask_buffer`` reports it). Each
             low-latency handshake then takes two rounds that survive a missing rank: the ``shm``
             transport's metadata cells when every rank is on one host (measured +0.2 ms a call),
-            else torch.distributed's rendezvous store (+0.6 ms). Normal-mode calls never shrink.
+            else torch.distributed's rendezvous store (+0.6 ms). Normal-mode calls never shrink. While a
+            rank is masked, each low-latency dispatch also looks in the rendezvous store for a process
+            started to replace it (``rejoin``), and admits it (docs/elastic-ep.md).
+        rejoin: this process replaces a rank of a running job whose ``enable_shrink=True`` buffers masked
+            it (default: env ``MOE_COMM_REJOIN``): instead of meeting the group, the Buffer announces
+            itself in the rendezvous store and returns once the survivors have admitted it, at one of
+            their low-latency dispatches (``CommTimeoutError`` if none comes within twice ``timeout_s``).
+            Needs ``low_latency_mode`` and ``enable_shrink``; not on ``mpi`` (MPI cannot admit a process).
     """
 
     #: SMs DeepEP's normal kernels use; only feeds the default configs here.
@@ -81,7 +92,8 @@ class Buffer(LowLatencyAPI):
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Any = None, *,
-                 backend: str = "auto", transport: str = "auto", timeout_s: Optional[float] = None) -> None:
+                 backend: str = "auto", transport: str = "auto", timeout_s: Optional[float] = None,
+                 rejoin: Optional[bool] = None) -> None:
         op = "Buffer"
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
                             ("num_qps_per_rank", num_qps_per_rank)):
@@ -110,6 +122,8 @@ class Buffer(LowLatencyAPI):
             if not isinstance(value, str):
                 bad_argument(op, name, "a str", describe(value), kind=TypeError)
         choice = backends.choose(backend, group, comm)
+        rejoin = env.rejoin() if rejoin is None else rejoin
+        check_bools(op, rejoin=rejoin)
 
         self.group, self.comm = group, comm
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
@@ -119,12 +133,19 @@ class Buffer(LowLatencyAPI):
         self.timeout_s = float(timeout_s)
         #: the backend this buffer runs on, and why it was picked
         self.backend_choice = choice
-        #: the backend object (DeepEP's ``runtime``, its C++ buffer)
-        self.runtime: Backend = backends.create(
-            choice, group=group, comm=comm, transport=transport, timeout_s=self.timeout_s,
-            buffer_bytes=max(num_nvl_bytes, num_rdma_bytes), shrink=enable_shrink)
-        if low_latency_mode:
-            self.runtime.reserve_low_latency(num_rdma_bytes)
+        #: the epochs of an elastic buffer (``enable_shrink``: ranks masked, replacements admitted), else None
+        self.membership: Optional[Membership] = None
+        if rejoin:
+            name = self._rejoinable(transport)
+            self.membership = Membership(group, default_store(), self.timeout_s)
+            #: the backend object (DeepEP's ``runtime``, its C++ buffer); a new one per epoch
+            self.runtime: Backend = self.membership.join(lambda epoch_group: self._build_runtime(epoch_group, name))
+        else:
+            self.runtime = self._build_runtime(group, transport)
+            if enable_shrink:
+                self.membership = Membership.of(group, self.runtime.transport_name, self.timeout_s)
+                if self.membership is not None:
+                    self.membership.watch(self.runtime)
         self.transport_name = self.runtime.transport_name
         self.rank, self.group_size = self.runtime.rank, self.runtime.num_ranks
         #: DeepEP's node split of the group: its internode forms apply when ``topology.internode``
@@ -133,6 +154,49 @@ class Buffer(LowLatencyAPI):
         self._op_id, self._op_state = library.register(self)
         self._prepared_dispatches, self._prepared_combines = {}, {}  # normal mode's prepared calls
         self._prepared_ll_dispatches, self._prepared_ll_combines = {}, {}
+
+    def _build_runtime(self, group: Union[dist.ProcessGroup, StoreGroup, None], transport: str) -> Backend:
+        """A backend for ``group`` (the caller's, or an epoch's); collective over it."""
+        runtime = backends.create(
+            self.backend_choice, group=group, comm=self.comm, transport=transport, timeout_s=self.timeout_s,
+            buffer_bytes=max(self.num_nvl_bytes, self.num_rdma_bytes), shrink=self.enable_shrink)
+        if self.low_latency_mode:
+            runtime.reserve_low_latency(self.num_rdma_bytes)
+        return runtime
+
+    def _rejoinable(self, transport: str) -> str:
+        """The transport a replacement (``rejoin=True``) joins over; raises ValueError naming what is missing."""
+        op = "Buffer"
+        if self.comm is not None:
+            bad_argument(op, "rejoin", "False with comm= (MPI cannot admit a process; use a torch.distributed "
+                         "gloo group, whose shm or collective transport can)", True)
+        if not (self.low_latency_mode and self.enable_shrink):
+            bad_argument(op, "rejoin", "True only with low_latency_mode=True and enable_shrink=True (the survivors "
+                         "mask the dead rank and admit its replacement at a low-latency dispatch)",
+                         f"low_latency_mode={self.low_latency_mode}, enable_shrink={self.enable_shrink}")
+        if self.backend_choice.name not in ("portable", "cuda_host"):
+            bad_argument(op, "rejoin", "a Buffer on the portable or cuda_host backend (the cuda backend's rejoin "
+                         "path has never run on a GPU)", str(self.backend_choice))
+        name = transports.resolve(transport, self.group)
+        if name == "mpi":
+            bad_argument(op, "rejoin", "a transport that can admit a process: shm or collective (MPI cannot "
+                         "without ULFM)", f"transport {name!r}")
+        if default_store() is None:
+            bad_argument(op, "rejoin", "torch.distributed initialised with the job's rendezvous store, which "
+                         "the survivors share", "no rendezvous store")
+        return name
+
+    def _admit(self) -> None:
+        """At a low-latency dispatch: builds the next epoch with the replacements every rank decided to admit
+        (``rejoin.py``), and runs on it from here if every member built it."""
+        joiners = self.runtime.take_admission()
+        if not joiners:
+            return
+        runtime = self.membership.admit(joiners, lambda group: self._build_runtime(group, self.transport_name))
+        if runtime is not None:
+            old, self.runtime = self.runtime, runtime
+            old.destroy()
+            self._drop_prepared()
 
     def __repr__(self) -> str:
         return (f"Buffer(rank {self.rank} of {self.group_size}, {self.backend_choice}"

@@ -35,7 +35,9 @@ class LowLatencyAPI:
     num_rdma_bytes: int
     low_latency_mode: bool
     enable_shrink: bool
+    membership: Any  # ``rejoin.Membership`` of an elastic buffer, else None
     runtime: Backend
+    _admit: Callable[[], None]  # admits the replacements every rank decided on (``buffer.py``)
     _alive: Callable[[str], None]  # raises once the buffer is destroyed or broken
     #: prepared calls by signature (``backends.portable.prepared``); False: the backend takes none for it
     _prepared_ll_dispatches: dict[tuple, Any]
@@ -100,6 +102,8 @@ class LowLatencyAPI:
                                                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
                                                 use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
                                                 **variant_knobs)
+        if self.membership is not None:  # replacements every rank decided to admit join at this dispatch
+            self._admit()
         # A call of a signature seen before: its prepared call (docs/DESIGN "prepared calls"), unless it
         # declines the arguments; then the checked path runs the call (and words any error).
         key = None if variant_knobs else (num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,

@@ -32,6 +32,8 @@ MOE_COMM_RANKS_PER_NODE  ranks of one node where one machine stands for several:
                      emulate several nodes). Unset: a node is a host. ``LOCAL_WORLD_SIZE`` is not read for
                      this: launchers and engines set it to other things (vLLM's CPU platform: the
                      tensor-parallel size), and the ranks of one host always share its memory.
+MOE_COMM_REJOIN      ``1``: this process replaces a rank of a running job; ``Buffer(rejoin=None)`` reads it
+                     (docs/elastic-ep.md). Unset or ``0``: a Buffer meets its group as usual.
 """
 from __future__ import annotations
 
@@ -99,6 +101,16 @@ def pool_bytes() -> int:
 def weight_cache_bytes() -> int:
     """Bytes of cached fp32 expert weights, from ``MOE_COMM_WEIGHT_CACHE_BYTES`` (0 allowed), else 1 GiB."""
     return _byte_count("MOE_COMM_WEIGHT_CACHE_BYTES", DEFAULT_WEIGHT_CACHE_BYTES)
+
+
+def rejoin() -> bool:
+    """``MOE_COMM_REJOIN``: 1 when this process replaces a rank of a running job (``Buffer(rejoin=...)``)."""
+    value = os.environ.get("MOE_COMM_REJOIN", "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"environment variable MOE_COMM_REJOIN must be 1 or 0, got {value!r}")
 
 
 def ranks_per_node() -> Optional[int]:

@@ -76,6 +76,11 @@ class CallAgreement:
         self.shrink = shrink
         #: masked ranks (DeepEP's mask buffer): low-latency calls neither send to nor wait for them
         self.masked: set[int] = set()
+        #: ``joinable(masked)``: which masked ranks have a replacement ready (an elastic Buffer's store,
+        #: ``transport/admission.py``), asked in each shrinking dispatch's handshake; None: nobody rejoins
+        self.joinable: Optional[Callable[[frozenset[int]], frozenset[int]]] = None
+        #: masked ranks that every rank decided, in one handshake, to admit at its next dispatch
+        self.admit: frozenset[int] = frozenset()
         self.calls = 0  # collective calls begun, rejected ones included
         self.broken: Optional[str] = None  # why this buffer refuses further use
         self.destroyed = False
@@ -326,18 +331,21 @@ class CallAgreement:
         """A shrinking buffer's handshake exchange (``shrink.py``): (every rank's vector, masked
         ranks), the same on every rank that returns; breaks the buffer of a rank that was masked."""
         R, me, transport = self.num_ranks, self.rank, self.transport
+        joinable = self.joinable if op == "low_latency_dispatch" and skip else None
+        ready = joinable(skip) if joinable is not None else frozenset()
         while True:
             sources = [r for r in range(R) if r not in skip]
             got, late = transport.gather_tolerant(vector(scalars, num_ranks=R, **entries), sources, sources, op=op)
             if len({row[Field.CALL] for row in got.values()}) > 1:  # out of step: the verdict says so
                 return [got.get(r, []) for r in range(R)], skip | frozenset(late)
             # sent to the late ranks too: one that is only slow learns that it was masked
-            notes, missed = transport.gather_tolerant(note(call.number, skip, late, R), sources,
+            notes, missed = transport.gather_tolerant(note(call.number, skip, late, ready, R), sources,
                                                       [r for r in sources if r not in late], op=op)
-            union, masked_by, masks = set(skip) | set(late) | set(missed), [], []
+            union, masked_by, masks, joiners = set(skip) | set(late) | set(missed), [], [], set()
             for r, row in notes.items():
-                number, masked, seen_late = read_note(row, R)
+                number, masked, seen_late, seen_ready = read_note(row, R)
                 masks.append(masked)
+                joiners |= seen_ready
                 if number != call.number:
                     self.breaks(f"rank {r} was found on another call than call {call.number} ({op}) in the shrink "
                                 f"protocol: a rank skipped a call, or failed one alone")
@@ -356,6 +364,8 @@ class CallAgreement:
                             f"the deadline, so this rank cannot know which ranks the others masked")
                 raise BufferUnusableError(op, me, self.broken)
             if all(masked == union for masked in masks):
+                if joiners and joiners == union:  # every masked rank has its replacement waiting
+                    self.admit = frozenset(joiners)
                 return [got.get(r, []) for r in range(R)], skip
             skip = frozenset(union)
             if propose is not None:

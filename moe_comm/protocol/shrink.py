@@ -15,7 +15,11 @@ round again with the vectors rebuilt for ``U`` (a token's experts on masked rank
 the call completes among the ranks left. Each extra round masks one more rank at least.
 
 A rank that finds itself in ``U`` (it was late on some peer's side, e.g. it stopped calling for a
-while) cannot rejoin: its buffer refuses further use, saying who masked it. A rank that misses a
+while) cannot rejoin as it is: its buffer refuses further use, saying who masked it. A new process in
+its place can (``Buffer(..., rejoin=True)``): in a dispatch's notes every rank also flags the masked
+ranks whose replacement it found ready (``transport/admission.py``); when the union of those flags
+covers every masked rank, each rank that returns from the call decided, alike, to admit them at its
+next low-latency dispatch (``Buffer`` builds the next epoch there). A rank that misses a
 note of step 2 cannot know ``U`` and breaks its buffer; the others then find it on another call at
 their next handshake and break theirs too. Either way nobody returns rows shaped by a mask that
 differs from a peer's.
@@ -42,14 +46,16 @@ def ranks_of(flags: list[int]) -> frozenset[int]:
     return frozenset(r for r, flag in enumerate(flags) if flag)
 
 
-def note(call: int, masked: Iterable[int], late: Iterable[int], num_ranks: int) -> list[int]:
-    """One rank's step-2 note: MARK, its call number, then flags of the ranks it masked before step 1
-    and of those it found late in step 1."""
-    return [MARK, call] + _bitmap(masked, num_ranks) + _bitmap(late, num_ranks)
+def note(call: int, masked: Iterable[int], late: Iterable[int], ready: Iterable[int], num_ranks: int) -> list[int]:
+    """One rank's step-2 note: MARK, its call number, then flags of the ranks it masked before step 1,
+    of those it found late in step 1, and of the masked ranks whose replacement it found ready."""
+    return [MARK, call] + _bitmap(masked, num_ranks) + _bitmap(late, num_ranks) + _bitmap(ready, num_ranks)
 
 
-def read_note(row: list[int], num_ranks: int) -> tuple[int, frozenset[int], frozenset[int]]:
-    """(call number or -1 when ``row`` is no note, masked ranks, late ranks) of a step-2 note."""
-    if len(row) != 2 + 2 * num_ranks or row[0] != MARK:
-        return -1, frozenset(), frozenset()
-    return row[1], ranks_of(row[2:2 + num_ranks]), ranks_of(row[2 + num_ranks:])
+def read_note(row: list[int], num_ranks: int) -> tuple[int, frozenset[int], frozenset[int], frozenset[int]]:
+    """(call number or -1 when ``row`` is no note, masked ranks, late ranks, ranks ready to rejoin) of a
+    step-2 note."""
+    R = num_ranks
+    if len(row) != 2 + 3 * R or row[0] != MARK:
+        return -1, frozenset(), frozenset(), frozenset()
+    return row[1], ranks_of(row[2:2 + R]), ranks_of(row[2 + R:2 + 2 * R]), ranks_of(row[2 + 2 * R:])

@@ -36,6 +36,7 @@ from ..core.topology import split_nodes
 from .base import Pending, Transport, host_id, peer_blocks
 from .host_counters import HostCounters
 from .store_gather import StoreGather
+from .store_group import StoreGroup, gloo_backend
 
 __all__ = ["CollectiveTransport"]
 
@@ -210,20 +211,25 @@ class CollectiveTransport(Transport):
 
     name = "collective"
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float, buffer_bytes: int = 0) -> None:
+    def __init__(self, group: "dist.ProcessGroup | StoreGroup", timeout_s: float, buffer_bytes: int = 0) -> None:
         """Collective over ``group``: every rank of the group must construct it, in the same order
-        as any other transport on the group (the n-th construction on each rank pairs up).
+        as any other transport on the group (the n-th construction on each rank pairs up). A
+        ``StoreGroup`` (an elastic Buffer's epoch) is used through its gloo backend directly.
         ``buffer_bytes`` is unused: buffers are allocated per exchange."""
         super().__init__()
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
         self.timeout_s = timeout_s
-        self._backend = str(dist.get_backend(group))
+        if isinstance(group, StoreGroup):
+            self.rank, self.num_ranks, self._backend = group.rank, group.size, "gloo"
+            store, scope, global_ranks = group.store, group.scope, group.global_ranks
+        else:
+            self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
+            self._backend = str(dist.get_backend(group))
+            store, scope = default_store(), f"moe_comm/{getattr(group, 'group_name', 'default')}"
+            whole = self.num_ranks == dist.get_world_size()  # emulated nodes count world ranks
+            global_ranks = [dist.get_global_rank(group, r) for r in range(self.num_ranks)] if whole else None
         self.device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" \
             else torch.device("cpu")
-        store = default_store()
-        scope = f"moe_comm/{getattr(group, 'group_name', 'default')}"
         instance = 0
         if store is not None:
             try:
@@ -248,9 +254,9 @@ class CollectiveTransport(Transport):
         self._meeting = _Meeting(store, f"{scope}/meeting/{instance}", self.rank, self.num_ranks, self._host)
         self._peers = self._meet(instance, store, f"{scope}/arrivals/{instance}")
         self._meeting = None
-        whole = dist.get_world_size(group) == dist.get_world_size()  # emulated nodes count world ranks
-        self.nodes = split_nodes([host for host, _ in self._peers],
-                                 [dist.get_global_rank(group, r) for r in range(self.num_ranks)] if whole else None)
+        #: each rank's place in the launcher's world, None when the group is not the whole world
+        self.global_ranks = global_ranks
+        self.nodes = split_nodes([host for host, _ in self._peers], global_ranks)
         self._metadata = self._metadata_channel(store, f"{scope}/metadata/{instance}")
         # the rows of posts move on a thread (the send half never waits), on a group of their own: other
         # buffers of the group keep posting to it from the caller's thread, in their own order
@@ -266,8 +272,8 @@ class CollectiveTransport(Transport):
         if self._backend != "gloo" or self.num_ranks == 1 or store is None:
             return None
         try:
-            return bounded(lambda: dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), self.rank, self.num_ranks,
-                                                         datetime.timedelta(seconds=self.timeout_s)),
+            return bounded(lambda: gloo_backend(dist.PrefixStore(prefix, store), self.rank, self.num_ranks,
+                                                self.timeout_s),
                            self.timeout_s + STORE_WAIT_S, "Buffer(): connecting the metadata group")
         except (TimeoutError, RuntimeError) as exc:
             self.raise_failure("Buffer()", exc)
@@ -326,6 +332,9 @@ class CollectiveTransport(Transport):
             elif channel is not None:
                 works = [channel.alltoall_base(_as_wire(output), _as_wire(input), [int(n) for n in output_splits],
                                                [int(n) for n in input_splits], dist.AllToAllOptions())]
+            elif isinstance(self.group, StoreGroup):
+                works = [self.group.backend.alltoall_base(_as_wire(output), _as_wire(input), list(output_splits),
+                                                          list(input_splits), dist.AllToAllOptions())]
             else:
                 works = [dist.all_to_all_single(_as_wire(output), _as_wire(input), list(output_splits),
                                                 list(input_splits), group=self.group, async_op=True)]
@@ -340,8 +349,10 @@ class CollectiveTransport(Transport):
         """The all-to-all as sends and receives between the ranks not in ``skip`` (a collective
         would wait for them). Blocks of skipped ranks stay as they are."""
         works = []
+        if channel is None and isinstance(self.group, StoreGroup):
+            channel = self.group.backend
         for peer, send, recv in peer_blocks(output, input, output_splits, input_splits, self.rank, skip):
-            if channel is not None:  # the metadata group: its own ranks, tag 0
+            if channel is not None:  # a gloo backend of its own (the metadata group, an epoch's group): its ranks, tag 0
                 if send.shape[0]:
                     works.append(channel.send([_as_wire(send)], peer, 0))
                 if recv.shape[0]:
@@ -404,7 +415,10 @@ class CollectiveTransport(Transport):
         self._closed = True
         deadline = time.monotonic() + self.timeout_s
         for works, _, _ in self._recent:
-            for work in works:
+            # NOTES: only the works nobody waited for: waiting again for a finished send or receive of gloo
+            # waits for another completion, which never comes (it cost every destroy after a masked call the
+            # whole deadline)
+            for work in (work for work in works if not work.is_completed()):
                 try:  # every rank posted the same exchanges; a failure was (or will be) raised by its call
                     _wait_work(work, deadline)
                 except RuntimeError:

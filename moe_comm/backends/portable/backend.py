@@ -167,3 +167,10 @@ class PortableBackend(Backend):
 
     def clear_masks(self) -> None:
         self.agreement.masked.clear()
+
+    def watch_rejoins(self, joinable: Callable[[frozenset[int]], frozenset[int]]) -> None:
+        self.agreement.joinable = joinable
+
+    def take_admission(self) -> frozenset[int]:
+        admit, self.agreement.admit = self.agreement.admit, frozenset()
+        return admit
