@@ -72,7 +72,8 @@ def run_rank(cfg: dict[str, Any]) -> None:
     rank, R = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=60))
-    replacing = os.environ.get("MOE_COMM_REJOIN") == "1"
+    replacing = os.environ.get("MOE_COMM_REJOIN") == "1"  # (until its first step is recorded)
+    original = not replacing  # the first process of this rank: the one --kill applies to
     # NOTES: a replacement's world group cannot connect to the survivors' (their pairs to the dead rank are
     # gone); lazy init keeps it from trying, and moe-comm never uses it for data.
     dist.init_process_group("gloo", store=store, rank=rank, world_size=R, timeout=timedelta(seconds=60))
@@ -90,11 +91,12 @@ def run_rank(cfg: dict[str, Any]) -> None:
                            num_max_dispatch_tokens_per_rank=M)
     step = int(store.get(_STEP)) if replacing else 0
     status = torch.zeros(R, dtype=torch.int32)
+    masked: list[int] = []
     while step < cfg["steps"]:
-        begin = time.monotonic()
+        begin, began = time.monotonic(), time.time()
         store.set(_STEP, str(step))  # every rank sets the same: where a replacement joins
-        if not replacing and cfg["kill"].get(rank) == step:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if original and cfg["kill"].get(rank, cfg["steps"]) <= step and not masked:
+            os.kill(os.getpid(), signal.SIGKILL)  # (a second loss waits until the first one's replacement is in)
         inputs = step_inputs(cfg, step, R, router)
         t0 = time.perf_counter()
         out = layer(*inputs[rank])
@@ -107,7 +109,7 @@ def run_rank(cfg: dict[str, Any]) -> None:
         gone = torch.tensor(masked, dtype=torch.int64)
         idxs = [torch.where((idx // local).unsqueeze(-1).eq(gone).any(-1), -1, idx) for _, idx, _ in live]
         ref = ep_moe_reference([x for x, _, _ in live], idxs, [w for _, _, w in live], experts, "low_latency")
-        record = {"step": step, "rank": rank, "seconds": seconds, "masked": masked, "pid": os.getpid(),
+        record = {"step": step, "rank": rank, "began": began, "seconds": seconds, "masked": masked, "pid": os.getpid(),
                   "bitwise": torch.equal(out.view(torch.int16), ref[rank].view(torch.int16)),
                   "epoch": buf.membership.epoch}
         if replacing:  # its first step: when it started, was ready, was admitted, and this step ended
@@ -116,6 +118,7 @@ def run_rank(cfg: dict[str, Any]) -> None:
         replacing = False
         step += 1
         time.sleep(max(0.0, cfg["step_s"] - (time.monotonic() - begin)))  # the loop's pace: requests arrive
+    store.set(f"{_RECORD}/history/{rank}/{os.getpid()}", json.dumps(buf.membership.history))
     buf.destroy()
     sys.stdout.flush()
     os._exit(0)  # the world group still holds pairs to dead ranks: tearing it down is not worth the wait
@@ -197,7 +200,10 @@ def launch(cfg: dict[str, Any], env: Optional[dict[str, str]] = None) -> dict[st
     records = []
     for step in range(cfg["steps"]):
         records += [json.loads(store.get(k)) for k in _record_keys(store, step, events)]
-    return {"records": records, "events": events, "finished": sorted(finished)}
+    histories = {f"{r} (pid {pid})": json.loads(store.get(f"{_RECORD}/history/{r}/{pid}"))
+                 for r, pid in sorted({(e["rank"], e["pid"]) for e in events if e.get("rank", -1) >= 0})
+                 if store.check([f"{_RECORD}/history/{r}/{pid}"])}
+    return {"records": records, "events": events, "finished": sorted(finished), "histories": histories}
 
 
 def _record_keys(store: dist.Store, step: int, events: list[dict[str, Any]]) -> list[str]:
@@ -239,6 +245,10 @@ def table(result: dict[str, Any], cfg: dict[str, Any]) -> tuple[list[str], bool]
                      f"{rec['ready'] - rec['started']:.2f} s, ready -> admitted {rec['admitted'] - rec['ready']:.2f} s, "
                      f"first joint step {rec['step']} (epoch {rec['epoch']}) done "
                      f"{rec['stepped'] - rec['started']:.2f} s after its start")
+    for who, history in result["histories"].items():
+        for h in history:
+            lines.append(f"rank {who}: epoch {h['epoch']} (admitting {h['ranks']}): {h['outcome'][:300]}, "
+                         f"{h['seconds'] * 1e3:.0f} ms")
     passed &= result["finished"] == list(range(R))
     return lines, passed
 
@@ -255,13 +265,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--timeout", type=float, default=10.0, help="the Buffer's deadline (timeout_s)")
     p.add_argument("--step-s", type=float, default=0.5, help="the loop's pace: a step starts at most this often")
-    p.add_argument("--kill", default="2:8,1:24", help="rank:step pairs: the rank kills itself (SIGKILL) there")
+    p.add_argument("--kill", default="2:8,1:24", help="rank:step pairs: the rank kills itself (SIGKILL) there, or at the first step after that with "
+                        "every rank back in")
     p.add_argument("--replace", default="2:12,1:28",
                    help="rank:step[:die] triples: a replacement starts once the survivors reach the step; with "
                         "':die' it dies during its own join")
     p.add_argument("--transport", default="shm", help="MOE_COMM_TRANSPORT of every rank: shm or collective")
     p.add_argument("--ranks-per-node", type=int, default=0, help="MOE_COMM_RANKS_PER_NODE (emulated nodes)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the configuration, records and events to this file")
     return p.parse_args(argv)
 
 
@@ -293,7 +305,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           + (f", nodes of {args.ranks_per_node} ranks" if args.ranks_per_node else "")
           + f", hidden {cfg['hidden']}, top-{cfg['topk']} of {cfg['experts']} experts, {cfg['tokens']} tokens per "
           f"rank, {cfg['steps']} steps; kills {args.kill}, replacements {args.replace}", flush=True)
-    lines, passed = table(launch(cfg, env), cfg)
+    result = launch(cfg, env)
+    lines, passed = table(result, cfg)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "passed": passed, **result}, f)
     print("\n".join(lines))
     print("PASS" if passed else "FAIL")
     return 0 if passed else 1

@@ -222,6 +222,10 @@ class Backend(abc.ABC):
         """Asks ``joinable(masked ranks)`` in each shrinking dispatch's handshake which masked ranks have a
         replacement ready (an elastic Buffer). Backends that cannot admit one ignore it."""
 
+    def exited_ranks(self) -> list[int]:
+        """Ranks on this host whose process has exited, as far as this backend can tell."""
+        return []
+
     def take_admission(self) -> frozenset[int]:
         """The masked ranks that every rank decided, in one handshake, to admit (then forgotten here):
         the Buffer admits them at its next low-latency dispatch. Empty where nothing was decided."""

@@ -27,7 +27,7 @@ from . import library
 from .event import NO_EVENT, EventHandle, EventOverlap
 from .low_latency import MAX_PREPARED, LowLatencyAPI, XType
 from .low_latency_args import low_latency_buffer_bytes
-from .rejoin import Membership
+from .rejoin import REJOINABLE, Membership
 from .normal_args import (TOPK_IDX_T, check_combine_args, check_dispatch_routing, check_num_experts, check_topk_idx,
                           split_x)
 
@@ -143,7 +143,7 @@ class Buffer(LowLatencyAPI):
         else:
             self.runtime = self._build_runtime(group, transport)
             if enable_shrink:
-                self.membership = Membership.of(group, self.runtime.transport_name, self.timeout_s)
+                self.membership = Membership.of(group, choice.name, self.runtime.transport_name, self.timeout_s)
                 if self.membership is not None:
                     self.membership.watch(self.runtime)
         self.transport_name = self.runtime.transport_name
@@ -174,7 +174,7 @@ class Buffer(LowLatencyAPI):
             bad_argument(op, "rejoin", "True only with low_latency_mode=True and enable_shrink=True (the survivors "
                          "mask the dead rank and admit its replacement at a low-latency dispatch)",
                          f"low_latency_mode={self.low_latency_mode}, enable_shrink={self.enable_shrink}")
-        if self.backend_choice.name not in ("portable", "cuda_host"):
+        if self.backend_choice.name not in REJOINABLE:
             bad_argument(op, "rejoin", "a Buffer on the portable or cuda_host backend (the cuda backend's rejoin "
                          "path has never run on a GPU)", str(self.backend_choice))
         name = transports.resolve(transport, self.group)
@@ -192,7 +192,8 @@ class Buffer(LowLatencyAPI):
         joiners = self.runtime.take_admission()
         if not joiners:
             return
-        runtime = self.membership.admit(joiners, lambda group: self._build_runtime(group, self.transport_name))
+        runtime = self.membership.admit(joiners, lambda group: self._build_runtime(group, self.transport_name),
+                                        self.runtime.exited_ranks)
         if runtime is not None:
             old, self.runtime = self.runtime, runtime
             old.destroy()

@@ -127,6 +127,8 @@ class LowLatencyAPI:
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
             **variant_knobs)
+        if self.membership is not None:
+            self.membership.keep_handle(result[2])
         if key is not None and (prepared is None or prepared and prepared.stale) and \
                 len(self._prepared_ll_dispatches) < MAX_PREPARED:
             self._prepared_ll_dispatches[key] = self.runtime.prepare_low_latency_dispatch(
@@ -242,6 +244,8 @@ class LowLatencyAPI:
             bad_argument(op, "use_logfmt", "False with zero_copy=True (as DeepEP asserts: the zero-copy buffer "
                          "holds bf16 rows)", "True")
         self._no_async_with_hook(op, async_finish, return_recv_hook)
+        if self.membership is not None:  # (in the agreed call: a rejection reaches every rank)
+            self.membership.check_handle(op, handle)
         x, topk_idx, topk_weights, parsed = check_ll_combine(op, x, topk_idx, topk_weights, handle, self.group_size,
                                                              out, combine_wait_recv_cost_stats,
                                                              not self.runtime.low_latency_checks_topk)
@@ -262,6 +266,8 @@ class LowLatencyAPI:
         self._low_latency_ready(op)
         src_info = handle[0] if isinstance(handle, (tuple, list)) and handle else None
         device = src_info.device if isinstance(src_info, torch.Tensor) else torch.device("cpu")
+        if self.membership is not None:
+            self.membership.check_handle(op, handle)
         parsed = LowLatencyHandle.from_tuple(op, handle, self.group_size, device)
         return self.runtime.next_combine_buffer(parsed, device)
 

@@ -13,22 +13,33 @@ every member built it (``transport/admission.py``); otherwise everyone stays whe
 from __future__ import annotations
 
 import collections
+import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+import weakref
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 import torch.distributed as dist
 
 from ..backends.base import Backend
-from ..core.errors import CommTimeoutError
+from ..core.errors import CommTimeoutError, bad_argument
 from ..transport.admission import COMMIT, Admissions
 from ..transport.base import host_id
-from ..transport.collective import STORE_WAIT_S, bounded, default_store
+from ..transport.collective import STORE_WAIT_S, default_store, process_alive
 from ..transport.store_group import StoreGroup
 
 if TYPE_CHECKING:
     from .buffer import Buffer
 
-__all__ = ["Membership"]
+__all__ = ["Membership", "REJOINABLE", "JOIN_TRIES"]
+
+#: how many epochs a replacement tries to join before it gives up (each aborted try: a member died in it)
+JOIN_TRIES = 3
+#: how often a wait for an epoch's group looks for members that died
+_POLL_S = 0.05
+
+#: the backends whose buffers admit replacements (an epoch's group is gloo; the cuda backend's rejoin path
+#: is the cuda_host one, never run on a GPU)
+REJOINABLE = ("portable", "cuda_host")
 
 #: elastic Buffers made on each group name by this process: the n-th on one process pairs with the n-th on
 #: every other, a replacement's included (it runs the same program)
@@ -46,16 +57,23 @@ class Membership:
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.num_ranks)] if whole else None
         self.admissions = Admissions(store, f"moe_comm/elastic/{name}/{_MADE[name]}", self.rank, self.num_ranks)
         self.timeout_s = timeout_s
-        self.epoch = 0
+        self.epoch = 0  # the last epoch tried
+        self.committed = 0  # the epoch this rank runs in
         #: per epoch tried: its number, the ranks admitted, the outcome and the seconds it took
         self.history: list[dict] = []
+        #: the handles (their first tensor) of this epoch's last two dispatches, and of earlier epochs' (with
+        #: their epoch): a handle of an earlier epoch names rows of a backend that is gone
+        self._handles: collections.deque = collections.deque(maxlen=2)
+        self._retired: list[tuple[weakref.ref, int]] = []
 
     @staticmethod
-    def of(group: dist.ProcessGroup, transport_name: Optional[str], timeout_s: float) -> Optional["Membership"]:
-        """The membership of a shrinking Buffer on ``group`` whose ranks can be replaced, or None: the
-        rendezvous store is needed, and MPI cannot admit a process (``Buffer`` says so for ``rejoin``)."""
+    def of(group: dist.ProcessGroup, backend_name: str, transport_name: Optional[str],
+           timeout_s: float) -> Optional["Membership"]:
+        """The membership of a shrinking Buffer on ``group`` whose ranks can be replaced, or None where they
+        cannot (``Buffer`` says why to a replacement): the rendezvous store is needed, MPI cannot admit a
+        process, and an epoch's group is gloo, which the portable and cuda_host backends run on."""
         store = default_store()
-        if store is None or transport_name == "mpi" or group is None:
+        if store is None or group is None or transport_name == "mpi" or backend_name not in REJOINABLE:
             return None
         return Membership(group, store, timeout_s)
 
@@ -66,66 +84,125 @@ class Membership:
 
     # ------------------------------------------------------------------ the replacement
     def join(self, build: Callable[[StoreGroup], Backend]) -> Backend:
-        """Announces this rank, waits (the deadline) for the survivors' invitation, and builds the epoch
-        it was invited to with them. Returns the committed backend; raises CommTimeoutError when nobody
-        invited it, RuntimeError when the epoch was aborted."""
+        """Announces this rank, waits for the survivors' invitation, and builds the epoch it was invited to
+        with them; an aborted epoch (a member died in it) is announced again, up to ``JOIN_TRIES`` times.
+        Returns the committed backend; raises CommTimeoutError when nobody invited it, RuntimeError when its
+        tries were all aborted."""
         op = "Buffer(rejoin=True)"
-        start = time.monotonic()
-        token = self.admissions.announce(host_id())
         # the survivors look at their next dispatch, which may itself wait one deadline (a rank found dead, an
         # admission that failed) after a step that did
         wait_s = 2 * self.timeout_s + STORE_WAIT_S
-        epoch = self.admissions.invitation(token, start + wait_s)
-        if epoch is None:
-            self.admissions.withdraw({self.rank: token})
-            raise CommTimeoutError(op, self.rank, wait_s, None,
-                                   "no survivor invited this rank: the survivors admit a replacement at a "
-                                   "low-latency dispatch of an enable_shrink=True Buffer, once every masked rank "
-                                   "has one ready")
-        runtime, outcome = self._enter(epoch, build, ())
-        self._record(epoch, frozenset({self.rank}), outcome, start)
-        if runtime is None:
-            raise RuntimeError(f"{op}: rank {self.rank}: epoch {epoch} was aborted ({outcome}); start this process "
-                               f"again to retry")
-        return runtime
+        outcomes = []
+        for _ in range(JOIN_TRIES):
+            start = time.monotonic()
+            token = self.admissions.announce(host_id())
+            epoch = self.admissions.invitation(token, start + wait_s)
+            if epoch is None:
+                self.admissions.withdraw({self.rank: token})
+                raise CommTimeoutError(op, self.rank, wait_s, None,
+                                       "no survivor invited this rank: the survivors admit a replacement at a "
+                                       "low-latency dispatch of an enable_shrink=True Buffer, once every masked rank "
+                                       "has one ready" + (f" (earlier tries: {'; '.join(outcomes)})" if outcomes else ""))
+            runtime, outcome = self._enter(epoch, build, (), lambda: ())
+            self._record(epoch, frozenset({self.rank}), outcome, start)
+            if runtime is not None:
+                return runtime
+            outcomes.append(f"epoch {epoch} aborted: {outcome}")
+        raise RuntimeError(f"{op}: rank {self.rank}: every try to join was aborted ({'; '.join(outcomes)})")
 
     # ------------------------------------------------------------------ the survivors
-    def admit(self, joiners: frozenset[int], build: Callable[[StoreGroup], Backend]) -> Optional[Backend]:
-        """Builds the next epoch with ``joiners`` (decided in one handshake on every survivor). Returns the
-        committed backend, or None when the epoch was aborted (the caller keeps its backend; the
-        joiners' announcements are withdrawn, so they are not tried again until they announce anew)."""
+    def admit(self, joiners: frozenset[int], build: Callable[[StoreGroup], Backend],
+              exited: Callable[[], Iterable[int]]) -> Optional[Backend]:
+        """Builds the next epoch with ``joiners`` (decided in one handshake on every survivor); ``exited()``:
+        ranks on this host whose process has exited (the old backend's view). Returns the committed backend,
+        or None when the epoch was aborted (the caller keeps its backend; the joiners' announcements are
+        withdrawn, so they are not tried again until they announce anew)."""
         start = time.monotonic()
         epoch = self.epoch + 1
         tokens = self.admissions.ready(joiners)
         self.admissions.invite(tokens, epoch)
-        runtime, outcome = self._enter(epoch, build, [r for r in range(self.num_ranks) if r not in joiners])
+        here = host_id()
+
+        def dead() -> Iterable[int]:  # members known dead: a survivor that exited, a joiner whose process is gone
+            gone = {r for r in exited() if r not in joiners}  # (a joiner's rank names its dead predecessor there)
+            for r, token in tokens.items():
+                host, pid = (int(part, 16) if i == 0 else int(part) for i, part in enumerate(token.split(":")[:2]))
+                if host == here and not process_alive(pid):
+                    gone.add(r)
+            return gone
+
+        runtime, outcome = self._enter(epoch, build, [r for r in range(self.num_ranks) if r not in joiners], dead)
         self._record(epoch, joiners, outcome, start)
-        if runtime is None:
-            self.admissions.withdraw(tokens)
+        self.admissions.withdraw(tokens)  # admitted, or aborted: either way not to be tried again
         return runtime
 
+    # ------------------------------------------------------------------ handles
+    def keep_handle(self, handle: tuple) -> None:
+        """Notes a dispatch's handle as one of the current epoch."""
+        self._handles.append(weakref.ref(handle[0]))
+
+    def check_handle(self, op: str, handle: object) -> None:
+        """Raises ValueError naming ``handle`` when a dispatch of an earlier epoch returned it."""
+        first = handle[0] if isinstance(handle, tuple) and handle else None
+        for ref, epoch in self._retired:
+            if first is not None and ref() is first:
+                bad_argument(op, "handle", f"a handle of a dispatch in epoch {self.epoch} (ranks were admitted at a "
+                             f"later dispatch, which ended the epoch whose rows it names)",
+                             f"a handle from epoch {epoch}")
+
+    def _retire_handles(self, epoch: int) -> None:
+        self._retired = [(ref, e) for ref, e in self._retired if ref() is not None] + \
+            [(ref, epoch) for ref in self._handles if ref() is not None]
+        self._handles.clear()
+
     # ------------------------------------------------------------------ both
-    def _enter(self, epoch: int, build: Callable[[StoreGroup], Backend],
-               survivors: Sequence[int]) -> tuple[Optional[Backend], str]:
-        """Builds this rank's side of ``epoch`` and runs the commit: (the backend or None, the outcome)."""
+    def _enter(self, epoch: int, build: Callable[[StoreGroup], Backend], survivors: Sequence[int],
+               dead: Callable[[], Iterable[int]]) -> tuple[Optional[Backend], str]:
+        """Builds this rank's side of ``epoch`` and runs the commit: (the backend or None, the outcome).
+        ``dead()``: members known to have died (their side will never come: abort at once)."""
         self.epoch = epoch  # an aborted epoch's number is not used again: its keys hold its decision
-        # NOTES: gloo retries a refused connection (a member that died after it published its address)
-        # several times over, each with the whole timeout: the connection is bounded here instead.
         deadline = time.monotonic() + self.timeout_s + 2 * STORE_WAIT_S
         runtime, why = None, ""
         try:
-            group = bounded(lambda: StoreGroup.connect(self.admissions.store, self.admissions.epoch_scope(epoch),
-                                                       self.rank, self.num_ranks, self.timeout_s, self.global_ranks),
-                            self.timeout_s + STORE_WAIT_S, f"epoch {epoch}: connecting its group")
+            group = self._connect(epoch, deadline - STORE_WAIT_S, dead)
             runtime = self.watch(build(group))
         except Exception as exc:  # a member died or never came: every member aborts, below
             why = f"{type(exc).__name__}: {exc}"
-        decision = self.admissions.decide(epoch, runtime is not None, deadline, survivors)
+        decision = self.admissions.decide(epoch, runtime is not None, deadline, survivors, dead)
         if decision == COMMIT:
+            self._retire_handles(self.committed)
+            self.committed = epoch
             return runtime, decision
         if runtime is not None:
             runtime.destroy()
         return None, why or f"another member of epoch {epoch} failed to build it, or the deadline passed"
+
+    def _connect(self, epoch: int, deadline: float, dead: Callable[[], Iterable[int]]) -> StoreGroup:
+        """The epoch's group, connected on a helper thread that is given up on at ``deadline`` or as soon as a
+        member is known dead. Why not gloo's own timeout: it retries a refused connection (a member that died
+        after it published its address) several times over, each with the whole timeout."""
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["group"] = StoreGroup.connect(self.admissions.store, self.admissions.epoch_scope(epoch), self.rank,
+                                                  self.num_ranks, self.timeout_s, self.global_ranks)
+            except BaseException as exc:  # handed to the waiting thread
+                box["error"] = exc
+
+        helper = threading.Thread(target=run, name="moe-comm epoch connect", daemon=True)
+        helper.start()
+        while helper.is_alive():
+            gone = sorted(dead())
+            if gone:
+                raise RuntimeError(f"epoch {epoch}: rank {self.rank}: ranks {gone} exited before its group connected")
+            if time.monotonic() >= deadline:
+                raise CommTimeoutError(f"epoch {epoch}", self.rank, self.timeout_s, None,
+                                       "connecting the epoch's group: a member did not come")
+            helper.join(_POLL_S)
+        if "error" in box:
+            raise box["error"]
+        return box["group"]
 
     def _record(self, epoch: int, joiners: frozenset[int], outcome: str, start: float) -> None:
         self.history.append({"epoch": epoch, "ranks": sorted(joiners), "outcome": outcome,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch.distributed as dist
 
@@ -87,9 +87,11 @@ class Admissions:
             self.store.compare_set(self._key("ready", r), token, "")
 
     # ------------------------------------------------------------------ both sides
-    def decide(self, epoch: int, built: bool, deadline: float, survivors: Iterable[int] = ()) -> str:
+    def decide(self, epoch: int, built: bool, deadline: float, survivors: Iterable[int] = (),
+               dead: Callable[[], Iterable[int]] = tuple) -> str:
         """The commit round of ``epoch`` (see the module docstring): COMMIT or ABORT, the same on every
-        member; on ABORT, returns once each of ``survivors`` is done with its side too (or at ``deadline``)."""
+        member; on ABORT, returns once each of ``survivors`` is done with its side too (or at ``deadline``).
+        ``dead()``: members known to have died, whose side never comes (abort without waiting for them)."""
         decision = self._key("epoch", epoch, "decision")
         done = [self._key("epoch", epoch, "done", r) for r in range(self.num_ranks)]
         self.store.set(done[self.rank], "ok" if built else "fail")
@@ -99,14 +101,17 @@ class Admissions:
                 outcome = self.store.get(decision).decode()
             elif self.store.check(done) and all(self.store.get(k) == b"ok" for k in done):
                 outcome = self._settle(decision, COMMIT)
-            elif time.monotonic() >= deadline:
+            elif time.monotonic() >= deadline or any(True for _ in dead()):
                 outcome = self._settle(decision, ABORT)
             else:
                 time.sleep(_SLICE_S)
         if outcome == ABORT:
-            others = [done[r] for r in survivors if r != self.rank]
-            while others and not self.store.check(others) and time.monotonic() < deadline:
-                time.sleep(_SLICE_S)
+            waiting = [r for r in survivors if r != self.rank]
+            while waiting and time.monotonic() < deadline:
+                gone = set(dead())
+                waiting = [r for r in waiting if r not in gone and not self.store.check([done[r]])]
+                if waiting:
+                    time.sleep(_SLICE_S)
         return outcome
 
     def _settle(self, key: str, mine: str) -> str:

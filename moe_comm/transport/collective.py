@@ -180,7 +180,7 @@ class _Meeting:
                 late.append(r)
                 continue
             host, pid = (int(v) for v in value.split(":"))
-            if host == self._host and not _process_alive(pid):
+            if host == self._host and not process_alive(pid):
                 late.append(r)
                 exited.append(f"rank {r} (pid {pid}) has exited")
         return late, ", ".join(exited)
@@ -386,7 +386,7 @@ class CollectiveTransport(Transport):
     def exited_ranks(self) -> list[int]:
         """Ranks on this host whose process has exited."""
         return [peer for peer, (host, pid) in enumerate(self._peers)
-                if host == self._host and peer != self.rank and not _process_alive(pid)]
+                if host == self._host and peer != self.rank and not process_alive(pid)]
 
     def _stopped(self, ranks: list[int]) -> list[tuple[int, int]]:
         """(rank, pid) of ``ranks`` on this host whose process is stopped (SIGSTOP, a debugger)."""
@@ -400,7 +400,7 @@ class CollectiveTransport(Transport):
             peer_host, pid = self._peers[peer]
             if peer_host != self._host:
                 continue
-            if not _process_alive(pid):
+            if not process_alive(pid):
                 dead.append(f"rank {peer} (pid {pid}) has exited")
         return ", ".join(dead)
 
@@ -440,7 +440,7 @@ def _process_state(pid: int) -> Optional[str]:
         return None
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether ``pid`` runs on this host; an exited process that is not yet reaped (zombie) counts as dead."""
     state = _process_state(pid)
     if state is not None:

@@ -171,6 +171,9 @@ class PortableBackend(Backend):
     def watch_rejoins(self, joinable: Callable[[frozenset[int]], frozenset[int]]) -> None:
         self.agreement.joinable = joinable
 
+    def exited_ranks(self) -> list[int]:
+        return self.transport.exited_ranks()
+
     def take_admission(self) -> frozenset[int]:
         admit, self.agreement.admit = self.agreement.admit, frozenset()
         return admit
