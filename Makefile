@@ -25,7 +25,11 @@ TRITON_OVERLAYS := $(VENV)/triton-$(TRITON_LOWEST)/.installed $(VENV)/triton-$(T
 TRITON_TESTS := tests/ops/test_fused_ops.py tests/ops/test_triton_compile.py tests/accuracy/test_accuracy_cli.py \
 	tests/moe/test_moe.py::test_ep_moe_on_triton_kernels
 
-.PHONY: setup demo test test-all test-mutants test-triton-versions bench clean ascend-check test-engines
+# The fault, fuzz and elastic tests, which make test-all runs again beside two busy loops (tools/under_load.sh).
+LOADED_TESTS := tests/buffer/test_faults.py tests/buffer/test_fuzz.py tests/buffer/test_destroy_pending.py \
+	tests/buffer/test_rejoin.py tests/protocol/test_shrink.py
+
+.PHONY: setup demo demo-elastic test test-all test-mutants test-triton-versions bench clean ascend-check test-engines
 
 setup: $(STAMP)
 
@@ -61,6 +65,14 @@ BACKEND ?= auto
 demo: setup
 	$(PY) examples/demo.py --ranks 4 --backend $(BACKEND)
 
+# Elastic EP on 4 CPU ranks: kill -9 of a rank mid-decode, the survivors serving on, a relaunched process
+# rejoining, then a second loss (examples/elastic_decode.py, docs/elastic-ep.md). TRANSPORT=collective, or
+# RANKS_PER_NODE=2 for two emulated nodes.
+TRANSPORT ?= shm
+RANKS_PER_NODE ?= 0
+demo-elastic: setup
+	$(PY) examples/elastic_decode.py --transport $(TRANSPORT) --ranks-per-node $(RANKS_PER_NODE)
+
 # torch-npu as PyPI gives it, without CANN: test_vendor_imports.py checks that it fails to import there and
 # that moe-comm says why. Its own folder and no dependencies: the wheel pins another torch.
 TORCH_NPU_SPEC ?= torch-npu==2.14.0
@@ -77,6 +89,7 @@ test: setup $(TRITON_OVERLAYS) $(TORCH_NPU_OVERLAY)
 # install round trip (pip install . with build isolation, the wheel and the sdist in fresh venvs).
 test-all: setup $(TRITON_OVERLAYS) $(TORCH_NPU_OVERLAY)
 	MOE_COMM_REQUIRE_TOOLS=1 $(PY) -m pytest -q tests --tier all
+	tools/under_load.sh $(PY) -m pytest -q --tier all $(LOADED_TESTS)
 	$(PY) -m moe_comm.accuracy
 	$(call triton_tests,$(TRITON_LOWEST),all)
 	$(call triton_tests,$(TRITON_NEWEST),all)

@@ -29,6 +29,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -249,8 +250,27 @@ def table(result: dict[str, Any], cfg: dict[str, Any]) -> tuple[list[str], bool]
         for h in history:
             lines.append(f"rank {who}: epoch {h['epoch']} (admitting {h['ranks']}): {h['outcome'][:300]}, "
                          f"{h['seconds'] * 1e3:.0f} ms")
+    lines += summary(by_step, R)
     passed &= result["finished"] == list(range(R))
     return lines, passed
+
+
+def summary(by_step: dict[int, list[dict]], ranks: int) -> list[str]:
+    """The admission's cost to the survivors (their step time at each replacement's first joint step against
+    the median step with every rank in, after two warm-up steps) and the joins' times."""
+    joined = {rec["step"]: rec for recs in by_step.values() for rec in recs if "admitted" in rec}
+    normal = [max(r["seconds"] for r in recs) for s, recs in by_step.items()
+              if s >= 2 and s not in joined and len(recs) == ranks and not any(r["masked"] for r in recs)]
+    if not normal:
+        return []
+    median = statistics.median(normal)
+    lines = [f"normal step (every rank in, median of {len(normal)}): {median * 1e3:.2f} ms"]
+    for step, rec in sorted(joined.items()):
+        survivors = max(r["seconds"] for r in by_step[step] if r["rank"] != rec["rank"])
+        lines.append(f"admission of rank {rec['rank']} at step {step}: the survivors' step {survivors * 1e3:.2f} ms = "
+                     f"{survivors / median:.2f}x a normal step; its join: ready -> admitted "
+                     f"{rec['admitted'] - rec['ready']:.2f} s after start -> ready {rec['ready'] - rec['started']:.2f} s")
+    return lines
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -12,6 +12,7 @@ take a ``StoreGroup`` where they take a group, and call its backend directly (it
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -44,9 +45,12 @@ class StoreGroup:
 
 def gloo_backend(store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
     """A gloo group of ``size`` ranks connected through ``store``, connected now whatever
-    ``TORCH_GLOO_LAZY_INIT`` says. Why: a replacement process sets it so that its world group does not
-    try to reach the survivors, and a lazily connecting rank cannot pair with eagerly connecting ones."""
+    ``TORCH_GLOO_LAZY_INIT`` says (why: a replacement process sets it so that its world group does not try
+    to reach the survivors, and a lazily connecting rank cannot pair with eagerly connecting ones), on the
+    interfaces ``GLOO_SOCKET_IFNAME`` names, as torch's own gloo groups."""
+    interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
     options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_default_device(lazy_init=False)]
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=name, lazy_init=False) for name in interfaces] \
+        or [dist.ProcessGroupGloo.create_default_device(lazy_init=False)]
     options._timeout = datetime.timedelta(seconds=timeout_s)
     return dist.ProcessGroupGloo(store, rank, size, options)

@@ -10,6 +10,8 @@ import sys
 import pytest
 
 from helpers.paths import ROOT
+from helpers.rejoin_cases import refusals
+from helpers.transports import local_world
 
 EXAMPLE = ROOT / "examples" / "elastic_decode.py"
 TIMEOUT_S = 5.0  # the Buffer's deadline in the job
@@ -65,3 +67,18 @@ def test_loss_and_rejoin(tmp_path, transport, ranks_per_node):
     assert len(died) == 1 and any(e.get("pid") == died[0]["pid"] and e.get("exit") == -9 for e in job["events"])
     # a new epoch per admission tried: two committed, one aborted
     assert max(rec["epoch"] for rec in steps[STEPS - 1]) == 3, out
+
+
+def test_rejoin_refusals_name_what_would_work():
+    with local_world(1, "shm", timeout_s=60) as world:
+        out = world.run(refusals, 0.5)[0]
+    assert out["no_shrink"].startswith("ValueError: Buffer: rejoin must be True only with low_latency_mode=True and "
+                                       "enable_shrink=True"), out
+    assert "enable_shrink=False" in out["no_shrink"] and "low_latency_mode=False" in out["no_low_latency"], out
+    assert out["mpi"].startswith("ValueError: Buffer: rejoin must be a transport that can admit a process: shm or "
+                                 "collective (MPI cannot without ULFM), got transport 'mpi'"), out
+    assert out["not_bool"].startswith("TypeError: Buffer: rejoin must be a bool"), out
+    assert out["bad_env"] == "ValueError: environment variable MOE_COMM_REJOIN must be 1 or 0, got 'maybe'", out
+    # nobody invites it: it gives up after twice the deadline and one store wait, naming why
+    assert out["uninvited"].startswith("CommTimeoutError: Buffer(rejoin=True): rank 0 timed out after 2 s"), out
+    assert "no survivor invited this rank" in out["uninvited"] and 2.0 <= out["uninvited_s"] < 10, out

@@ -507,4 +507,32 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "a hooked call's late rows fall back to the group and meet the next Buffer's handshake",
         hints=("tests/buffer/test_destroy_pending.py",),
     ),
+    Mutant(
+        id="rejoin-epoch-scope-reused",
+        file="moe_comm/transport/admission.py",
+        old='        return self._key("epoch", epoch)\n',
+        new='        return self._key("epoch", 1)\n',
+        description="every epoch builds its group under the first epoch's keys: the members of a later epoch meet "
+                    "the addresses of an older membership (its dead and replaced processes)",
+        hints=("tests/buffer/test_rejoin.py",),
+    ),
+    Mutant(
+        id="rejoin-admission-not-on-rank-0",
+        file="moe_comm/protocol/agreement.py",
+        old="                if joiners and joiners == union:",
+        new="                if joiners and joiners == union and me:",
+        description="rank 0 does not take the admission its handshake decided: the other survivors admit the "
+                    "replacement at a dispatch where rank 0 does not",
+        hints=("tests/buffer/test_rejoin.py",),
+    ),
+    Mutant(
+        id="rejoin-survivors-keep-call-count",
+        file="moe_comm/buffer/buffer.py",
+        old="            old, self.runtime = self.runtime, runtime\n",
+        new="            old, self.runtime = self.runtime, runtime\n"
+            "            runtime.agreement.calls = old.agreement.calls\n",
+        description="the survivors carry their call count into the new epoch while the replacement starts from the "
+                    "first call (and buffer half) of it",
+        hints=("tests/buffer/test_rejoin.py",),
+    ),
 )

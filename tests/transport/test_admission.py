@@ -1,0 +1,88 @@
+"""The store protocol of a replacement's admission (``moe_comm/transport/admission.py``) on a real TCP store,
+its members as threads: every member reads the same decision; an abort waits for the survivors still building
+and not for members known dead; invitations and announcements belong to one incarnation. And the shrink
+notes that carry who is ready to rejoin (``protocol/shrink.py``)."""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from helpers.ports import free_port
+from moe_comm.protocol.shrink import note, read_note
+from moe_comm.transport.admission import ABORT, COMMIT, Admissions
+
+R = 4
+
+
+def _store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10),
+                         wait_for_workers=False)
+
+
+def _decide_all(store, epoch: int, built: dict[int, float | None], survivors=(), dead=tuple, deadline_s=5.0):
+    """Each rank of ``built`` (rank -> seconds until its side is built, None: it fails) decides on a thread, the
+    ranks of ``survivors`` waiting for each other on an abort (a joiner waits for nobody); returns
+    {rank: (outcome, seconds it took)}."""
+    out, start = {}, time.monotonic()
+
+    def member(rank: int, after: float | None) -> None:
+        time.sleep(after or 0.0)
+        outcome = Admissions(store, "job", rank, R).decide(epoch, after is not None, start + deadline_s,
+                                                           survivors if rank in survivors else (), dead)
+        out[rank] = (outcome, time.monotonic() - start)
+
+    threads = [threading.Thread(target=member, args=item) for item in built.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_commit_needs_every_member():
+    got = _decide_all(_store(), 1, {0: 0.0, 1: 0.1, 2: 0.2, 3: 0.3})
+    assert {o for o, _ in got.values()} == {COMMIT}, got
+
+
+def test_one_failure_aborts_everyone_and_survivors_leave_together():
+    # rank 3 (a joiner) fails at once; rank 1 (a survivor) takes 1 s to finish its side: rank 0 and 2 abort
+    # at once but wait for rank 1 before they go back to their calls
+    got = _decide_all(_store(), 1, {0: 0.0, 1: 1.0, 2: 0.0, 3: None}, survivors=(0, 1, 2))
+    assert {o for o, _ in got.values()} == {ABORT}, got
+    assert got[0][1] >= 1.0 and got[2][1] >= 1.0, got
+    assert got[3][1] < 0.5, got  # the joiner waits for nobody
+
+
+def test_a_member_known_dead_aborts_without_the_deadline():
+    got = _decide_all(_store(), 1, {0: 0.0, 1: 0.0, 2: 0.0}, survivors=(0, 1, 2), dead=lambda: [3],
+                      deadline_s=20.0)
+    assert {o for o, _ in got.values()} == {ABORT} and max(s for _, s in got.values()) < 5.0, got
+
+
+def test_a_member_that_never_comes_aborts_at_the_deadline():
+    got = _decide_all(_store(), 2, {0: 0.0, 1: 0.0, 2: 0.0}, survivors=(0, 1, 2), deadline_s=1.0)
+    assert {o for o, _ in got.values()} == {ABORT} and min(s for _, s in got.values()) >= 1.0, got
+
+
+def test_invitations_and_announcements_belong_to_one_incarnation():
+    store = _store()
+    joiner, survivor = Admissions(store, "job", 2, R), Admissions(store, "job", 0, R)
+    first = joiner.announce(host=1)
+    assert survivor.ready([1, 2]) == {2: first}
+    survivor.invite({2: first}, 5)
+    assert joiner.invitation(first, time.monotonic() + 1) == 5
+    second = joiner.announce(host=1)  # a new incarnation: the old invitation is not its own
+    assert joiner.invitation(second, time.monotonic() + 0.3) is None
+    survivor.withdraw({2: first})  # an old token withdrawn: the new announcement stays
+    assert survivor.ready([2]) == {2: second}
+    survivor.withdraw({2: second})
+    assert survivor.ready([2]) == {}
+
+
+def test_shrink_notes_carry_ready_ranks():
+    row = note(7, [1], [3], [1], 5)
+    assert read_note(row, 5) == (7, frozenset({1}), frozenset({3}), frozenset({1}))
+    assert read_note(row[:-1], 5)[0] == -1  # not a note
