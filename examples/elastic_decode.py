@@ -93,10 +93,14 @@ def run_rank(cfg: dict[str, Any]) -> None:
     step = int(store.get(_STEP)) if replacing else 0
     status = torch.zeros(R, dtype=torch.int32)
     masked: list[int] = []
-    while step < cfg["steps"]:
+    full = 0  # steps in a row with every rank in
+    # NOTES: every live rank sees the same mask after a step (the shrink protocol's promise), so they all stop
+    # at the same step: at least --steps, then until every rank has been in for two steps (a replacement that
+    # comes late is still admitted and checked), at most three times --steps
+    while step < cfg["steps"] or (full < 2 and step < 3 * cfg["steps"]):
         begin, began = time.monotonic(), time.time()
         store.set(_STEP, str(step))  # every rank sets the same: where a replacement joins
-        if original and cfg["kill"].get(rank, cfg["steps"]) <= step and not masked:
+        if original and rank in cfg["kill"] and cfg["kill"][rank] <= step and not masked:
             os.kill(os.getpid(), signal.SIGKILL)  # (a second loss waits until the first one's replacement is in)
         inputs = step_inputs(cfg, step, R, router)
         t0 = time.perf_counter()
@@ -104,6 +108,7 @@ def run_rank(cfg: dict[str, Any]) -> None:
         seconds = time.perf_counter() - t0
         buf.low_latency_query_mask_buffer(status)
         masked = [r for r in range(R) if status[r]]
+        full = 0 if masked else full + 1
         # the reference: every expert in one process; the masked ranks send no tokens, and their experts
         # are dropped from the routing of the others'
         live = [(x, idx, w) if r not in masked else (x[:0], idx[:0], w[:0]) for r, (x, idx, w) in enumerate(inputs)]
@@ -192,14 +197,14 @@ def launch(cfg: dict[str, Any], env: Optional[dict[str, str]] = None) -> dict[st
             procs[rank] = start(rank, True, die)
             events.append({"t": time.monotonic() - t0, "rank": rank, "pid": procs[rank].pid, "started": True,
                            "step": at, "dies_in_join": die})
-        if not procs and not pending:
+        if not procs:  # nobody left to reach the step a pending replacement waits for
             break
         time.sleep(0.02)
     for proc in procs.values():  # past the job's deadline
         proc.kill()
         events.append({"rank": -1, "pid": proc.pid, "exit": "killed: the job's deadline passed"})
     records = []
-    for step in range(cfg["steps"]):
+    for step in range(3 * cfg["steps"]):
         records += [json.loads(store.get(k)) for k in _record_keys(store, step, events)]
     histories = {f"{r} (pid {pid})": json.loads(store.get(f"{_RECORD}/history/{r}/{pid}"))
                  for r, pid in sorted({(e["rank"], e["pid"]) for e in events if e.get("rank", -1) >= 0})
@@ -222,7 +227,7 @@ def table(result: dict[str, Any], cfg: dict[str, Any]) -> tuple[list[str], bool]
     for rec in result["records"]:
         by_step.setdefault(rec["step"], []).append(rec)
     lines.append(f"{'step':>4}  {'ranks taking part':<18}  {'masked':<8}  {'step ms (max)':>13}  {'= reference':<11}  epoch")
-    for step in range(cfg["steps"]):
+    for step in range(max(by_step, default=-1) + 1):
         recs = by_step.get(step, [])
         ranks = sorted(rec["rank"] for rec in recs)
         masked = sorted({r for rec in recs for r in rec["masked"]})
@@ -251,7 +256,7 @@ def table(result: dict[str, Any], cfg: dict[str, Any]) -> tuple[list[str], bool]
             lines.append(f"rank {who}: epoch {h['epoch']} (admitting {h['ranks']}): {h['outcome'][:300]}, "
                          f"{h['seconds'] * 1e3:.0f} ms")
     lines += summary(by_step, R)
-    passed &= result["finished"] == list(range(R))
+    passed &= result["finished"] == list(range(R)) and len(by_step) >= cfg["steps"]
     return lines, passed
 
 
@@ -277,7 +282,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--steps", type=int, default=45)
+    p.add_argument("--steps", type=int, default=45,
+                   help="decode steps at least; then on until every rank has been in for two steps (3x at most)")
     p.add_argument("--tokens", type=int, default=8, help="decode tokens per rank and step")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=256)

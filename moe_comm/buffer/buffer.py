@@ -19,7 +19,7 @@ from ..core.config import Config, check_internode_combine_config, combine_config
 from ..core.errors import bad_argument
 from ..protocol.handle import NormalHandle
 from ..protocol.internode_layout import check_tokens_per_node, tokens_per_node
-from .. import transport as transports
+from ..transport import resolve as resolve_transport
 from ..transport.collective import default_store
 from ..transport.mpi import as_comm
 from ..transport.store_group import StoreGroup
@@ -27,9 +27,9 @@ from . import library
 from .event import NO_EVENT, EventHandle, EventOverlap
 from .low_latency import MAX_PREPARED, LowLatencyAPI, XType
 from .low_latency_args import low_latency_buffer_bytes
-from .rejoin import REJOINABLE, Membership
 from .normal_args import (TOPK_IDX_T, check_combine_args, check_dispatch_routing, check_num_experts, check_topk_idx,
                           split_x)
+from .rejoin import REJOINABLE, Membership
 
 __all__ = ["Buffer"]
 
@@ -177,7 +177,7 @@ class Buffer(LowLatencyAPI):
         if self.backend_choice.name not in REJOINABLE:
             bad_argument(op, "rejoin", "a Buffer on the portable or cuda_host backend (the cuda backend's rejoin "
                          "path has never run on a GPU)", str(self.backend_choice))
-        name = transports.resolve(transport, self.group)
+        name = resolve_transport(transport, self.group)
         if name == "mpi":
             bad_argument(op, "rejoin", "a transport that can admit a process: shm or collective (MPI cannot "
                          "without ULFM)", f"transport {name!r}")

@@ -16,7 +16,7 @@ import collections
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -24,11 +24,8 @@ from ..backends.base import Backend
 from ..core.errors import CommTimeoutError, bad_argument
 from ..transport.admission import COMMIT, Admissions
 from ..transport.base import host_id
-from ..transport.collective import STORE_WAIT_S, default_store, process_alive
+from ..transport.collective import STORE_WAIT_S, bounded, default_store, process_alive
 from ..transport.store_group import StoreGroup
-
-if TYPE_CHECKING:
-    from .buffer import Buffer
 
 __all__ = ["Membership", "REJOINABLE", "JOIN_TRIES"]
 
@@ -79,8 +76,17 @@ class Membership:
 
     def watch(self, runtime: Backend) -> Backend:
         """Wires ``runtime``'s handshakes to this membership's announcements; returns it."""
-        runtime.watch_rejoins(lambda masked: frozenset(self.admissions.ready(masked)))
+        runtime.watch_rejoins(self._ready)
         return runtime
+
+    def _ready(self, masked: frozenset[int]) -> frozenset[int]:
+        """Which of ``masked`` have a replacement ready, as far as the store answers within a store wait: a store
+        whose host is stopped never answers, and the call it is asked in must not wait for it (another rank's
+        note may still flag the replacement: the ranks admit the union)."""
+        try:
+            return frozenset(bounded(lambda: self.admissions.ready(masked), STORE_WAIT_S, "looking for replacements"))
+        except (TimeoutError, RuntimeError, ValueError):
+            return frozenset()
 
     # ------------------------------------------------------------------ the replacement
     def join(self, build: Callable[[StoreGroup], Backend]) -> Backend:
@@ -146,7 +152,7 @@ class Membership:
         first = handle[0] if isinstance(handle, tuple) and handle else None
         for ref, epoch in self._retired:
             if first is not None and ref() is first:
-                bad_argument(op, "handle", f"a handle of a dispatch in epoch {self.epoch} (ranks were admitted at a "
+                bad_argument(op, "handle", f"a handle of a dispatch in epoch {self.committed} (ranks were admitted at a "
                              f"later dispatch, which ended the epoch whose rows it names)",
                              f"a handle from epoch {epoch}")
 
