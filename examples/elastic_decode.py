@@ -254,7 +254,8 @@ def table(result: dict[str, Any], cfg: dict[str, Any]) -> tuple[list[str], bool]
     for who, history in result["histories"].items():
         for h in history:
             lines.append(f"rank {who}: epoch {h['epoch']} (admitting {h['ranks']}): {h['outcome'][:300]}, "
-                         f"{h['seconds'] * 1e3:.0f} ms")
+                         f"{h['seconds'] * 1e3:.0f} ms (connect {h['connect'] * 1e3:.0f}, build "
+                         f"{h['build'] * 1e3:.0f}, commit {h['commit'] * 1e3:.0f})")
     lines += summary(by_step, R)
     passed &= result["finished"] == list(range(R)) and len(by_step) >= cfg["steps"]
     return lines, passed

@@ -26,7 +26,7 @@ from ..core.errors import BackendUnavailableError
 from ..core.native import cuda_module
 from .base import Backend
 
-__all__ = ["Backend", "Choice", "CUDA_HOST", "KNOWN", "PORTABLE", "available", "unavailable_reason", "choose", "create",
+__all__ = ["Backend", "Choice", "CUDA_HOST", "KNOWN", "PORTABLE", "available", "unavailable_reason", "choose", "create", "load",
            "fp8_dispatch"]
 
 
@@ -157,6 +157,12 @@ def choose(requested: str, group: Optional[dist.ProcessGroup], comm: Any = None)
         return Choice(native, f"auto: {seen} holds {device} tensors")
     return Choice(PORTABLE, f"auto: {seen} holds {device} tensors; the {native} backend is not available "
                                         f"({reason})")
+
+
+def load() -> None:
+    """Imports the backend classes now, which building the first Buffer of a process otherwise does (a
+    replacement rank does it before it says it is ready, so that its survivors do not wait for it)."""
+    _built()
 
 
 def create(choice: Choice, **kwargs: Any) -> Backend:

@@ -137,6 +137,7 @@ class Buffer(LowLatencyAPI):
         self.membership: Optional[Membership] = None
         if rejoin:
             name = self._rejoinable(transport)
+            backends.load()
             self.membership = Membership(group, default_store(), self.timeout_s)
             #: the backend object (DeepEP's ``runtime``, its C++ buffer); a new one per epoch
             self.runtime: Backend = self.membership.join(lambda epoch_group: self._build_runtime(epoch_group, name))

@@ -55,6 +55,7 @@ class Membership:
         self.admissions = Admissions(store, f"moe_comm/elastic/{name}/{_MADE[name]}", self.rank, self.num_ranks)
         self.timeout_s = timeout_s
         self.epoch = 0  # the last epoch tried
+        self.parts: dict[str, float] = {}  # (see _enter)
         self.committed = 0  # the epoch this rank runs in
         #: per epoch tried: its number, the ranks admitted, the outcome and the seconds it took
         self.history: list[dict] = []
@@ -168,13 +169,18 @@ class Membership:
         ``dead()``: members known to have died (their side will never come: abort at once)."""
         self.epoch = epoch  # an aborted epoch's number is not used again: its keys hold its decision
         deadline = time.monotonic() + self.timeout_s + 2 * STORE_WAIT_S
-        runtime, why = None, ""
+        runtime, why, times = None, "", [time.monotonic()]
         try:
             group = self._connect(epoch, deadline - STORE_WAIT_S, dead)
+            times.append(time.monotonic())
             runtime = self.watch(build(group))
         except Exception as exc:  # a member died or never came: every member aborts, below
             why = f"{type(exc).__name__}: {exc}"
+        times += [time.monotonic()] * (3 - len(times))
         decision = self.admissions.decide(epoch, runtime is not None, deadline, survivors, dead)
+        times.append(time.monotonic())
+        #: seconds of the last epoch's parts: connecting its group, building the backend, the commit round
+        self.parts = {name: b - a for name, a, b in zip(("connect", "build", "commit"), times, times[1:])}
         if decision == COMMIT:
             self._retire_handles(self.committed)
             self.committed = epoch
@@ -212,4 +218,4 @@ class Membership:
 
     def _record(self, epoch: int, joiners: frozenset[int], outcome: str, start: float) -> None:
         self.history.append({"epoch": epoch, "ranks": sorted(joiners), "outcome": outcome,
-                             "seconds": time.monotonic() - start})
+                             "seconds": time.monotonic() - start, **self.parts})

@@ -29,7 +29,7 @@ __all__ = ["Admissions", "COMMIT", "ABORT"]
 
 COMMIT, ABORT = "commit", "abort"
 #: how often a wait looks at the store again
-_SLICE_S = 0.05
+_SLICE_S = 0.005
 
 
 class Admissions:

@@ -211,11 +211,14 @@ class CollectiveTransport(Transport):
 
     name = "collective"
 
-    def __init__(self, group: "dist.ProcessGroup | StoreGroup", timeout_s: float, buffer_bytes: int = 0) -> None:
+    def __init__(self, group: "dist.ProcessGroup | StoreGroup", timeout_s: float, buffer_bytes: int = 0, *,
+                 between_nodes_only: bool = False) -> None:
         """Collective over ``group``: every rank of the group must construct it, in the same order
         as any other transport on the group (the n-th construction on each rank pairs up). A
         ``StoreGroup`` (an elastic Buffer's epoch) is used through its gloo backend directly.
-        ``buffer_bytes`` is unused: buffers are allocated per exchange."""
+        ``buffer_bytes`` is unused: buffers are allocated per exchange. ``between_nodes_only``: the caller
+        (``shm``) moves rows through it only between nodes, so when every rank is on one node it builds
+        no channels of its own (each is a gloo group to connect: tens of ms)."""
         super().__init__()
         self.group = group
         self.timeout_s = timeout_s
@@ -257,10 +260,11 @@ class CollectiveTransport(Transport):
         #: each rank's place in the launcher's world, None when the group is not the whole world
         self.global_ranks = global_ranks
         self.nodes = split_nodes([host for host, _ in self._peers], global_ranks)
-        self._metadata = self._metadata_channel(store, f"{scope}/metadata/{instance}")
-        # the rows of posts move on a thread (the send half never waits), on a group of their own: other
-        # buffers of the group keep posting to it from the caller's thread, in their own order
-        self._posts = self._metadata_channel(store, f"{scope}/posts/{instance}")
+        if not (between_nodes_only and len(self.nodes) == 1):
+            self._metadata = self._metadata_channel(store, f"{scope}/metadata/{instance}")
+            # the rows of posts move on a thread (the send half never waits), on a group of their own: other
+            # buffers of the group keep posting to it from the caller's thread, in their own order
+            self._posts = self._metadata_channel(store, f"{scope}/posts/{instance}")
         self.posts_in_background = self._posts is not None
         if store is not None:
             self.gatherer = StoreGather(store, f"{scope}/shrink/{instance}", self.rank, timeout_s, self.exited_ranks)

@@ -274,7 +274,7 @@ class ShmTransport(Transport):
         """Maps one segment per host rank whose two data slots share ``buffer_bytes`` (at least
         1 MiB each; grown on demand). Collective over ``group``; CPU tensors only."""
         super().__init__()
-        self._coll = CollectiveTransport(group, timeout_s)
+        self._coll = CollectiveTransport(group, timeout_s, between_nodes_only=True)
         self.rank, self.num_ranks, self.timeout_s = self._coll.rank, self._coll.num_ranks, timeout_s
         self.device = torch.device("cpu")
         self.pids = [pid for _, pid in self._coll.peers]
