@@ -83,7 +83,6 @@ def run_rank(cfg: dict[str, Any]) -> None:
     router, experts = make_model(cfg)
     if cfg["die_in_join"]:
         _die_once_invited(rank)
-    ready_at = time.time()  # loaded: what a replacement must do before it can join
     buf = moe_comm.Buffer(dist.group.WORLD, num_rdma_bytes=moe_comm.Buffer.get_low_latency_rdma_size_hint(
         M, cfg["hidden"], R, E), low_latency_mode=True, enable_shrink=True, explicitly_destroy=True,
         timeout_s=cfg["timeout"])
@@ -119,7 +118,8 @@ def run_rank(cfg: dict[str, Any]) -> None:
                   "bitwise": torch.equal(out.view(torch.int16), ref[rank].view(torch.int16)),
                   "epoch": buf.membership.epoch}
         if replacing:  # its first step: when it started, was ready, was admitted, and this step ended
-            record.update(started=STARTED, ready=ready_at, admitted=admitted_at, stepped=time.time())
+            record.update(started=STARTED, ready=buf.membership.announced_at, admitted=admitted_at,
+                          stepped=time.time())
         store.set(f"{_RECORD}/{step}/{rank}/{os.getpid()}", json.dumps(record))
         replacing = False
         step += 1
@@ -247,7 +247,7 @@ def table(result: dict[str, Any], cfg: dict[str, Any]) -> tuple[list[str], bool]
         else:
             lines.append(f"rank {e['rank']}: pid {e['pid']} exited with {e['exit']} at step {e['step']}")
     for rec in (rec for rec in result["records"] if "admitted" in rec):
-        lines.append(f"rank {rec['rank']} (pid {rec['pid']}): started -> ready (imports, model) "
+        lines.append(f"rank {rec['rank']} (pid {rec['pid']}): started -> ready (imports, model, announced) "
                      f"{rec['ready'] - rec['started']:.2f} s, ready -> admitted {rec['admitted'] - rec['ready']:.2f} s, "
                      f"first joint step {rec['step']} (epoch {rec['epoch']}) done "
                      f"{rec['stepped'] - rec['started']:.2f} s after its start")

@@ -56,6 +56,8 @@ class Membership:
         self.timeout_s = timeout_s
         self.epoch = 0  # the last epoch tried
         self.parts: dict[str, float] = {}  # (see _enter)
+        #: when this replacement last said it was ready (``time.time()``); None on a survivor
+        self.announced_at: Optional[float] = None
         self.committed = 0  # the epoch this rank runs in
         #: per epoch tried: its number, the ranks admitted, the outcome and the seconds it took
         self.history: list[dict] = []
@@ -103,6 +105,7 @@ class Membership:
         for _ in range(JOIN_TRIES):
             start = time.monotonic()
             token = self.admissions.announce(host_id())
+            self.announced_at = time.time()
             epoch = self.admissions.invitation(token, start + wait_s)
             if epoch is None:
                 self.admissions.withdraw({self.rank: token})
