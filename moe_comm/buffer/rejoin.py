@@ -13,7 +13,6 @@ every member built it (``transport/admission.py``); otherwise everyone stays whe
 from __future__ import annotations
 
 import collections
-import threading
 import time
 import weakref
 from typing import Callable, Iterable, Optional, Sequence
@@ -31,8 +30,6 @@ __all__ = ["Membership", "REJOINABLE", "JOIN_TRIES"]
 
 #: how many epochs a replacement tries to join before it gives up (each aborted try: a member died in it)
 JOIN_TRIES = 3
-#: how often a wait for an epoch's group looks for members that died
-_POLL_S = 0.05
 
 #: the backends whose buffers admit replacements (an epoch's group is gloo; the cuda backend's rejoin path
 #: is the cuda_host one, never run on a GPU)
@@ -196,28 +193,14 @@ class Membership:
         """The epoch's group, connected on a helper thread that is given up on at ``deadline`` or as soon as a
         member is known dead. Why not gloo's own timeout: it retries a refused connection (a member that died
         after it published its address) several times over, each with the whole timeout."""
-        box: dict = {}
+        def gone() -> Optional[str]:
+            ranks = sorted(dead())
+            return f"ranks {ranks} exited before it connected" if ranks else None
 
-        def run() -> None:
-            try:
-                box["group"] = StoreGroup.connect(self.admissions.store, self.admissions.epoch_scope(epoch), self.rank,
-                                                  self.num_ranks, self.timeout_s, self.global_ranks)
-            except BaseException as exc:  # handed to the waiting thread
-                box["error"] = exc
-
-        helper = threading.Thread(target=run, name="moe-comm epoch connect", daemon=True)
-        helper.start()
-        while helper.is_alive():
-            gone = sorted(dead())
-            if gone:
-                raise RuntimeError(f"epoch {epoch}: rank {self.rank}: ranks {gone} exited before its group connected")
-            if time.monotonic() >= deadline:
-                raise CommTimeoutError(f"epoch {epoch}", self.rank, self.timeout_s, None,
-                                       "connecting the epoch's group: a member did not come")
-            helper.join(_POLL_S)
-        if "error" in box:
-            raise box["error"]
-        return box["group"]
+        return bounded(lambda: StoreGroup.connect(self.admissions.store, self.admissions.epoch_scope(epoch), self.rank,
+                                                  self.num_ranks, self.timeout_s, self.global_ranks),
+                       max(deadline - time.monotonic(), 0.0), f"epoch {epoch}: rank {self.rank}: its group", gone,
+                       "a member did not connect")
 
     def _record(self, epoch: int, joiners: frozenset[int], outcome: str, start: float) -> None:
         self.history.append({"epoch": epoch, "ranks": sorted(joiners), "outcome": outcome,

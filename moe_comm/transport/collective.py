@@ -61,10 +61,12 @@ STORE_WAIT_S = 1.0
 T = TypeVar("T")
 
 
-def bounded(call: Callable[[], T], timeout_s: float, what: str) -> T:
-    """``call()`` (a store operation) on a helper thread, waited for at most ``timeout_s``: a TCP
-    store whose host is stopped never answers, whatever its own timeout. Raises TimeoutError naming
-    ``what`` past it (the thread is left to finish or fail on its own)."""
+def bounded(call: Callable[[], T], timeout_s: float, what: str,
+            give_up: Optional[Callable[[], Optional[str]]] = None, late: str = "the rendezvous store did not answer") -> T:
+    """``call()`` (a store operation, a group's connection) on a helper thread, waited for at most ``timeout_s``:
+    a TCP store whose host is stopped never answers, whatever its own timeout. Raises TimeoutError naming ``what``
+    and ``late`` past it, or RuntimeError with what ``give_up()`` returns as soon as that is not None (asked every
+    50 ms); the thread is left to finish or fail on its own."""
     box: dict[str, object] = {}
 
     def run() -> None:
@@ -75,9 +77,14 @@ def bounded(call: Callable[[], T], timeout_s: float, what: str) -> T:
 
     helper = threading.Thread(target=run, name="moe-comm store", daemon=True)
     helper.start()
-    helper.join(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while helper.is_alive() and time.monotonic() < deadline:
+        reason = give_up() if give_up is not None else None
+        if reason is not None:
+            raise RuntimeError(f"{what}: {reason}")
+        helper.join(min(deadline - time.monotonic(), 0.05) if give_up is not None else timeout_s)
     if helper.is_alive():
-        raise TimeoutError(f"{what}: the rendezvous store did not answer within {timeout_s:g} s")
+        raise TimeoutError(f"{what}: {late} within {timeout_s:g} s")
     if "error" in box:
         raise box["error"]  # type: ignore[misc]
     return box["value"]  # type: ignore[return-value]
