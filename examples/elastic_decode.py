@@ -7,14 +7,16 @@ agent does: it must outlive every rank), starts 4 ranks, and each rank runs a de
 8 masks it (its experts drop out of every token's top-k), and they keep stepping. At step 12 the launcher
 starts a replacement process for rank 2 with ``MOE_COMM_REJOIN=1``: it loads rank 2's experts, builds its
 Buffer (which returns once the survivors admitted it, at one of their dispatches) and its layer, and joins
-the loop at the step the survivors are in. Then rank 1 is lost at step 18 and replaced at step 22.
+the loop at the step the survivors are in. Then rank 1 is lost at step 24 and replaced at step 28. The loop
+runs 45 steps, and on until every rank has been in for two steps.
 
-Every rank checks every step's output against the same layer computed with all experts in one process
-(``moe_comm.moe.ep_moe_reference``) with the experts of the ranks masked in that step removed from the
-routing: bitwise. The launcher prints a table, per step, of the ranks that took part, the step's time (the
-max over ranks) and the check, and exits 1 unless every step of every live rank passed.
+Every rank checks every step's output against the same layer computed with every live expert in one process
+(``moe_comm.moe.ep_moe_reference``; the masked ranks send no tokens, and their experts drop out of the others'
+routing): bitwise. The launcher prints a table, per step, of the ranks that took part, the step's time (the
+max over ranks) and the check, each admission's parts and cost against a normal step, and exits 1 unless every
+step of every live rank passed.
 
-    python examples/elastic_decode.py                      # shm (one host), 4 ranks, 30 steps
+    python examples/elastic_decode.py                      # shm (one host), 4 ranks
     python examples/elastic_decode.py --transport collective
     python examples/elastic_decode.py --ranks-per-node 2   # two emulated nodes: shm inside, gloo between
 """
@@ -131,26 +133,19 @@ def run_rank(cfg: dict[str, Any]) -> None:
 
 
 def _die_once_invited(rank: int) -> None:
-    """(A replacement that dies during its own join.) Kills this process once the survivors invited it."""
+    """(A replacement that dies during its own join.) Kills this process once the survivors invited it: its
+    invitation is ``invite/<rank>`` under the first elastic Buffer's prefix on the world group (the store's
+    layout: docs/elastic-ep.md, "How it works")."""
     from moe_comm.transport.collective import default_store
-    store = default_store()
+    store, key = default_store(), f"moe_comm/elastic/0/1/invite/{rank}"
 
     def watch() -> None:
-        keys = [k for k in _elastic_invite_keys(rank)]
-        while True:
-            for key in keys:
-                if store.check([key]) and store.get(key).decode():
-                    time.sleep(0.05)  # inside the epoch's build
-                    os.kill(os.getpid(), signal.SIGKILL)
+        while not (store.check([key]) and store.get(key).decode()):
             time.sleep(0.01)
+        time.sleep(0.05)  # inside the epoch's build
+        os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True).start()
-
-
-def _elastic_invite_keys(rank: int) -> list[str]:
-    """Where the survivors invite this rank (the first elastic Buffer on the world group)."""
-    from moe_comm.transport.admission import Admissions
-    return [Admissions(None, "moe_comm/elastic/0/1", rank, 0)._key("invite", rank)]
 
 
 # ---------------------------------------------------------------------- the launcher
