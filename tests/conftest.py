@@ -85,8 +85,9 @@ def _seeded_rng():
 
 
 _SHM = "/dev/shm"
-# How long processes that just ended (ranks, mpiexec jobs) may take to let go of their files.
-_SHM_SETTLE_S = 15.0
+# How long processes that just ended (ranks, mpiexec jobs) may take to let go of their files (a loaded
+# machine: the fast tier beside two busy loops once found entries still held after 15 s).
+_SHM_SETTLE_S = 60.0
 
 
 def _session_pids() -> set[int]:

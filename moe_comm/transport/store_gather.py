@@ -11,9 +11,15 @@ past this gather: then the reader is the one out of step, which is an error, nev
 (The ``shm`` transport gathers through its own metadata cells when every rank is on its host; this
 serves the other transports, and groups across hosts.)
 
-Rows of gather ``seq - 2`` are deleted by their writer when it posts ``seq``: by then every rank that
-takes part has read them (it posted ``seq - 1`` only after reading ``seq - 2``), so the store holds
-at most two rows per rank.
+A writer deletes its row of gather ``seq - KEPT`` when it posts ``seq``, so the store holds at most
+``KEPT`` rows per rank. Two would do for the ranks it waits for (each posted ``seq - 1`` only after
+reading ``seq - 2``), but not for a rank it found late, which may still come: in a shrink round the
+late rank's row can reach a third rank, whose note lets the writer go on, before the late rank itself
+reads the writer's row. With only two kept, it found that row gone, raised "out of step" without
+sending its note, and the third rank, waiting for that note, was masked in turn by the writer (seen
+beside two busy loops). Rows are read without waiting (``compare_set`` with a value no row has), so
+a row deleted between the check that it exists and its read leaves that reader out of step, never
+blocked on a key that will not come back.
 """
 from __future__ import annotations
 
@@ -30,6 +36,12 @@ __all__ = ["StoreGather"]
 
 #: how often a wait looks for exited ranks
 _SLICE_S = 0.5
+
+#: rows of its own a writer keeps in the store (see the module's docstring)
+KEPT = 8
+
+#: what a read of a missing row returns: one byte, and every row is a whole number of int64s
+_ABSENT = b"\x00"
 
 
 def _encode(row: Sequence[int]) -> bytes:
@@ -66,13 +78,18 @@ class StoreGather:
         try:
             store.set(self._key(seq, me), _encode(row))
             store.add(f"{self._prefix}/at/{me}", 1)
-            if seq > 2:
-                store.delete_key(self._key(seq - 2, me))
+            if seq > KEPT:
+                store.delete_key(self._key(seq - KEPT, me))
             got = {me: [int(v) for v in row]} if me in sources else {}
             pending = {r: self._key(seq, r) for r in sources if r != me}
             late = self._collect(pending)
-            if pending:
-                got.update(zip(pending, (_decode(v) for v in store.multi_get(list(pending.values())))))
+            for r, key in pending.items():
+                value = store.compare_set(key, _ABSENT, _ABSENT)  # a missing key is not waited for, nor set
+                if value == _ABSENT:  # deleted since it was seen: its writer went on without this rank
+                    late.append(r)
+                else:
+                    got[r] = _decode(value)
+            late.sort()
             ahead = [r for r in late if store.add(f"{self._prefix}/at/{r}", 0) > seq]
         except (RuntimeError, ValueError) as exc:  # the store is gone: nothing can be agreed
             raise CommTimeoutError(op, me, self._timeout_s, None, f"the rendezvous store failed ({exc})") from exc
@@ -93,7 +110,9 @@ class StoreGather:
         late: list[int] = []
         while waiting:
             remaining = deadline - time.monotonic()
-            if remaining > 0:
+            # whole milliseconds: a store reads a wait of 0 ms as "no deadline" (FileStore and HashStore
+            # then wait forever), so less than one left is no wait at all
+            if remaining >= 1e-3:
                 try:
                     store.wait(list(waiting.values()), datetime.timedelta(seconds=min(remaining, _SLICE_S)))
                     break

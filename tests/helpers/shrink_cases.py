@@ -84,16 +84,16 @@ def stopped_ranks(group: dist.ProcessGroup, timeout_s: float) -> dict[str, Any]:
     return out
 
 
-def slow_rank(group: dist.ProcessGroup, delay_s: float) -> dict[str, Any]:
-    """Three ranks whose deadlines differ: rank 0 waits 2 s, rank 2 waits 20 s, and rank 1 comes to
-    a dispatch ``delay_s`` late, after rank 0's deadline but before rank 2's. Rank 2 hears rank 1,
-    rank 0 does not: both must still mask it (the same mask), and rank 1 must learn that it was
+def slow_rank(group: dist.ProcessGroup, short_s: float, delay_s: float, long_s: float) -> dict[str, Any]:
+    """Three ranks whose deadlines differ: rank 0 waits ``short_s``, rank 2 waits ``long_s``, and rank 1
+    comes to a dispatch ``delay_s`` late, after rank 0's deadline but before rank 2's. Rank 2 hears
+    rank 1, rank 0 does not: both must still mask it (the same mask), and rank 1 must learn that it was
     masked instead of carrying on. Returns the outcome, mask and count check of each rank."""
     rank, R = dist.get_rank(group), dist.get_world_size(group)
     E = 2 * R
     hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(M, H, R, E)
     buf = moe_comm.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, enable_shrink=True,
-                          timeout_s={0: 2.0, 1: 20.0, 2: 20.0}[rank])
+                          timeout_s={0: short_s, 1: long_s, 2: long_s}[rank])
     x, idx, _ = _inputs(rank, M, H, E, K, seed=5)
     every_idx = [torch.empty_like(idx) for _ in range(R)]
     dist.all_gather(every_idx, idx, group=group)

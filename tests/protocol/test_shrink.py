@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from helpers.deadlines import MEET_S, before
+from helpers.deadlines import MEET_S, SCHEDULING_S, before
 from helpers.shrink_cases import STOPS, slow_rank, stopped_ranks
 from helpers.transports import WORLD_KINDS, local_world
 
@@ -42,7 +42,12 @@ def test_ranks_that_stop_calling_are_masked_everywhere(transport):
 @pytest.mark.parametrize("transport", ["shm", "collective"], indirect=True)
 def test_a_rank_late_for_some_peers_only_is_masked_by_all(transport):
     with local_world(3, transport, timeout_s=60, threads_per_rank=1) as world:
-        results = world.run(slow_rank, 3.0)
+        # Rank 0 must not hear rank 1 (its wait ends SCHEDULING_S after its deadline at most) and must hear
+        # rank 2 in its next exchange, which rank 2 reaches only once it heard rank 1: that exchange's
+        # deadline is twice rank 0's deadline, so with MEET_S it held too little slack beside two busy loops.
+        short_s = 2 * MEET_S
+        delay_s = short_s + SCHEDULING_S
+        results = world.run(slow_rank, short_s, delay_s, delay_s + MEET_S)
     for rank in (0, 2):
         assert results[rank]["outcome"] == ("no exception", ""), results[rank]
         assert results[rank]["mask"] == [0, 1, 0] and results[rank]["counts_ok"], results[rank]

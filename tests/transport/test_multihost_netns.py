@@ -21,8 +21,9 @@ from helpers.paths import HELPERS
 HOSTS, RANKS_PER_HOST = 2, 2
 WORKER = [sys.executable, str(HELPERS / "multihost_worker.py")]
 NODES = [list(range(h * RANKS_PER_HOST, (h + 1) * RANKS_PER_HOST)) for h in range(HOSTS)]  # [[0, 1], [2, 3]]
-# Starting 4 ranks (Python, torch, moe_comm) on 2 loaded cores, the program, and the exit barrier.
-RUN_S = 120.0
+# Starting 4 ranks (Python, torch, moe_comm) on 2 loaded cores, the program, and the exit barrier: 10 s
+# idle, past 120 s once beside two busy loops and the rest of the fast tier.
+RUN_S = 300.0
 # What a host's veth must send while the program runs: its ranks send the other host's share of
 # output_digest_cases' rows (37 tokens x 256 hidden BF16 per normal call, 43 x 4 low-latency
 # copies), 0.6 MB measured; a host whose gloo traffic went another way would send a few frames.

@@ -33,6 +33,10 @@ from moe_comm.launch.ports import free_port
 HERE = Path(__file__).resolve().parent
 
 
+#: how long the ranks of a run past its deadline get to print their stacks before they are killed
+_STACKS_S = 2.0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("script", type=Path, help="a DeepEP test script (tests/test_*.py)")
@@ -62,7 +66,12 @@ def main(argv: list[str]) -> int:
             code = p.wait(timeout=max(deadline - time.monotonic(), 0.1))
             status = status or code
     except subprocess.TimeoutExpired:
-        print(f"run.py: {script.name} still running after {opts.timeout:.0f} s: killed", file=sys.stderr)
+        print(f"run.py: {script.name} still running after {opts.timeout:.0f} s: its ranks' stacks, then killed",
+              file=sys.stderr, flush=True)
+        for p in procs:  # cuda_on_cpu/sitecustomize.py prints every thread's stack on SIGUSR1
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGUSR1)
+        time.sleep(_STACKS_S)
         status = 124
     finally:
         for p in procs:

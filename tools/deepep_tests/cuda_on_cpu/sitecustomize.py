@@ -14,6 +14,8 @@ What it maps, and nothing else:
   the few native calls they make (an NCCL communicator, the domain sizes).
 - Which of the script's ``assert`` statements ran, in any rank, is recorded (a line trace of the script's
   own file) for ``run.py`` to report.
+- ``SIGUSR1`` prints every thread's stack to stderr: ``run.py`` sends it to a run that ran past its
+  ``--timeout`` before it kills it, so that a hang says where it was.
 - DeepEP's GPU timing helpers (``bench``: CUDA events and an L2 flush; ``bench_kineto``: a CUDA
   kineto trace parsed by kernel name) become one timed call on the CPU, because the tests' tuning
   loops call them thousands of times and bench_kineto's traces hold no CUDA kernels here. Their return
@@ -226,6 +228,9 @@ def _count_asserts(script: str, folder: str) -> None:
 
 
 def _install() -> None:
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     script, folder = os.environ.get("MOE_COMM_DEEPEP_SCRIPT"), os.environ.get("MOE_COMM_DEEPEP_ASSERTS")
     if script and folder:
         _count_asserts(script, folder)
