@@ -535,4 +535,31 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "first call (and buffer half) of it",
         hints=("tests/buffer/test_rejoin.py",),
     ),
+    Mutant(
+        id="store-gather-blocking-read",
+        file="moe_comm/transport/store_gather.py",
+        old="                value = store.compare_set(key, _ABSENT, _ABSENT)",
+        new="                value = store.get(key)",
+        description="a shrink gather reads a row it saw with a blocking get: a row its writer deleted since blocks the "
+                    "late reader for the store's timeout instead of finding it out of step",
+        hints=("tests/transport/test_store_gather.py",),
+    ),
+    Mutant(
+        id="store-gather-zero-ms-wait",
+        file="moe_comm/transport/store_gather.py",
+        old="            if remaining >= 1e-3:",
+        new="            if remaining > 0:",
+        description="the last slice of a shrink gather's deadline may be under a millisecond, which the store reads as "
+                    "no deadline: the wait never ends",
+        hints=("tests/transport/test_store_gather.py",),
+    ),
+    Mutant(
+        id="store-gather-keeps-two",
+        file="moe_comm/transport/store_gather.py",
+        old="KEPT = 8\n",
+        new="KEPT = 2\n",
+        description="a writer keeps only its last two rows: a rank it found late, coming while a third rank's note lets "
+                    "the writer go on, finds the row gone and never sends its note",
+        hints=("tests/transport/test_store_gather.py",),
+    ),
 )
