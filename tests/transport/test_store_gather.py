@@ -7,36 +7,19 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+import types
 
 import pytest
 import torch.distributed as dist
 
+from moe_comm.transport.collective import bounded
 from moe_comm.transport.store_gather import KEPT, StoreGather
 
 from helpers.deadlines import before
 
 TIMEOUT_S = 2.0
-
-
-def _within(seconds: float, call):
-    """``call()``'s result, from a daemon thread given ``seconds``: a gather that never ends fails the
-    test instead of hanging the session."""
-    result: list = []
-    failed: list = []
-
-    def run():
-        try:
-            result.append(call())
-        except BaseException as exc:  # re-raised below
-            failed.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if failed:
-        raise failed[0]
-    assert result, f"the gather did not return within {seconds:g} s"
-    return result[0]
+#: every gather runs under ``bounded``: one that never ends fails its test instead of hanging the session
+BOUND_S = TIMEOUT_S + 5.0
 
 
 def _gatherers(store: dist.Store, ranks: int) -> list[StoreGather]:
@@ -61,7 +44,7 @@ def test_rows_of_every_rank_arrive():
 def test_a_row_that_never_comes_is_late_at_the_deadline():
     reader = _gatherers(dist.HashStore(), 2)[1]
     start = time.monotonic()
-    got, late = _within(TIMEOUT_S + 5.0, lambda: reader.gather([7], [0, 1], op="test"))
+    got, late = bounded(lambda: reader.gather([7], [0, 1], op="test"), BOUND_S, "the gather")
     assert (got, late) == ({1: [7]}, [0])
     assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 1.0
 
@@ -90,7 +73,7 @@ def test_a_row_deleted_after_it_was_seen_makes_the_reader_out_of_step_not_blocke
     reader = StoreGather(_DeletesAfterWait(store, writer, KEPT), "test/shrink", 1, TIMEOUT_S, lambda: [])
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank 1 is out of step: ranks \[0\] are past its exchange 1"):
-        _within(TIMEOUT_S + 5.0, lambda: reader.gather([1], [0, 1], op="test"))
+        bounded(lambda: reader.gather([1], [0, 1], op="test"), BOUND_S, "the gather")
     assert time.monotonic() - start < before(TIMEOUT_S)
 
 
@@ -102,7 +85,7 @@ def test_a_late_reader_still_reads_a_row_its_writer_went_past():
     writer, _ = _gatherers(store, 2)
     writer.gather([5], [0], op="writer")
     reader = StoreGather(_DeletesAfterWait(store, writer, 2), "test/shrink", 1, TIMEOUT_S, lambda: [])
-    assert _within(TIMEOUT_S + 5.0, lambda: reader.gather([1], [0, 1], op="test")) == ({0: [5], 1: [1]}, [])
+    assert bounded(lambda: reader.gather([1], [0, 1], op="test"), BOUND_S, "the gather") == ({0: [5], 1: [1]}, [])
 
 
 @pytest.mark.parametrize("left_ms", [0.4, 0.999])
@@ -113,9 +96,10 @@ def test_the_last_slice_of_a_deadline_never_waits_without_one(monkeypatch, left_
     real = time.monotonic
     start = real()
     looks = iter([start, start + TIMEOUT_S - left_ms / 1000])  # sets the deadline, then finds this much left
-    monkeypatch.setattr(store_gather.time, "monotonic", lambda: next(looks, None) or real())
+    # the module's own clock only (``bounded`` below reads the real one)
+    monkeypatch.setattr(store_gather, "time", types.SimpleNamespace(monotonic=lambda: next(looks, None) or real()))
     reader = _gatherers(dist.HashStore(), 2)[1]
     try:
-        assert _within(TIMEOUT_S + 5.0, lambda: reader.gather([7], [0, 1], op="test")) == ({1: [7]}, [0])
+        assert bounded(lambda: reader.gather([7], [0, 1], op="test"), BOUND_S, "the gather") == ({1: [7]}, [0])
     finally:
         monkeypatch.undo()
