@@ -218,8 +218,10 @@ CASES: dict[str, Callable[[moe_comm.Buffer], Any]] = {
     "dispatch_worst_too_big_for_memory": lambda b: _dispatch(b, num_worst_tokens=2**31 - 1),
     "dispatch_alignment_huge": lambda b: _dispatch(b, expert_alignment=2**40),
     "ll_m_huge": lambda b: _ll_dispatch(b, num_max_dispatch_tokens_per_rank=2**40),
-    "ll_m_too_big_for_memory": lambda b: _ll_buffer(b, num_rdma_bytes=2**62).low_latency_dispatch(
-        _inputs(1)["x"], _inputs(1)["topk_idx"], 2**30, E),
+    # the Buffer's own num_rdma_bytes: the receive buffer's size is checked first (a Buffer made with 2**62 bytes
+    # maps, on cuda_host, its whole share of the host's shared memory up front: 18 s, and OOM beside other worlds)
+    "ll_m_too_big_for_memory": lambda b: _ll_buffer(b).low_latency_dispatch(_inputs(1)["x"], _inputs(1)["topk_idx"],
+                                                                             2**30, E),
     "ll_experts_huge": lambda b: _ll_dispatch(b, num_experts=2**40),
 }
 
