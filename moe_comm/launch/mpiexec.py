@@ -279,7 +279,7 @@ def shm_holders() -> tuple[dict[str, set[int]], set[int]]:
                     fields = line.split(None, 5)
                     if len(fields) == 6 and fields[3] == device:
                         held.add(int(fields[4]))
-        except FileNotFoundError:  # exited meanwhile
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile (reaped after its maps were opened: ESRCH)
             continue
         except PermissionError:
             unreadable.add(pid)

@@ -160,3 +160,39 @@ def test_ranks_of_a_killed_owner_exit(tmp_path):
     pids = [int(p) for p in done.stdout.split()]
     assert len(pids) == 2, done.stdout
     assert all_gone(pids, within_s=1.0 + EXIT_S), "ranks outlived their world's owner"  # a poll, then the exit
+
+
+def test_shm_holders_reads_through_processes_that_exit_meanwhile(tmp_path):
+    """``shm_holders`` (how a closed mpiexec world and the session's /dev/shm check find who holds an entry)
+    reads every process's /proc maps; a process reaped after its maps were opened makes the read fail with
+    ESRCH, which once errored a loaded fast-tier run. Python processes start and exit beside it for 3 s (that
+    met the race about twice in 5 s here); it must go on reading, and still find this process's own entry."""
+    import tempfile
+    import threading
+    import time
+
+    from moe_comm.launch.mpiexec import shm_holders
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            subprocess.run([sys.executable, "-c", "import numpy"], check=False)
+
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="moe-comm-test-holders-") as held:
+        threads = [threading.Thread(target=churn, daemon=True) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        try:
+            calls, deadline = 0, time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                holders, _ = shm_holders()
+                assert os.getpid() in holders.get(os.path.basename(held.name), set()), holders
+                calls += 1
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+    assert calls > 10
