@@ -4,12 +4,16 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
 from moe_comm.launch import LocalWorld, init_from_env, launcher_rank, spawn
+from moe_comm.launch.mpiexec import shm_holders
 
 from helpers.deadlines import EXIT_S
 from helpers.paths import HELPERS
@@ -162,17 +166,11 @@ def test_ranks_of_a_killed_owner_exit(tmp_path):
     assert all_gone(pids, within_s=1.0 + EXIT_S), "ranks outlived their world's owner"  # a poll, then the exit
 
 
-def test_shm_holders_reads_through_processes_that_exit_meanwhile(tmp_path):
+def test_shm_holders_reads_through_processes_that_exit_meanwhile():
     """``shm_holders`` (how a closed mpiexec world and the session's /dev/shm check find who holds an entry)
     reads every process's /proc maps; a process reaped after its maps were opened makes the read fail with
     ESRCH, which once errored a loaded fast-tier run. Python processes start and exit beside it for 3 s (that
     met the race about twice in 5 s here); it must go on reading, and still find this process's own entry."""
-    import tempfile
-    import threading
-    import time
-
-    from moe_comm.launch.mpiexec import shm_holders
-
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm here")
     stop = threading.Event()
