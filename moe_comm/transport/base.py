@@ -114,6 +114,9 @@ class Transport(abc.ABC):
     #: rendezvous store to run them on
     gatherer: Optional[StoreGather] = None
 
+    #: ranks no process holds (an elastic Buffer's epoch, ``store_group``): every exchange skips them
+    absent: frozenset[int] = frozenset()
+
     def __init__(self) -> None:
         #: send and receive buffers reused across exchanges
         self.workspace = Workspace()
@@ -140,7 +143,7 @@ class Transport(abc.ABC):
         """Every rank's ``row`` (1-D, the same size and dtype on every rank), stacked in rank order
         (zeros for the ranks in ``skip``, which take no part): an all-gather through ``all_to_all``,
         with its deadline. Collective; blocks."""
-        ranks = self.num_ranks
+        ranks, skip = self.num_ranks, skip | self.absent
         got = (torch.zeros if skip else torch.empty)(ranks, row.numel(), dtype=row.dtype, device=row.device)
         self.all_to_all(got, row.reshape(1, -1).expand(ranks, -1).contiguous(), [1] * ranks, [1] * ranks,
                         op=op, skip=skip).wait()
@@ -271,8 +274,8 @@ class Transport(abc.ABC):
 
 
 def host_id() -> int:
-    """This host's name as a number (crc32), to tell which ranks share a host."""
-    return zlib.crc32(socket.gethostname().encode())
+    """This host's name as a number (crc32), to tell which ranks share a host; never 0 (an absent rank's)."""
+    return zlib.crc32(socket.gethostname().encode()) or 1
 
 
 def prefix_sums(counts: Sequence[int]) -> list[int]:

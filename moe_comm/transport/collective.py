@@ -36,7 +36,7 @@ from ..core.topology import split_nodes
 from .base import Pending, Transport, host_id, peer_blocks
 from .host_counters import HostCounters
 from .store_gather import StoreGather
-from .store_group import StoreGroup, gloo_backend
+from .store_group import StoreGroup, gloo_backend, members_places
 
 __all__ = ["CollectiveTransport"]
 
@@ -232,6 +232,7 @@ class CollectiveTransport(Transport):
         if isinstance(group, StoreGroup):
             self.rank, self.num_ranks, self._backend = group.rank, group.size, "gloo"
             store, scope, global_ranks = group.store, group.scope, group.global_ranks
+            self.absent = group.absent
         else:
             self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
             self._backend = str(dist.get_backend(group))
@@ -240,6 +241,8 @@ class CollectiveTransport(Transport):
             global_ranks = [dist.get_global_rank(group, r) for r in range(self.num_ranks)] if whole else None
         self.device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" \
             else torch.device("cpu")
+        #: each rank's place in this transport's gloo groups of its own (an epoch's: its members only)
+        self._places = members_places(self.num_ranks, self.absent)
         instance = 0
         if store is not None:
             try:
@@ -283,23 +286,24 @@ class CollectiveTransport(Transport):
         if self._backend != "gloo" or self.num_ranks == 1 or store is None:
             return None
         try:
-            return bounded(lambda: gloo_backend(dist.PrefixStore(prefix, store), self.rank, self.num_ranks,
-                                                self.timeout_s),
+            return bounded(lambda: gloo_backend(dist.PrefixStore(prefix, store), self._places[self.rank],
+                                                len(self._places), self.timeout_s),
                            self.timeout_s + STORE_WAIT_S, "Buffer(): connecting the metadata group")
         except (TimeoutError, RuntimeError) as exc:
             self.raise_failure("Buffer()", exc)
 
     def _meet(self, instance: int, store: Optional[dist.Store], prefix: str) -> list[tuple[int, int]]:
         """Exchanges (host, pid, instance, token) with every rank, with the deadline; checks the
-        pairing; starts the arrival book (host counters named by the host's first rank's token)."""
+        pairing; starts the arrival book (host counters named by the host's first rank's token). An absent
+        rank's row is zeros: host 0, which no rank's host hashes to, so it shares no node."""
         mine = torch.tensor([self._host, os.getpid(), instance, secrets.randbits(62)], dtype=torch.int64,
                             device=self.device)
         rows = self.all_gather_rows(mine, op="Buffer()").cpu().tolist()
-        instances = [r[2] for r in rows]
-        if len(set(instances)) > 1:
+        instances = {r: row[2] for r, row in enumerate(rows) if r not in self.absent}
+        if len(set(instances.values())) > 1:
             raise CrossRankMismatchError(
                 f"Buffer(): ranks have created different numbers of buffers on this group "
-                f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(instances))}); create buffers collectively, "
+                f"({', '.join(f'rank {r}: {n}' for r, n in instances.items())}); create buffers collectively, "
                 f"in the same order on every rank")
         host_ranks = [r for r, row in enumerate(rows) if row[0] == self._host]
         counters = HostCounters.meet(f"{rows[host_ranks[0]][3]:x}", host_ranks, self.rank,
@@ -333,6 +337,7 @@ class CollectiveTransport(Transport):
         if self._closed:  # (a post still on its thread when close gave up waiting: never onto the group)
             raise RuntimeError(f"{op}: rank {self.rank}: this Buffer's collective transport is closed (Buffer.destroy)")
         self._book.enter()
+        skip = skip | self.absent
         if self.num_ranks == 1:
             if input.numel():
                 output.copy_(input)
@@ -363,11 +368,11 @@ class CollectiveTransport(Transport):
         if channel is None and isinstance(self.group, StoreGroup):
             channel = self.group.backend
         for peer, send, recv in peer_blocks(output, input, output_splits, input_splits, self.rank, skip):
-            if channel is not None:  # a gloo backend of its own (the metadata group, an epoch's group): its ranks, tag 0
+            if channel is not None:  # a gloo backend of its own (the metadata group, an epoch's group): tag 0
                 if send.shape[0]:
-                    works.append(channel.send([_as_wire(send)], peer, 0))
+                    works.append(channel.send([_as_wire(send)], self._places[peer], 0))
                 if recv.shape[0]:
-                    works.append(channel.recv([_as_wire(recv)], peer, 0))
+                    works.append(channel.recv([_as_wire(recv)], self._places[peer], 0))
                 continue
             dst = dist.get_global_rank(self.group, peer)
             if send.shape[0]:

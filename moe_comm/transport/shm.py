@@ -280,6 +280,7 @@ class ShmTransport(Transport):
         self.pids = [pid for _, pid in self._coll.peers]
         self.nodes = self._coll.nodes
         self.gatherer = self._coll.gatherer
+        self.absent = self._coll.absent  # (no node of theirs: their host is unknown, see ``_meet``)
         self.local = next(node for node in self.nodes if self.rank in node)
         self.local_index = self.local.index(self.rank)
         self.remote = [r for r in range(self.num_ranks) if r not in self.local]
