@@ -83,6 +83,11 @@ class Buffer(LowLatencyAPI):
             itself in the rendezvous store and returns once the survivors have admitted it, at one of
             their low-latency dispatches (``CommTimeoutError`` if none comes within twice ``timeout_s``).
             Needs ``low_latency_mode`` and ``enable_shrink``; not on ``mpi`` (MPI cannot admit a process).
+        min_ranks: reserved rank slots (Mooncake's ``max_world_size``; default: env ``MOE_COMM_MIN_RANKS``, 0:
+            off): the Buffer does not meet the group but starts from the rendezvous store with the ranks that
+            came within ``timeout_s`` (every rank, or at least ``min_ranks``), the others masked; a rank that
+            starts later is admitted as a replacement is. The group must not connect eagerly to ranks that
+            never start: ``TORCH_GLOO_LAZY_INIT=1``. Needs what ``rejoin`` needs.
     """
 
     #: SMs DeepEP's normal kernels use; only feeds the default configs here.
@@ -93,7 +98,7 @@ class Buffer(LowLatencyAPI):
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Any = None, *,
                  backend: str = "auto", transport: str = "auto", timeout_s: Optional[float] = None,
-                 rejoin: Optional[bool] = None) -> None:
+                 rejoin: Optional[bool] = None, min_ranks: Optional[int] = None) -> None:
         op = "Buffer"
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
                             ("num_qps_per_rank", num_qps_per_rank)):
@@ -124,6 +129,11 @@ class Buffer(LowLatencyAPI):
         choice = backends.choose(backend, group, comm)
         rejoin = env.rejoin() if rejoin is None else rejoin
         check_bools(op, rejoin=rejoin)
+        min_ranks = env.min_ranks() if min_ranks is None else min_ranks
+        check_int(op, "min_ranks", min_ranks, minimum=0)
+        size = comm.Get_size() if group is None else dist.get_world_size(group)
+        if min_ranks > size:
+            bad_argument(op, "min_ranks", f"at most the group's {size} ranks", min_ranks)
 
         self.group, self.comm = group, comm
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
@@ -135,12 +145,13 @@ class Buffer(LowLatencyAPI):
         self.backend_choice = choice
         #: the epochs of an elastic buffer (``enable_shrink``: ranks masked, replacements admitted), else None
         self.membership: Optional[Membership] = None
-        if rejoin:
-            name = self._rejoinable(transport)
+        if rejoin or min_ranks:
+            name = self._rejoinable(transport, "rejoin" if rejoin else "min_ranks", rejoin or min_ranks)
             backends.load()
             self.membership = Membership(group, default_store(), self.timeout_s)
+            build = lambda epoch_group: self._build_runtime(epoch_group, name)  # noqa: E731
             #: the backend object (DeepEP's ``runtime``, its C++ buffer); a new one per epoch
-            self.runtime: Backend = self.membership.join(lambda epoch_group: self._build_runtime(epoch_group, name))
+            self.runtime: Backend = self.membership.join(build) if rejoin else self.membership.start(build, min_ranks)
         else:
             self.runtime = self._build_runtime(group, transport)
             if enable_shrink:
@@ -165,26 +176,27 @@ class Buffer(LowLatencyAPI):
             runtime.reserve_low_latency(self.num_rdma_bytes)
         return runtime
 
-    def _rejoinable(self, transport: str) -> str:
-        """The transport a replacement (``rejoin=True``) joins over; raises ValueError naming what is missing."""
-        op = "Buffer"
+    def _rejoinable(self, transport: str, arg: str, value: object) -> str:
+        """The transport a replacement (``rejoin=True``), or a rank of a job that starts short of ranks
+        (``min_ranks``), joins over; raises ValueError naming ``arg`` and what is missing."""
+        op, off = "Buffer", "False" if arg == "rejoin" else "0"
         if self.comm is not None:
-            bad_argument(op, "rejoin", "False with comm= (MPI cannot admit a process; use a torch.distributed "
-                         "gloo group, whose shm or collective transport can)", True)
+            bad_argument(op, arg, f"{off} with comm= (MPI cannot admit a process; use a torch.distributed gloo "
+                         f"group, whose shm or collective transport can)", value)
         if not (self.low_latency_mode and self.enable_shrink):
-            bad_argument(op, "rejoin", "True only with low_latency_mode=True and enable_shrink=True (the survivors "
-                         "mask the dead rank and admit its replacement at a low-latency dispatch)",
-                         f"low_latency_mode={self.low_latency_mode}, enable_shrink={self.enable_shrink}")
+            bad_argument(op, arg, f"{off} unless low_latency_mode=True and enable_shrink=True (the ranks mask a "
+                         f"missing rank and admit its replacement at a low-latency dispatch)",
+                         f"{value} with low_latency_mode={self.low_latency_mode}, enable_shrink={self.enable_shrink}")
         if self.backend_choice.name not in REJOINABLE:
-            bad_argument(op, "rejoin", "a Buffer on the portable or cuda_host backend (the cuda backend's rejoin "
-                         "path has never run on a GPU)", str(self.backend_choice))
+            bad_argument(op, arg, f"{off} unless the Buffer is on the portable or cuda_host backend (the cuda "
+                         f"backend's rejoin path has never run on a GPU)", f"{value} on {self.backend_choice}")
         name = resolve_transport(transport, self.group)
         if name == "mpi":
-            bad_argument(op, "rejoin", "a transport that can admit a process: shm or collective (MPI cannot "
-                         "without ULFM)", f"transport {name!r}")
+            bad_argument(op, arg, f"{off} on transport 'mpi' (MPI cannot admit a process without ULFM; shm or "
+                         f"collective can)", value)
         if default_store() is None:
-            bad_argument(op, "rejoin", "torch.distributed initialised with the job's rendezvous store, which "
-                         "the survivors share", "no rendezvous store")
+            bad_argument(op, arg, f"{off} without the job's rendezvous store (initialise torch.distributed with a "
+                         f"store that every rank shares)", value)
         return name
 
     def _admit(self) -> None:
@@ -194,7 +206,7 @@ class Buffer(LowLatencyAPI):
         if not joiners:
             return
         runtime = self.membership.admit(joiners, lambda group: self._build_runtime(group, self.transport_name),
-                                        self.runtime.exited_ranks)
+                                        self.runtime.exited_ranks, self.runtime.masked_ranks())
         if runtime is not None:
             old, self.runtime = self.runtime, runtime
             old.destroy()

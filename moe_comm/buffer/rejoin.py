@@ -9,6 +9,11 @@ dispatch every member builds the next epoch from the store (``StoreGroup``, then
 call numbers and halves start where every member's start: at the beginning), and commits it only if
 every member built it (``transport/admission.py``); otherwise everyone stays where it was. The
 ``Buffer`` object, and what its caller built on it, stay the same; only its ``runtime`` changes.
+
+An epoch need not hold every rank: the survivors admit whichever replacements are ready, and the masked
+ranks that have none stay **absent** from the new epoch (masked from its start, ``StoreGroup``). A job can
+also start short of ranks (``min_ranks``, Mooncake's reserved slots): the ranks that came start epoch 1
+from the store with the others absent, and a rank that starts later fills its slot as a replacement does.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import torch.distributed as dist
 
 from ..backends.base import Backend
 from ..core.errors import CommTimeoutError, bad_argument
-from ..transport.admission import COMMIT, Admissions
+from ..transport.admission import ABORT, COMMIT, START_EPOCH, Admissions
 from ..transport.base import host_id
 from ..transport.collective import STORE_WAIT_S, bounded, default_store, process_alive
 from ..transport.store_group import StoreGroup
@@ -56,7 +61,8 @@ class Membership:
         #: when this replacement last said it was ready (``time.time()``); None on a survivor
         self.announced_at: Optional[float] = None
         self.committed = 0  # the epoch this rank runs in
-        #: per epoch tried: its number, the ranks admitted, the outcome and the seconds it took
+        #: per epoch tried: its number, the ranks admitted (or, ``start``, the ranks the job started with), the
+        #: outcome and the seconds it took
         self.history: list[dict] = []
         #: the handles (their first tensor) of this epoch's last two dispatches, and of earlier epochs' (with
         #: their epoch): a handle of an earlier epoch names rows of a backend that is gone
@@ -103,42 +109,68 @@ class Membership:
             start = time.monotonic()
             token = self.admissions.announce(host_id())
             self.announced_at = time.time()
-            epoch = self.admissions.invitation(token, start + wait_s)
-            if epoch is None:
+            invited = self.admissions.invitation(token, start + wait_s)
+            if invited is None:
                 self.admissions.withdraw({self.rank: token})
                 raise CommTimeoutError(op, self.rank, wait_s, None,
                                        "no survivor invited this rank: the survivors admit a replacement at a "
-                                       "low-latency dispatch of an enable_shrink=True Buffer, once every masked rank "
-                                       "has one ready" + (f" (earlier tries: {'; '.join(outcomes)})" if outcomes else ""))
-            runtime, outcome = self._enter(epoch, build, (), lambda: ())
+                                       "low-latency dispatch of an enable_shrink=True Buffer"
+                                       + (f" (earlier tries: {'; '.join(outcomes)})" if outcomes else ""))
+            epoch, absent = invited
+            runtime, outcome = self._enter(epoch, build, (), lambda: (), absent)
             self._record(epoch, frozenset({self.rank}), outcome, start)
             if runtime is not None:
                 return runtime
             outcomes.append(f"epoch {epoch} aborted: {outcome}")
         raise RuntimeError(f"{op}: rank {self.rank}: every try to join was aborted ({'; '.join(outcomes)})")
 
+    # ------------------------------------------------------------------ a start short of ranks
+    def start(self, build: Callable[[StoreGroup], Backend], min_ranks: int) -> Backend:
+        """Starts the job's ranks together (``min_ranks``: see the module docstring): waits up to the deadline
+        for every rank, then builds epoch 1 with those that came (at least ``min_ranks``), the others absent;
+        a rank that comes after that joins as a replacement (``join``). Returns the committed backend; raises
+        CommTimeoutError when fewer than ``min_ranks`` came, RuntimeError when a member failed the start."""
+        begin = time.monotonic()
+        self.admissions.arrive(host_id())
+        members, absent = self.admissions.start_members(min_ranks, begin + self.timeout_s)
+        if members is None:
+            raise CommTimeoutError("Buffer()", self.rank, self.timeout_s, absent,
+                                   f"fewer than min_ranks={min_ranks} ranks started: the job starts with the "
+                                   f"ranks that came once at least min_ranks did, the others' slots reserved")
+        if self.rank not in members:  # the start went without it: its slot is reserved, and it fills it
+            return self.join(build)
+        runtime, outcome = self._enter(START_EPOCH, build, sorted(members), lambda: (), frozenset(absent))
+        self._record(START_EPOCH, members, outcome, begin, start=True)
+        if runtime is None:
+            raise RuntimeError(f"Buffer(): rank {self.rank}: the start of ranks {sorted(members)} failed: {outcome}")
+        return runtime
+
     # ------------------------------------------------------------------ the survivors
     def admit(self, joiners: frozenset[int], build: Callable[[StoreGroup], Backend],
-              exited: Callable[[], Iterable[int]]) -> Optional[Backend]:
-        """Builds the next epoch with ``joiners`` (decided in one handshake on every survivor); ``exited()``:
-        ranks on this host whose process has exited (the old backend's view). Returns the committed backend,
-        or None when the epoch was aborted (the caller keeps its backend; the joiners' announcements are
-        withdrawn, so they are not tried again until they announce anew)."""
+              exited: Callable[[], Iterable[int]], masked: frozenset[int]) -> Optional[Backend]:
+        """Builds the next epoch with ``joiners`` (decided in one handshake on every survivor), the other
+        ``masked`` ranks absent from it; ``exited()``: ranks on this host whose process has exited (the old
+        backend's view). Returns the committed backend, or None when the epoch was aborted (the caller keeps
+        its backend; the joiners' announcements are withdrawn, so they are not tried again until they
+        announce anew)."""
         start = time.monotonic()
         epoch = self.epoch + 1
+        absent = frozenset(masked) - joiners
         tokens = self.admissions.ready(joiners)
-        self.admissions.invite(tokens, epoch)
+        self.admissions.invite(tokens, epoch, absent)
         here = host_id()
 
         def dead() -> Iterable[int]:  # members known dead: a survivor that exited, a joiner whose process is gone
-            gone = {r for r in exited() if r not in joiners}  # (a joiner's rank names its dead predecessor there)
+            # (a joiner's rank names its dead predecessor there, an absent rank a dead process of no member)
+            gone = {r for r in exited() if r not in joiners and r not in absent}
             for r, token in tokens.items():
                 host, pid = (int(part, 16) if i == 0 else int(part) for i, part in enumerate(token.split(":")[:2]))
                 if host == here and not process_alive(pid):
                     gone.add(r)
             return gone
 
-        runtime, outcome = self._enter(epoch, build, [r for r in range(self.num_ranks) if r not in joiners], dead)
+        survivors = [r for r in range(self.num_ranks) if r not in joiners and r not in absent]
+        runtime, outcome = self._enter(epoch, build, survivors, dead, absent)
         self._record(epoch, joiners, outcome, start)
         self.admissions.withdraw(tokens)  # admitted, or aborted: either way not to be tried again
         return runtime
@@ -164,20 +196,23 @@ class Membership:
 
     # ------------------------------------------------------------------ both
     def _enter(self, epoch: int, build: Callable[[StoreGroup], Backend], survivors: Sequence[int],
-               dead: Callable[[], Iterable[int]]) -> tuple[Optional[Backend], str]:
-        """Builds this rank's side of ``epoch`` and runs the commit: (the backend or None, the outcome).
-        ``dead()``: members known to have died (their side will never come: abort at once)."""
+               dead: Callable[[], Iterable[int]], absent: frozenset[int]) -> tuple[Optional[Backend], str]:
+        """Builds this rank's side of ``epoch`` (``absent``: its ranks that no process holds, masked from the
+        start) and runs the commit: (the backend or None, the outcome). ``dead()``: members known to have died
+        (their side will never come: abort at once)."""
         self.epoch = epoch  # an aborted epoch's number is not used again: its keys hold its decision
         deadline = time.monotonic() + self.timeout_s + 2 * STORE_WAIT_S
         runtime, why, times = None, "", [time.monotonic()]
         try:
-            group = self._connect(epoch, deadline - STORE_WAIT_S, dead)
+            group = self._connect(epoch, deadline - STORE_WAIT_S, dead, absent)
             times.append(time.monotonic())
             runtime = self.watch(build(group))
+            for r in absent:
+                runtime.mask_rank(r, True)
         except Exception as exc:  # a member died or never came: every member aborts, below
             why = f"{type(exc).__name__}: {exc}"
         times += [time.monotonic()] * (3 - len(times))
-        decision = self.admissions.decide(epoch, runtime is not None, deadline, survivors, dead)
+        decision = self.admissions.decide(epoch, runtime is not None, deadline, survivors, dead, absent)
         times.append(time.monotonic())
         #: seconds of the last epoch's parts: connecting its group, building the backend, the commit round
         self.parts = {name: b - a for name, a, b in zip(("connect", "build", "commit"), times, times[1:])}
@@ -189,19 +224,23 @@ class Membership:
             runtime.destroy()
         return None, why or f"another member of epoch {epoch} failed to build it, or the deadline passed"
 
-    def _connect(self, epoch: int, deadline: float, dead: Callable[[], Iterable[int]]) -> StoreGroup:
-        """The epoch's group, connected on a helper thread that is given up on at ``deadline`` or as soon as a
-        member is known dead. Why not gloo's own timeout: it retries a refused connection (a member that died
-        after it published its address) several times over, each with the whole timeout."""
+    def _connect(self, epoch: int, deadline: float, dead: Callable[[], Iterable[int]],
+                 absent: frozenset[int]) -> StoreGroup:
+        """The epoch's group, connected on a helper thread that is given up on at ``deadline``, as soon as a
+        member is known dead, or once a member aborted the epoch. Why not gloo's own timeout: it retries a
+        refused connection (a member that died after it published its address) several times over, each with
+        the whole timeout."""
         def gone() -> Optional[str]:
             ranks = sorted(dead())
-            return f"ranks {ranks} exited before it connected" if ranks else None
+            if ranks:
+                return f"ranks {ranks} exited before it connected"
+            return "a member aborted the epoch" if self.admissions.decision(epoch) == ABORT else None
 
         return bounded(lambda: StoreGroup.connect(self.admissions.store, self.admissions.epoch_scope(epoch), self.rank,
-                                                  self.num_ranks, self.timeout_s, self.global_ranks),
+                                                  self.num_ranks, self.timeout_s, self.global_ranks, absent),
                        max(deadline - time.monotonic(), 0.0), f"epoch {epoch}: rank {self.rank}: its group", gone,
                        "a member did not connect")
 
-    def _record(self, epoch: int, joiners: frozenset[int], outcome: str, start: float) -> None:
-        self.history.append({"epoch": epoch, "ranks": sorted(joiners), "outcome": outcome,
-                             "seconds": time.monotonic() - start, **self.parts})
+    def _record(self, epoch: int, joiners: frozenset[int], outcome: str, began: float, *, start: bool = False) -> None:
+        self.history.append({"epoch": epoch, "ranks": sorted(joiners), "outcome": outcome, "start": start,
+                             "seconds": time.monotonic() - began, **self.parts})

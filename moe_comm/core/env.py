@@ -34,6 +34,10 @@ MOE_COMM_RANKS_PER_NODE  ranks of one node where one machine stands for several:
                      tensor-parallel size), and the ranks of one host always share its memory.
 MOE_COMM_REJOIN      ``1``: this process replaces a rank of a running job; ``Buffer(rejoin=None)`` reads it
                      (docs/elastic-ep.md). Unset or ``0``: a Buffer meets its group as usual.
+MOE_COMM_MIN_RANKS   ``n``: an elastic Buffer starts once ``n`` of its ranks have (waiting up to its deadline for
+                     the rest); the others' slots are reserved, and a rank that starts later joins as a
+                     replacement does. ``Buffer(min_ranks=None)`` reads it (docs/elastic-ep.md). Unset or ``0``: a
+                     Buffer meets its whole group.
 """
 from __future__ import annotations
 
@@ -111,6 +115,17 @@ def rejoin() -> bool:
     if value in ("1", "true", "yes", "on"):
         return True
     raise ValueError(f"environment variable MOE_COMM_REJOIN must be 1 or 0, got {value!r}")
+
+
+def min_ranks() -> int:
+    """``MOE_COMM_MIN_RANKS``: the ranks an elastic Buffer starts with at least (``Buffer(min_ranks=...)``), 0 when
+    unset (the whole group); ValueError naming the variable for anything but an int >= 0."""
+    value = os.environ.get("MOE_COMM_MIN_RANKS", "").strip()
+    if not value:
+        return 0
+    if not value.isdigit():
+        raise ValueError(f"environment variable MOE_COMM_MIN_RANKS must be an int >= 0, got {value!r}")
+    return int(value)
 
 
 def ranks_per_node() -> Optional[int]:

@@ -364,7 +364,7 @@ class CallAgreement:
                             f"the deadline, so this rank cannot know which ranks the others masked")
                 raise BufferUnusableError(op, me, self.broken)
             if all(masked == union for masked in masks):
-                if joiners and joiners == union:  # every masked rank has its replacement waiting
+                if joiners:  # masked ranks with a replacement waiting (the others stay masked: absent)
                     self.admit = frozenset(joiners)
                 return [got.get(r, []) for r in range(R)], skip
             skip = frozenset(union)

@@ -17,9 +17,9 @@ the call completes among the ranks left. Each extra round masks one more rank at
 A rank that finds itself in ``U`` (it was late on some peer's side, e.g. it stopped calling for a
 while) cannot rejoin as it is: its buffer refuses further use, saying who masked it. A new process in
 its place can (``Buffer(..., rejoin=True)``): in a dispatch's notes every rank also flags the masked
-ranks whose replacement it found ready (``transport/admission.py``); when the union of those flags
-covers every masked rank, each rank that returns from the call decided, alike, to admit them at its
-next low-latency dispatch (``Buffer`` builds the next epoch there). A rank that misses a
+ranks whose replacement it found ready (``transport/admission.py``); each rank that returns from the
+call decided, alike, to admit the union of those flags at its next low-latency dispatch (``Buffer``
+builds the next epoch there; the masked ranks with no replacement ready stay masked in it). A rank that misses a
 note of step 2 cannot know ``U`` and breaks its buffer; the others then find it on another call at
 their next handshake and break theirs too. Either way nobody returns rows shaped by a mask that
 differs from a peer's.

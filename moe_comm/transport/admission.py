@@ -5,8 +5,13 @@ replace it (``Buffer(..., rejoin=True)``) cannot reach the survivors' groups, bu
 rendezvous store, which outlives ranks. Under ``prefix`` (one per elastic Buffer of the job):
 
 - ``ready/<rank>``: the replacement's token (host, pid, a random number), set when it is ready.
-- ``invite/<rank>``: ``"<token> <epoch>"``, set by the survivors once they all decided, in one call's
-  handshake, to admit it (``CallAgreement``): which epoch it joins, for which incarnation.
+- ``invite/<rank>``: ``"<token> <epoch> <absent>"``, set by the survivors once they all decided, in one
+  call's handshake, to admit it (``CallAgreement``): which epoch it joins, for which incarnation, and which
+  ranks no process holds in that epoch (masked ranks with no replacement yet, comma-separated, ``-``: none).
+- ``start/...``: a job that starts short of ranks (``min_ranks``: reserved slots): each rank that starts sets
+  ``start/arrived/<rank>``; the first to see every rank, or at least ``min_ranks`` at its deadline, sets
+  ``start/members`` (``compare_set``), and those ranks build epoch 1 with the others absent. A rank that
+  arrives after that fills its slot as a replacement does.
 - ``epoch/<e>/...``: the epoch's own gloo group (``StoreGroup``), then the commit: each member sets
   ``done/<rank>`` to ``ok`` once its side of the epoch is built, or to ``fail``; the first member to see
   every ``ok`` sets ``decision`` to ``commit``, the first to fail or to reach its deadline sets it to
@@ -25,9 +30,11 @@ from typing import Callable, Iterable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["Admissions", "COMMIT", "ABORT"]
+__all__ = ["Admissions", "COMMIT", "ABORT", "START_EPOCH"]
 
 COMMIT, ABORT = "commit", "abort"
+#: the epoch a job that starts short of ranks starts in (epoch 0 is the caller's group, which needs every rank)
+START_EPOCH = 1
 #: how often a wait looks at the store again
 _SLICE_S = 0.005
 
@@ -53,13 +60,14 @@ class Admissions:
         self.store.set(self._key("ready", self.rank), token)
         return token
 
-    def invitation(self, token: str, deadline: float) -> Optional[int]:
-        """The epoch this rank was invited to (its token in ``invite/<rank>``), or None at ``deadline``."""
+    def invitation(self, token: str, deadline: float) -> Optional[tuple[int, frozenset[int]]]:
+        """(The epoch this rank was invited to, the ranks absent from it), from its token in
+        ``invite/<rank>``, or None at ``deadline``."""
         key = self._key("invite", self.rank)
         while True:
             words = self.store.get(key).decode().split()
-            if len(words) == 2 and words[0] == token:
-                return int(words[1])
+            if len(words) == 3 and words[0] == token:
+                return int(words[1]), _ranks(words[2])
             if time.monotonic() >= deadline:
                 return None
             time.sleep(_SLICE_S)
@@ -76,30 +84,55 @@ class Admissions:
                     got[r] = token
         return got
 
-    def invite(self, tokens: dict[int, str], epoch: int) -> None:
-        """Tells each replacement (rank -> its token) the epoch it joins; every survivor writes the same."""
+    def invite(self, tokens: dict[int, str], epoch: int, absent: frozenset[int] = frozenset()) -> None:
+        """Tells each replacement (rank -> its token) the epoch it joins and the ranks absent from it; every
+        survivor writes the same."""
         for r, token in tokens.items():
-            self.store.set(self._key("invite", r), f"{token} {epoch}")
+            self.store.set(self._key("invite", r), f"{token} {epoch} {_text(absent)}")
 
     def withdraw(self, tokens: dict[int, str]) -> None:
         """Forgets the announcements of an aborted admission (unless a new incarnation replaced them)."""
         for r, token in tokens.items():
             self.store.compare_set(self._key("ready", r), token, "")
 
+    # ------------------------------------------------------------------ a start short of ranks
+    def arrive(self, host: int) -> None:
+        """Says this rank has started (``start/arrived/<rank>``)."""
+        self.store.set(self._key("start", "arrived", self.rank), f"{host:x}:{os.getpid()}")
+
+    def start_members(self, min_ranks: int, deadline: float) -> tuple[Optional[frozenset[int]], list[int]]:
+        """(The ranks the job starts with, the same on every rank, or None when fewer than ``min_ranks`` had
+        started by ``deadline``; the ranks that had not started when it was decided)."""
+        key = self._key("start", "members")
+        arrived = [self._key("start", "arrived", r) for r in range(self.num_ranks)]
+        while True:
+            here = [r for r, k in enumerate(arrived) if self.store.check([k])]
+            if self.store.check([key]):
+                members = _ranks(self.store.get(key).decode())
+            elif len(here) == self.num_ranks or (len(here) >= min_ranks and time.monotonic() >= deadline):
+                members = _ranks(self._settle(key, _text(frozenset(here))))
+            elif time.monotonic() >= deadline:
+                return None, [r for r in range(self.num_ranks) if r not in here]
+            else:
+                time.sleep(_SLICE_S)
+                continue
+            return members, [r for r in range(self.num_ranks) if r not in members]
+
     # ------------------------------------------------------------------ both sides
     def decide(self, epoch: int, built: bool, deadline: float, survivors: Iterable[int] = (),
-               dead: Callable[[], Iterable[int]] = tuple) -> str:
-        """The commit round of ``epoch`` (see the module docstring): COMMIT or ABORT, the same on every
-        member; on ABORT, returns once each of ``survivors`` is done with its side too (or at ``deadline``).
-        ``dead()``: members known to have died, whose side never comes (abort without waiting for them)."""
+               dead: Callable[[], Iterable[int]] = tuple, absent: frozenset[int] = frozenset()) -> str:
+        """The commit round of ``epoch`` (see the module docstring) among its members (every rank but
+        ``absent``): COMMIT or ABORT, the same on every member; on ABORT, returns once each of ``survivors`` is
+        done with its side too (or at ``deadline``). ``dead()``: members known to have died, whose side never
+        comes (abort without waiting for them)."""
         decision = self._key("epoch", epoch, "decision")
-        done = [self._key("epoch", epoch, "done", r) for r in range(self.num_ranks)]
+        done = {r: self._key("epoch", epoch, "done", r) for r in range(self.num_ranks) if r not in absent}
         self.store.set(done[self.rank], "ok" if built else "fail")
         outcome = None if built else self._settle(decision, ABORT)
         while outcome is None:
             if self.store.check([decision]):
                 outcome = self.store.get(decision).decode()
-            elif self.store.check(done) and all(self.store.get(k) == b"ok" for k in done):
+            elif self.store.check(list(done.values())) and all(self.store.get(k) == b"ok" for k in done.values()):
                 outcome = self._settle(decision, COMMIT)
             elif time.monotonic() >= deadline or any(True for _ in dead()):
                 outcome = self._settle(decision, ABORT)
@@ -114,6 +147,21 @@ class Admissions:
                     time.sleep(_SLICE_S)
         return outcome
 
+    def decision(self, epoch: int) -> Optional[str]:
+        """The decision of ``epoch`` once a member set it (COMMIT or ABORT), else None."""
+        key = self._key("epoch", epoch, "decision")
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
     def _settle(self, key: str, mine: str) -> str:
         """Sets ``key`` to ``mine`` unless a member set it first; returns what it holds."""
         return self.store.compare_set(key, "", mine).decode()
+
+
+def _text(ranks: frozenset[int]) -> str:
+    """``ranks`` as one word of the store's values (``-``: none)."""
+    return ",".join(str(r) for r in sorted(ranks)) or "-"
+
+
+def _ranks(word: str) -> frozenset[int]:
+    """The ranks ``_text`` wrote."""
+    return frozenset() if word == "-" else frozenset(int(r) for r in word.split(","))
