@@ -19,6 +19,9 @@ step of every live rank passed.
     python examples/elastic_decode.py                      # shm (one host), 4 ranks
     python examples/elastic_decode.py --transport collective
     python examples/elastic_decode.py --ranks-per-node 2   # two emulated nodes: shm inside, gloo between
+    # a job that starts without rank 3 (a reserved slot, filled at step 3), loses ranks 2 and 1 one step
+    # apart, and admits rank 2's replacement while rank 1 still has none
+    python examples/elastic_decode.py --late 3:3 --kill 2:8:now,1:9:now --replace 2:12,1:18
 """
 from __future__ import annotations
 
@@ -42,7 +45,9 @@ import torch
 import torch.distributed as dist
 
 #: where the ranks publish what the launcher reads (under the job's store)
-_STEP, _RECORD = "elastic_decode/step", "elastic_decode/record"
+_STEP, _RECORD, _IN = "elastic_decode/step", "elastic_decode/record", "elastic_decode/in"
+#: held from a step's end to its record: ``_die_once_invited`` kills in a layer call or between steps only
+_RECORDING = threading.Lock()
 
 
 def make_model(cfg: dict[str, Any]) -> tuple[torch.Tensor, Any]:
@@ -75,16 +80,20 @@ def run_rank(cfg: dict[str, Any]) -> None:
     rank, R = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=60))
-    replacing = os.environ.get("MOE_COMM_REJOIN") == "1"  # (until its first step is recorded)
-    original = not replacing  # the first process of this rank: the one --kill applies to
+    # a replacement, or a rank that starts after the job did (until its first step is recorded)
+    replacing = os.environ.get("MOE_COMM_REJOIN") == "1" or os.environ.get("ELASTIC_DECODE_LATE") == "1"
+    original = os.environ.get("MOE_COMM_REJOIN") != "1"  # the first process of this rank: the one --kill applies to
     # NOTES: a replacement's world group cannot connect to the survivors' (their pairs to the dead rank are
-    # gone); lazy init keeps it from trying, and moe-comm never uses it for data.
+    # gone), nor a group of a job that starts short of ranks to the ranks that never started; lazy init keeps
+    # it from trying, and moe-comm never uses it for data.
     dist.init_process_group("gloo", store=store, rank=rank, world_size=R, timeout=timedelta(seconds=60))
     E, M = cfg["experts"], cfg["tokens"]
     local = E // R
     router, experts = make_model(cfg)
     if cfg["die_in_join"]:
-        _die_once_invited(rank)
+        _die_once_invited([rank], 0.05)  # inside the epoch's build
+    if original and cfg["kill"].get(rank, (0, ""))[1] == "invite":
+        _die_once_invited([r for r in range(R) if r != rank], 0.0)  # before it connects the epoch's group
     buf = moe_comm.Buffer(dist.group.WORLD, num_rdma_bytes=moe_comm.Buffer.get_low_latency_rdma_size_hint(
         M, cfg["hidden"], R, E), low_latency_mode=True, enable_shrink=True, explicitly_destroy=True,
         timeout_s=cfg["timeout"])
@@ -101,28 +110,33 @@ def run_rank(cfg: dict[str, Any]) -> None:
     while step < cfg["steps"] or (full < 2 and step < 3 * cfg["steps"]):
         begin, began = time.monotonic(), time.time()
         store.set(_STEP, str(step))  # every rank sets the same: where a replacement joins
-        if original and rank in cfg["kill"] and cfg["kill"][rank] <= step and not masked:
-            os.kill(os.getpid(), signal.SIGKILL)  # (a second loss waits until the first one's replacement is in)
+        at, how = cfg["kill"].get(rank, (None, ""))
+        if original and at is not None and at <= step and how != "invite" and (how == "now" or not masked):
+            os.kill(os.getpid(), signal.SIGKILL)  # (unless 'now', a loss waits until every rank is back in)
         inputs = step_inputs(cfg, step, R, router)
         t0 = time.perf_counter()
         out = layer(*inputs[rank])
         seconds = time.perf_counter() - t0
-        buf.low_latency_query_mask_buffer(status)
-        masked = [r for r in range(R) if status[r]]
-        full = 0 if masked else full + 1
-        # the reference: every expert in one process; the masked ranks send no tokens, and their experts
-        # are dropped from the routing of the others'
-        live = [(x, idx, w) if r not in masked else (x[:0], idx[:0], w[:0]) for r, (x, idx, w) in enumerate(inputs)]
-        gone = torch.tensor(masked, dtype=torch.int64)
-        idxs = [torch.where((idx // local).unsqueeze(-1).eq(gone).any(-1), -1, idx) for _, idx, _ in live]
-        ref = ep_moe_reference([x for x, _, _ in live], idxs, [w for _, _, w in live], experts, "low_latency")
-        record = {"step": step, "rank": rank, "began": began, "seconds": seconds, "masked": masked, "pid": os.getpid(),
-                  "bitwise": torch.equal(out.view(torch.int16), ref[rank].view(torch.int16)),
-                  "epoch": buf.membership.epoch}
-        if replacing:  # its first step: when it started, was ready, was admitted, and this step ended
-            record.update(started=STARTED, ready=buf.membership.announced_at, admitted=admitted_at,
-                          stepped=time.time())
-        store.set(f"{_RECORD}/{step}/{rank}/{os.getpid()}", json.dumps(record))
+        with _RECORDING:  # a kill on an invitation waits until this step is recorded (it ended on this rank)
+            buf.low_latency_query_mask_buffer(status)
+            masked = [r for r in range(R) if status[r]]
+            full = 0 if masked else full + 1
+            # the reference: every expert in one process; the masked ranks send no tokens, and their experts
+            # are dropped from the routing of the others'
+            live = [(x, idx, w) if r not in masked else (x[:0], idx[:0], w[:0])
+                    for r, (x, idx, w) in enumerate(inputs)]
+            gone = torch.tensor(masked, dtype=torch.int64)
+            idxs = [torch.where((idx // local).unsqueeze(-1).eq(gone).any(-1), -1, idx) for _, idx, _ in live]
+            ref = ep_moe_reference([x for x, _, _ in live], idxs, [w for _, _, w in live], experts, "low_latency")
+            record = {"step": step, "rank": rank, "began": began, "seconds": seconds, "masked": masked,
+                      "pid": os.getpid(), "bitwise": torch.equal(out.view(torch.int16), ref[rank].view(torch.int16)),
+                      "epoch": buf.membership.epoch}
+            if replacing:  # its first step: when it started, was ready, was admitted, and this step ended
+                record.update(started=STARTED, ready=buf.membership.announced_at, admitted=admitted_at,
+                              stepped=time.time())
+            store.set(f"{_RECORD}/{step}/{rank}/{os.getpid()}", json.dumps(record))
+            if replacing:
+                store.set(f"{_IN}/{os.getpid()}", str(step))  # the launcher starts the next replacement after this
         replacing = False
         step += 1
         time.sleep(max(0.0, cfg["step_s"] - (time.monotonic() - begin)))  # the loop's pace: requests arrive
@@ -132,18 +146,20 @@ def run_rank(cfg: dict[str, Any]) -> None:
     os._exit(0)  # the world group still holds pairs to dead ranks: tearing it down is not worth the wait
 
 
-def _die_once_invited(rank: int) -> None:
-    """(A replacement that dies during its own join.) Kills this process once the survivors invited it: its
-    invitation is ``invite/<rank>`` under the first elastic Buffer's prefix on the world group (the store's
-    layout: docs/elastic-ep.md, "How it works")."""
+def _die_once_invited(ranks: Sequence[int], after_s: float) -> None:
+    """Kills this process ``after_s`` after the survivors invited one of ``ranks`` (its own rank: a replacement
+    that dies during its own join; the others: a member that dies during an admission): an invitation is
+    ``invite/<rank>`` under the first elastic Buffer's prefix on the world group (the store's layout:
+    docs/elastic-ep.md, "How it works")."""
     from moe_comm.transport.collective import default_store
-    store, key = default_store(), f"moe_comm/elastic/0/1/invite/{rank}"
+    store, keys = default_store(), [f"moe_comm/elastic/0/1/invite/{r}" for r in ranks]
 
     def watch() -> None:
-        while not (store.check([key]) and store.get(key).decode()):
-            time.sleep(0.01)
-        time.sleep(0.05)  # inside the epoch's build
-        os.kill(os.getpid(), signal.SIGKILL)
+        while not any(store.check([key]) and store.get(key).decode() for key in keys):
+            time.sleep(0.005)
+        time.sleep(after_s)
+        with _RECORDING:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True).start()
 
@@ -164,20 +180,28 @@ def launch(cfg: dict[str, Any], env: Optional[dict[str, str]] = None) -> dict[st
             "ELASTIC_DECODE_CFG": json.dumps(cfg)}
     base.pop("MOE_COMM_REJOIN", None)
 
+    late = {rank for rank, _ in cfg["late"]}
+    if late:  # the job starts short of ranks: their slots are reserved (docs/elastic-ep.md)
+        base.update(MOE_COMM_MIN_RANKS=str(R - len(late)), TORCH_GLOO_LAZY_INIT="1")
+
     def start(rank: int, replacing: bool, die_in_join: bool = False) -> subprocess.Popen:
         extra = {"RANK": str(rank)}
-        if replacing:
+        if replacing and rank in late and not any(e.get("rank") == rank for e in events):
+            extra.update(ELASTIC_DECODE_LATE="1")  # its first start: it fills its reserved slot
+        elif replacing:
             extra.update(MOE_COMM_REJOIN="1", TORCH_GLOO_LAZY_INIT="1")
         if die_in_join:
             extra["ELASTIC_DECODE_DIE_IN_JOIN"] = "1"
         return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"], env={**base, **extra})
 
     t0 = time.monotonic()
-    procs = {r: start(r, False) for r in range(R)}
     events: list[dict[str, Any]] = []
-    pending = sorted(((step, rank, die) for rank, step, die in cfg["replace"]))
+    procs = {r: start(r, False) for r in range(R) if r not in late}
+    pending = sorted([(step, rank, die) for rank, step, die in cfg["replace"]] +
+                     [(step, rank, False) for rank, step in cfg["late"]])
     deadline = time.monotonic() + cfg["job_timeout"]
     finished: dict[int, int] = {}
+    joining: Optional[subprocess.Popen] = None  # the replacement (or late start) started last
     while time.monotonic() < deadline:
         at = int(store.get(_STEP)) if store.check([_STEP]) else -1
         for rank, proc in list(procs.items()):
@@ -187,11 +211,14 @@ def launch(cfg: dict[str, Any], env: Optional[dict[str, str]] = None) -> dict[st
                 del procs[rank]
                 if code == 0:
                     finished[rank] = code
-        while pending and pending[0][0] <= at and pending[0][1] not in procs:
+        # one at a time: the next waits until the one started before has taken its first step or exited
+        while pending and pending[0][0] <= at and pending[0][1] not in procs and \
+                (joining is None or joining.poll() is not None or store.check([f"{_IN}/{joining.pid}"])):
             step, rank, die = pending.pop(0)
-            procs[rank] = start(rank, True, die)
+            first = not any(e.get("rank") == rank for e in events)  # a late start (else a replacement)
+            procs[rank] = joining = start(rank, True, die)
             events.append({"t": time.monotonic() - t0, "rank": rank, "pid": procs[rank].pid, "started": True,
-                           "step": at, "dies_in_join": die})
+                           "step": at, "dies_in_join": die, "late": first and rank in late})
         if not procs:  # nobody left to reach the step a pending replacement waits for
             break
         time.sleep(0.02)
@@ -237,7 +264,8 @@ def table(result: dict[str, Any], cfg: dict[str, Any]) -> tuple[list[str], bool]
             lines += [f"      rank {rec['rank']}: masked {rec['masked']}, bitwise {rec['bitwise']}" for rec in recs]
     for e in result["events"]:
         if "started" in e:
-            lines.append(f"rank {e['rank']}: replacement started (pid {e['pid']}) at step {e['step']}"
+            lines.append(f"rank {e['rank']}: {'late start' if e.get('late') else 'replacement started'} "
+                         f"(pid {e['pid']}) at step {e['step']}"
                          + (", set to die during its join" if e["dies_in_join"] else ""))
         else:
             lines.append(f"rank {e['rank']}: pid {e['pid']} exited with {e['exit']} at step {e['step']}")
@@ -248,7 +276,8 @@ def table(result: dict[str, Any], cfg: dict[str, Any]) -> tuple[list[str], bool]
                      f"{rec['stepped'] - rec['started']:.2f} s after its start")
     for who, history in result["histories"].items():
         for h in history:
-            lines.append(f"rank {who}: epoch {h['epoch']} (admitting {h['ranks']}): {h['outcome'][:300]}, "
+            lines.append(f"rank {who}: epoch {h['epoch']} ({'starting with' if h['start'] else 'admitting'} "
+                         f"{h['ranks']}): {h['outcome'][:300]}, "
                          f"{h['seconds'] * 1e3:.0f} ms (connect {h['connect'] * 1e3:.0f}, build "
                          f"{h['build'] * 1e3:.0f}, commit {h['commit'] * 1e3:.0f})")
     lines += summary(by_step, R)
@@ -287,11 +316,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--timeout", type=float, default=10.0, help="the Buffer's deadline (timeout_s)")
     p.add_argument("--step-s", type=float, default=0.5, help="the loop's pace: a step starts at most this often")
-    p.add_argument("--kill", default="2:8,1:24", help="rank:step pairs: the rank kills itself (SIGKILL) there, or at the first step after that with "
-                        "every rank back in")
+    p.add_argument("--kill", default="2:8,1:24",
+                   help="rank:step[:now|:invite] pairs: the rank kills itself (SIGKILL) there, or at the first step after "
+                        "that with every rank back in; with ':now' there, whoever is masked; with ':invite' (step "
+                        "ignored) as soon as the survivors invite another rank, during the admission")
+    p.add_argument("--late", default="",
+                   help="rank:step pairs: the job starts without the rank (MOE_COMM_MIN_RANKS: its slot is reserved), "
+                        "which starts once the others reach the step")
     p.add_argument("--replace", default="2:12,1:28",
-                   help="rank:step[:die] triples: a replacement starts once the survivors reach the step; with "
-                        "':die' it dies during its own join")
+                   help="rank:step[:die] triples: a replacement starts once the survivors reach the step, and the "
+                        "replacement (or late start) started before it took its first step or exited; with ':die' it "
+                        "dies during its own join")
     p.add_argument("--transport", default="shm", help="MOE_COMM_TRANSPORT of every rank: shm or collective")
     p.add_argument("--ranks-per-node", type=int, default=0, help="MOE_COMM_RANKS_PER_NODE (emulated nodes)")
     p.add_argument("--seed", type=int, default=0)
@@ -306,7 +341,8 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
     return {"ranks": args.ranks, "steps": args.steps, "tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn,
             "experts": args.experts, "topk": args.topk, "timeout": args.timeout, "seed": args.seed,
             "step_s": args.step_s,
-            "kill": {int(r): int(s) for r, s in pairs(args.kill)},
+            "kill": {int(p[0]): (int(p[1]), p[2] if len(p) > 2 else "") for p in pairs(args.kill)},
+            "late": [(int(r), int(s)) for r, s in pairs(args.late)],
             "replace": [(int(p[0]), int(p[1]), len(p) > 2 and p[2] == "die") for p in pairs(args.replace)],
             "job_timeout": 120 + args.steps * (args.step_s + 1) + 4 * args.timeout, "die_in_join": False}
 
@@ -315,7 +351,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
         cfg = json.loads(os.environ["ELASTIC_DECODE_CFG"])
-        cfg["kill"] = {int(k): v for k, v in cfg["kill"].items()}
+        cfg["kill"] = {int(k): tuple(v) for k, v in cfg["kill"].items()}
         cfg["die_in_join"] = os.environ.get("ELASTIC_DECODE_DIE_IN_JOIN") == "1"
         run_rank(cfg)
         return 0
@@ -326,7 +362,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"elastic decode: {cfg['ranks']} ranks, transport {args.transport}"
           + (f", nodes of {args.ranks_per_node} ranks" if args.ranks_per_node else "")
           + f", hidden {cfg['hidden']}, top-{cfg['topk']} of {cfg['experts']} experts, {cfg['tokens']} tokens per "
-          f"rank, {cfg['steps']} steps; kills {args.kill}, replacements {args.replace}", flush=True)
+          f"rank, {cfg['steps']} steps; kills {args.kill}, replacements {args.replace}"
+          + (f", late starts {args.late}" if args.late else ""), flush=True)
     result = launch(cfg, env)
     lines, passed = table(result, cfg)
     if args.json:

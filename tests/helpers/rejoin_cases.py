@@ -1,4 +1,5 @@
-"""``Buffer(rejoin=...)`` inside ranks: what it refuses, and a replacement that nobody invites."""
+"""``Buffer(rejoin=...)`` and ``Buffer(min_ranks=...)`` inside ranks: what they refuse, a replacement that nobody
+invites, and a start short of ranks that too few ranks come to."""
 from __future__ import annotations
 
 import os
@@ -39,4 +40,19 @@ def refusals(group: dist.ProcessGroup, timeout_s: float) -> dict[str, Any]:
     start = time.monotonic()
     out["uninvited"] = _error(make(low_latency_mode=True, enable_shrink=True, rejoin=True))
     out["uninvited_s"] = time.monotonic() - start
+    ranks = dist.get_world_size(group)
+    out.update(min_too_many=_error(make(low_latency_mode=True, enable_shrink=True, min_ranks=ranks + 1)),
+               min_negative=_error(make(low_latency_mode=True, enable_shrink=True, min_ranks=-1)),
+               min_no_shrink=_error(make(low_latency_mode=True, min_ranks=ranks)),
+               min_mpi=_error(make(low_latency_mode=True, enable_shrink=True, min_ranks=ranks, transport="mpi")))
+    os.environ["MOE_COMM_MIN_RANKS"] = "two"
+    try:
+        out["min_bad_env"] = _error(make(low_latency_mode=True, enable_shrink=True))
+    finally:
+        del os.environ["MOE_COMM_MIN_RANKS"]
+    # a start of every rank from the store (nothing reserved): a working Buffer, its epoch the start's
+    buf = moe_comm.Buffer(group, num_rdma_bytes=hint, timeout_s=timeout_s, low_latency_mode=True, enable_shrink=True,
+                          explicitly_destroy=True, min_ranks=ranks)
+    out["min_all_epoch"] = buf.membership.committed
+    buf.destroy()
     return out

@@ -22,7 +22,8 @@ def _store() -> dist.TCPStore:
                          wait_for_workers=False)
 
 
-def _decide_all(store, epoch: int, built: dict[int, float | None], survivors=(), dead=tuple, deadline_s=5.0):
+def _decide_all(store, epoch: int, built: dict[int, float | None], survivors=(), dead=tuple, deadline_s=5.0,
+                absent=frozenset()):
     """Each rank of ``built`` (rank -> seconds until its side is built, None: it fails) decides on a thread, the
     ranks of ``survivors`` waiting for each other on an abort (a joiner waits for nobody); returns
     {rank: (outcome, seconds it took)}."""
@@ -31,7 +32,7 @@ def _decide_all(store, epoch: int, built: dict[int, float | None], survivors=(),
     def member(rank: int, after: float | None) -> None:
         time.sleep(after or 0.0)
         outcome = Admissions(store, "job", rank, R).decide(epoch, after is not None, start + deadline_s,
-                                                           survivors if rank in survivors else (), dead)
+                                                           survivors if rank in survivors else (), dead, absent)
         out[rank] = (outcome, time.monotonic() - start)
 
     threads = [threading.Thread(target=member, args=item) for item in built.items()]
@@ -45,6 +46,36 @@ def _decide_all(store, epoch: int, built: dict[int, float | None], survivors=(),
 def test_commit_needs_every_member():
     got = _decide_all(_store(), 1, {0: 0.0, 1: 0.1, 2: 0.2, 3: 0.3})
     assert {o for o, _ in got.values()} == {COMMIT}, got
+
+
+def test_an_epoch_with_absent_ranks_commits_among_its_members():
+    # rank 1 is absent (masked, no replacement yet): the others commit without it, and do not wait for it
+    got = _decide_all(_store(), 3, {0: 0.0, 2: 0.1, 3: 0.2}, survivors=(0, 3), absent=frozenset({1}),
+                      deadline_s=20.0)
+    assert {o for o, _ in got.values()} == {COMMIT} and max(s for _, s in got.values()) < 5.0, got
+
+
+def test_a_start_short_of_ranks_agrees_on_its_members():
+    # ranks 0, 2 and 3 start, rank 1 does not come before the deadline: the three start; rank 1, later, is
+    # told it is not a member (it joins as a replacement); fewer than min_ranks at the deadline: None
+    store, out = _store(), {}
+
+    def rank(r: int, after: float, min_ranks: int, deadline_s: float) -> None:
+        time.sleep(after)
+        me = Admissions(store, "job", r, R)
+        me.arrive(host=1)
+        out[r] = me.start_members(min_ranks, time.monotonic() + deadline_s)
+
+    threads = [threading.Thread(target=rank, args=(r, 0.0, 3, 0.5)) for r in (0, 2, 3)]
+    threads.append(threading.Thread(target=rank, args=(1, 1.0, 3, 0.5)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == {r: (frozenset({0, 2, 3}), [1]) for r in range(R)}, out
+    few = Admissions(_store(), "job", 0, R)
+    few.arrive(host=1)
+    assert few.start_members(2, time.monotonic() + 0.2) == (None, [1, 2, 3])
 
 
 def test_one_failure_aborts_everyone_and_survivors_leave_together():
@@ -72,8 +103,8 @@ def test_invitations_and_announcements_belong_to_one_incarnation():
     joiner, survivor = Admissions(store, "job", 2, R), Admissions(store, "job", 0, R)
     first = joiner.announce(host=1)
     assert survivor.ready([1, 2]) == {2: first}
-    survivor.invite({2: first}, 5)
-    assert joiner.invitation(first, time.monotonic() + 1) == 5
+    survivor.invite({2: first}, 5, frozenset({1, 3}))  # ranks 1 and 3 have no replacement yet: absent
+    assert joiner.invitation(first, time.monotonic() + 1) == (5, frozenset({1, 3}))
     second = joiner.announce(host=1)  # a new incarnation: the old invitation is not its own
     assert joiner.invitation(second, time.monotonic() + 0.3) is None
     survivor.withdraw({2: first})  # an old token withdrawn: the new announcement stays
