@@ -519,10 +519,37 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         id="rejoin-admission-not-on-rank-0",
         file="moe_comm/protocol/agreement.py",
-        old="                if joiners and joiners == union:",
-        new="                if joiners and joiners == union and me:",
+        old="                if joiners:",
+        new="                if joiners and me:",
         description="rank 0 does not take the admission its handshake decided: the other survivors admit the "
                     "replacement at a dispatch where rank 0 does not",
+        hints=("tests/buffer/test_rejoin.py",),
+    ),
+    Mutant(
+        id="rejoin-waits-for-every-masked-rank",
+        file="moe_comm/protocol/agreement.py",
+        old="                if joiners:",
+        new="                if joiners and joiners == union:",
+        description="a replacement is admitted only once every masked rank has one ready: with two ranks dead and "
+                    "one replacement, the survivors never take it in and it gives up",
+        hints=("tests/buffer/test_rejoin.py",),
+    ),
+    Mutant(
+        id="rejoin-absent-not-masked",
+        file="moe_comm/buffer/rejoin.py",
+        old="            for r in absent:\n                runtime.mask_rank(r, True)\n",
+        new="",
+        description="an epoch's absent ranks (masked ranks with no replacement, reserved slots) are not masked from "
+                    "its start: the epoch's first call waits a whole deadline for them",
+        hints=("tests/buffer/test_rejoin.py",),
+    ),
+    Mutant(
+        id="rejoin-absent-rank-counted-dead",
+        file="moe_comm/buffer/rejoin.py",
+        old="            gone = {r for r in exited() if r not in joiners and r not in absent}",
+        new="            gone = {r for r in exited() if r not in joiners}",
+        description="the survivors take the exited process of an absent rank (dead, no replacement) for a member of "
+                    "the new epoch that died: every admission while another rank is masked aborts",
         hints=("tests/buffer/test_rejoin.py",),
     ),
     Mutant(
