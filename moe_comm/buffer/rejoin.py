@@ -157,6 +157,11 @@ class Membership:
         epoch = self.epoch + 1
         absent = frozenset(masked) - joiners
         tokens = self.admissions.ready(joiners)
+        # read after the tokens: a member that aborted this epoch before this survivor came here set its decision
+        # before its joiners announced themselves anew, and their new tokens are for a later epoch (inviting them
+        # here would spend one of their tries on an aborted epoch, and withdrawing them would lose them)
+        if self.admissions.decision(epoch) is not None:
+            tokens = {}
         self.admissions.invite(tokens, epoch, absent)
         here = host_id()
 
