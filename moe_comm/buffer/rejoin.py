@@ -33,8 +33,9 @@ from ..transport.store_group import StoreGroup
 
 __all__ = ["Membership", "REJOINABLE", "JOIN_TRIES"]
 
-#: how many epochs a replacement tries to join before it gives up (each aborted try: a member died in it)
-JOIN_TRIES = 3
+#: how many epochs a replacement tries to join before it gives up (each aborted try: a member died in it; a
+#: loss of two survivors during one admission took two, measured)
+JOIN_TRIES = 5
 
 #: the backends whose buffers admit replacements (an epoch's group is gloo; the cuda backend's rejoin path
 #: is the cuda_host one, never run on a GPU)
