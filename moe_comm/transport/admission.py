@@ -74,15 +74,24 @@ class Admissions:
 
     # ------------------------------------------------------------------ the survivors' side
     def ready(self, ranks: Iterable[int]) -> dict[int, str]:
-        """The tokens of those of ``ranks`` that announced themselves and were not withdrawn."""
+        """The tokens of those of ``ranks`` that announced themselves, were not withdrawn, and were not invited
+        to an epoch that was aborted. Why the last: the survivors withdraw a token once their side of an
+        aborted epoch is done, and one that is done first must not find it still there and flag it again (a
+        replacement whose epoch aborted announces itself anew, with a new token, if it lives)."""
         got = {}
         for r in ranks:
             key = self._key("ready", r)
             if self.store.check([key]):
                 token = self.store.get(key).decode()
-                if token:
+                if token and not self._spent(r, token):
                     got[r] = token
         return got
+
+    def _spent(self, rank: int, token: str) -> bool:
+        """Whether ``token`` (``rank``'s) was invited to an epoch that was aborted."""
+        key = self._key("invite", rank)
+        words = self.store.get(key).decode().split() if self.store.check([key]) else []
+        return len(words) == 3 and words[0] == token and self.decision(int(words[1])) == ABORT
 
     def invite(self, tokens: dict[int, str], epoch: int, absent: frozenset[int] = frozenset()) -> None:
         """Tells each replacement (rank -> its token) the epoch it joins and the ranks absent from it; every

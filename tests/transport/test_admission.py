@@ -113,6 +113,20 @@ def test_invitations_and_announcements_belong_to_one_incarnation():
     assert survivor.ready([2]) == {}
 
 
+def test_a_token_invited_to_an_aborted_epoch_is_not_ready_again():
+    # a survivor done with its side of an aborted epoch before the others withdrew the joiner's token must not
+    # flag it again; the joiner's next announcement is ready
+    store = _store()
+    joiner, survivor = Admissions(store, "job", 2, R), Admissions(store, "job", 0, R)
+    first = joiner.announce(host=1)
+    survivor.invite({2: first}, 4)
+    assert survivor.ready([2]) == {2: first}  # invited, undecided
+    assert survivor.decide(4, False, time.monotonic() + 1) == ABORT
+    assert survivor.ready([2]) == {}
+    second = joiner.announce(host=1)
+    assert survivor.ready([2]) == {2: second}
+
+
 def test_shrink_notes_carry_ready_ranks():
     row = note(7, [1], [3], [1], 5)
     assert read_note(row, 5) == (7, frozenset({1}), frozenset({3}), frozenset({1}))
