@@ -553,6 +553,16 @@ MUTANTS: Tuple[Mutant, ...] = (
         hints=("tests/buffer/test_rejoin.py",),
     ),
     Mutant(
+        id="admission-spent-token-ready",
+        file="moe_comm/transport/admission.py",
+        old="                if token and not self._spent(r, token):",
+        new="                if token:",
+        description="a joiner's token invited to an epoch that aborted still counts as ready: a survivor done first "
+                    "with its side of the abort flags the dead joiner again, and the survivors spend a deadline on "
+                    "one more epoch",
+        hints=("tests/transport/test_admission.py",),
+    ),
+    Mutant(
         id="rejoin-survivors-keep-call-count",
         file="moe_comm/buffer/buffer.py",
         old="            old, self.runtime = self.runtime, runtime\n",
