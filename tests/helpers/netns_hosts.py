@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from helpers.ports import free_port
+from helpers.processes import describe_sessions
 
 __all__ = ["Host", "IFNAME", "NamespacesUnavailable", "THIS_MACHINE", "netns_hosts", "run_ranks", "unavailable"]
 
@@ -180,7 +181,8 @@ def run_ranks(hosts: Sequence[Host], ranks_per_host: int, argv: Sequence[str], *
             shell.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         missing = [r for r in range(world) if _status(workdir, r) is None]
-        raise TimeoutError(f"run_ranks: ranks {missing} did not finish within {timeout_s:g} s; logs:\n"
+        raise TimeoutError(f"run_ranks: ranks {missing} did not finish within {timeout_s:g} s; their processes:\n"
+                           + describe_sessions([shell.pid for shell in shells]) + "\nlogs:\n"
                            + _logs(workdir, missing)) from None
     finally:
         for shell in shells:

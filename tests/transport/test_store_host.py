@@ -19,6 +19,7 @@ from moe_comm.launch.mpiexec import find_mpiexec
 from helpers.deadlines import STARTUP_S, found_within
 from helpers.paths import HELPERS
 from helpers.ports import ATTEMPTS, free_port, port_taken
+from helpers.processes import describe_sessions
 from helpers.transports import NO_MPI, TRANSPORTS
 
 SCRIPT = HELPERS / "store_host_script.py"
@@ -71,6 +72,9 @@ def _launch(transport: str, scenario: str) -> Optional[dict[int, dict]]:
             elif line.startswith("RESULT "):
                 report = json.loads(line[len("RESULT "):])
                 reports[report["rank"]] = report
+        if not taken and len(reports) < RANKS - 1:  # shown with the test's failure
+            print(f"reports from ranks {sorted(reports)} only; the ranks' processes:\n"
+                  + describe_sessions([proc.pid for proc in procs]))
     finally:
         # An mpi job ends by itself once its survivors know their reports were read (they abort it,
         # which takes the stopped rank too, and unlink MPICH's segments first): kill the store's
