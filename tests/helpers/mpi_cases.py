@@ -96,7 +96,12 @@ def time_out_then_refuse(group: dist.ProcessGroup, timeout_s: float) -> Any:
     (its collective is still in flight) at once instead of waiting again. The ranks meet at a barrier
     first: building the buffer is collective too, under the same deadline (``timeout_s`` >= MEET_S)."""
     dist.barrier(group)
-    buf = moe_comm.Buffer(group, timeout_s=timeout_s, explicitly_destroy=True)
+    left = time.time()
+    try:
+        buf = moe_comm.Buffer(group, timeout_s=timeout_s, explicitly_destroy=True)
+    except moe_comm.CommTimeoutError as exc:  # when each rank left the barrier tells a late rank from a stuck MPI
+        raise AssertionError(f"rank {dist.get_rank()} left the barrier at {left:.3f} (wall clock) and timed out "
+                             f"building its Buffer {time.time() - left:.1f} s later") from exc
     _KEPT["buf"] = buf
     if buf.rank == buf.group_size - 1:
         return "skipped"
