@@ -13,6 +13,7 @@ import pytest
 from moe_comm.launch import LocalWorld
 from moe_comm.launch.mpiexec import shm_holders
 
+from helpers.processes import running_processes
 from helpers.tiers import fast_selection, tier_of
 from helpers.transports import NO_MPI, WORLD_KINDS, local_world
 
@@ -92,14 +93,7 @@ _SHM_SETTLE_S = 60.0
 
 def _session_pids() -> set[int]:
     """This process and its descendants."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
+    parents = {int(pid): int(fields[1]) for pid, fields in running_processes().items()}
     ours, grew = {os.getpid()}, True
     while grew:
         more = {pid for pid, parent in parents.items() if parent in ours} - ours

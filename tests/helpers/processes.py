@@ -19,13 +19,15 @@ def all_gone(pids: list[int], within_s: float = EXIT_S) -> bool:
     return not any(native().process_alive(p) for p in pids)
 
 
-def _stat(pid: str) -> Optional[list[str]]:
-    """Fields of /proc/<pid>/stat after the command name (field 3 on: state, ppid, pgrp, session, ...)."""
+def proc_stat(pid: object) -> Optional[list[str]]:
+    """Fields of /proc/<pid>/stat after the command name (field 3 on: [0] state, [1] ppid, [2] pgrp,
+    [3] session, ..., [9] major faults, [11] utime, [12] stime, [17] threads); None once it is gone.
+    ``pid`` may be ``"<pid>/task/<tid>"`` for a thread."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return text[text.rindex(")") + 2:].split()
+    except (OSError, ValueError):
         return None
-    return text[text.rindex(")") + 2:].split()
 
 
 def _read(path: str, limit: int = 120) -> str:
@@ -35,13 +37,18 @@ def _read(path: str, limit: int = 120) -> str:
         return f"({e.strerror})"
 
 
-def _cpu_ticks() -> dict[str, int]:
-    ticks = {}
-    for entry in Path("/proc").iterdir():
-        fields = _stat(entry.name) if entry.name.isdigit() else None
+def running_processes() -> dict[str, list[str]]:
+    """Every process's ``proc_stat``, by pid."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        fields = proc_stat(entry) if entry.isdigit() else None
         if fields is not None:
-            ticks[entry.name] = int(fields[11]) + int(fields[12])  # utime + stime
-    return ticks
+            found[entry] = fields
+    return found
+
+
+def _ticks(fields: list[str]) -> int:
+    return int(fields[11]) + int(fields[12])  # utime + stime
 
 
 def _thread_waits(pid: str) -> str:
@@ -52,7 +59,7 @@ def _thread_waits(pid: str) -> str:
     except OSError:
         return "gone"
     for tid in tids:
-        fields = _stat(f"{pid}/task/{tid}")
+        fields = proc_stat(f"{pid}/task/{tid}")
         key = f"{fields[0] if fields else '?'} {_read(f'/proc/{pid}/task/{tid}/wchan', 40)}"
         counts[key] = counts.get(key, 0) + 1
     return ", ".join(f"{n} {key}" for key, n in sorted(counts.items()))
@@ -64,21 +71,20 @@ def describe_sessions(leaders: list[int], sample_s: float = 1.0) -> str:
     T stopped), the CPU it used in ``sample_s`` and in all, its kernel wait channel and command line; then
     the machine's load and its busiest processes over the same interval. Never raises."""
     hz = os.sysconf("SC_CLK_TCK")
-    before = _cpu_ticks()
+    before = running_processes()
     time.sleep(sample_s)
-    after = _cpu_ticks()
+    after = running_processes()
+    used = {pid: (_ticks(fields) - _ticks(before.get(pid, fields))) / hz for pid, fields in after.items()}
     lines = [f"load average: {_read('/proc/loadavg')}"]
     sessions = {str(pid) for pid in leaders}
     for pid in sorted(after, key=int):
-        fields = _stat(pid)
-        if fields is None or fields[3] not in sessions:
+        fields = after[pid]
+        if fields[3] not in sessions:
             continue
-        used = (after[pid] - before.get(pid, after[pid])) / hz
         lines.append(f"pid {pid} session {fields[3]} state {fields[0]} threads {fields[17]} "
-                     f"cpu {used:.2f}s of {sample_s:g}s ({after[pid] / hz:.1f}s in all) major faults {fields[9]} "
-                     f"wchan {_read(f'/proc/{pid}/wchan')} (threads: {_thread_waits(pid)}): "
-                     f"{_read(f'/proc/{pid}/cmdline')}")
-    busiest = sorted(after, key=lambda p: before.get(p, after[p]) - after[p])[:5]
-    lines.append("busiest: " + "; ".join(f"{p} {(after[p] - before.get(p, after[p])) / hz:.2f}s "
-                                          f"{_read(f'/proc/{p}/cmdline', 60)}" for p in busiest))
+                     f"cpu {used[pid]:.2f}s of {sample_s:g}s ({_ticks(fields) / hz:.1f}s in all) "
+                     f"major faults {fields[9]} wchan {_read(f'/proc/{pid}/wchan')} "
+                     f"(threads: {_thread_waits(pid)}): {_read(f'/proc/{pid}/cmdline')}")
+    busiest = sorted(used, key=lambda p: -used[p])[:5]
+    lines.append("busiest: " + "; ".join(f"{p} {used[p]:.2f}s {_read(f'/proc/{p}/cmdline', 60)}" for p in busiest))
     return "\n".join(lines)
