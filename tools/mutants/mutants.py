@@ -563,6 +563,15 @@ MUTANTS: Tuple[Mutant, ...] = (
         hints=("tests/transport/test_admission.py",),
     ),
     Mutant(
+        id="diagnostics-other-sessions",
+        file="tests/helpers/processes.py",
+        old="        if fields[3] not in sessions:",
+        new="        if fields[3] in sessions:",
+        description="the report of ranks past their deadline lists every process but theirs: the next silent "
+                    "rank's wait is lost among the machine's processes",
+        hints=("tests/tools/test_diagnostics.py",),
+    ),
+    Mutant(
         id="rejoin-survivors-keep-call-count",
         file="moe_comm/buffer/buffer.py",
         old="            old, self.runtime = self.runtime, runtime\n",
