@@ -6,7 +6,8 @@ import re
 import pytest
 
 from helpers.deadlines import MEET_S, found_within, well_before
-from helpers.ll_late_cases import late_rank, reads_no_tensor_data, silent_rank, stopped_mid_call
+from helpers.ll_late_cases import (late_rank, reads_no_tensor_data, send_halves_that_waited, silent_rank,
+                                   stopped_mid_call)
 from helpers.transports import local_world
 
 LATE_S = 2.0  # how late the last rank calls each send half (the issue's measure)
@@ -18,9 +19,7 @@ def test_send_half_does_not_wait_for_a_late_rank(worlds, transport, use_fp8):
     messages = {r["mismatch"] for r in results}
     for r in results:
         assert r["equal"] and r["next_call_equal"], r
-    for r in results[:-1]:  # the punctual ranks: their send halves did not wait for the late one
-        for key in ("dispatch_send_s", "combine_send_s", "mismatch_send_s"):
-            assert r[key] < well_before(LATE_S), (key, r)
+    assert not send_halves_that_waited(results), results  # the punctual ranks' did not wait for the late one
     assert len(messages) == 1, messages  # the same error on every rank, the late one included
     assert re.search(r"^CrossRankMismatchError: low_latency_dispatch: ranks disagree on hidden: rank 0: 256, "
                      r"rank 1: 256, rank 2: 128", messages.pop())

@@ -52,6 +52,30 @@ def _reference(group: dist.ProcessGroup, seed: int, use_fp8: bool) -> _Reference
     return _Reference(buf, experts, x, idx, w, y, recv_x, count, out)
 
 
+#: The calls of ``late_rank`` whose send halves it times.
+SEND_HALVES = ("dispatch", "combine", "mismatch")
+
+
+def _sent(out: dict[str, Any], call: str, start: float) -> None:
+    """Records when this rank's send half of ``call`` began and ended, on the host's monotonic clock."""
+    out[f"{call}_send"] = (start, time.monotonic())
+
+
+def send_halves_that_waited(results: list[dict[str, Any]]) -> list[tuple[int, str, float]]:
+    """The punctual ranks' send halves (of ``late_rank``'s results) that returned only after the late rank
+    (the last) began the same call, as (rank, call, seconds they took).
+
+    The ranks share one host and so one CLOCK_MONOTONIC, which makes this an order, not a duration: a send
+    half that waits for the late rank cannot return before that rank has even called, however late the
+    machine runs it. One that does not wait is found here only if its rank stalled, from the barrier to
+    its return, for the whole delay; a bound on its duration alone (half the delay) failed once beside two
+    busy loops, at 1.26 s against 1.0, where the send halves take milliseconds."""
+    late = results[-1]
+    return [(r["rank"], call, r[f"{call}_send"][1] - r[f"{call}_send"][0])
+            for r in results[:-1] for call in SEND_HALVES
+            if r[f"{call}_send"][1] >= late[f"{call}_send"][0]]
+
+
 def late_rank(group: dist.ProcessGroup, late_s: float, use_fp8: bool) -> dict[str, Any]:
     """The last rank calls each send half ``late_s`` late: a correct dispatch + combine, then a
     dispatch with another hidden size, then a correct call again. Returns the others' send-half
@@ -68,14 +92,14 @@ def late_rank(group: dist.ProcessGroup, late_s: float, use_fp8: bool) -> dict[st
     start = time.monotonic()
     got_x, got_count, got_handle, _, hook = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=use_fp8,
                                                                      return_recv_hook=True)
-    out["dispatch_send_s"] = time.monotonic() - start
+    _sent(out, "dispatch", start)
     hook()
     dist.barrier(group)
     if late:
         time.sleep(late_s)
     start = time.monotonic()
     got_out, _, hook = buf.low_latency_combine(y, idx, w, got_handle, return_recv_hook=True)
-    out["combine_send_s"] = time.monotonic() - start
+    _sent(out, "combine", start)
     hook()
     out["equal"] = ref.equal(got_x, got_count, got_out)
 
@@ -88,7 +112,7 @@ def late_rank(group: dist.ProcessGroup, late_s: float, use_fp8: bool) -> dict[st
     else:
         start = time.monotonic()
         hook = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=use_fp8, return_recv_hook=True)[4]
-    out["mismatch_send_s"] = time.monotonic() - start
+    _sent(out, "mismatch", start)
     out["mismatch"] = _raises(hook)
 
     again = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=use_fp8)[0]
