@@ -19,10 +19,19 @@ def test_send_half_does_not_wait_for_a_late_rank(worlds, transport, use_fp8):
     messages = {r["mismatch"] for r in results}
     for r in results:
         assert r["equal"] and r["next_call_equal"], r
-    assert not send_halves_that_waited(results), results  # the punctual ranks' did not wait for the late one
+    assert not send_halves_that_waited(results), results  # the punctual ranks' send halves did not wait
     assert len(messages) == 1, messages  # the same error on every rank, the late one included
     assert re.search(r"^CrossRankMismatchError: low_latency_dispatch: ranks disagree on hidden: rank 0: 256, "
                      r"rank 1: 256, rank 2: 128", messages.pop())
+
+
+def test_a_send_half_that_returned_after_the_late_rank_called_is_named():
+    """The order check itself, on spans of the host's clock: a punctual send half that ends after the late
+    rank began the same call is named (with its duration); one that ends before is not, however long."""
+    spans = {"dispatch_send": (0.0, 0.5), "combine_send": (10.0, 10.001), "mismatch_send": (20.0, 21.9)}
+    late = {"rank": 2, "dispatch_send": (2.0, 2.1), "combine_send": (11.0, 11.1), "mismatch_send": (21.5, 21.6)}
+    waited = send_halves_that_waited([{"rank": 0, **spans}, {"rank": 1, **spans, "combine_send": (10.0, 11.0)}, late])
+    assert waited == [(0, "mismatch", pytest.approx(1.9)), (1, "combine", 1.0), (1, "mismatch", pytest.approx(1.9))]
 
 
 # NOTES: mpi aborts the job when a timed-out buffer is destroyed (MPI cannot cancel a collective),

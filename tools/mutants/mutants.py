@@ -572,6 +572,15 @@ MUTANTS: Tuple[Mutant, ...] = (
         hints=("tests/tools/test_diagnostics.py",),
     ),
     Mutant(
+        id="send-half-order-compares-ends",
+        file="tests/helpers/ll_late_cases.py",
+        old='if r[f"{call}_send"][1] >= late[f"{call}_send"][0]]',
+        new='if r[f"{call}_send"][1] >= late[f"{call}_send"][1]]',
+        description="the check that a punctual send half did not wait compares its end with the late rank's "
+                    "end, not its start: a send half that waited for the late rank's call passes",
+        hints=("tests/buffer/test_ll_no_round_trip.py",),
+    ),
+    Mutant(
         id="rejoin-survivors-keep-call-count",
         file="moe_comm/buffer/buffer.py",
         old="            old, self.runtime = self.runtime, runtime\n",
