@@ -96,7 +96,9 @@ int64_t flags_wait(int64_t* const* flags, const int64_t* targets, const int64_t*
         if (now >= next_check) {
             next_check = now + kCheckEvery;
             for (int64_t i = 0; i < n; ++i) {
-                if (pids[i] > 0 && flag_load(flags[i]) < targets[i] && !process_alive(pids[i])) {
+                // The process first, then its flag: a peer that set the flag and exited after the last
+                // look is not reported (what a dead process stored is all there once it is gone).
+                if (pids[i] > 0 && !process_alive(pids[i]) && flag_load(flags[i]) < targets[i]) {
                     *outcome = WaitOutcome::kPeerExited;
                     return i;
                 }

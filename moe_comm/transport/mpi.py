@@ -46,6 +46,8 @@ from .store_gather import StoreGather
 __all__ = ["MpiTransport", "load_mpi", "as_comm", "MPICH_SHM_PREFIX", "mapped_mpich_segments"]
 
 _LIVENESS_EVERY_S = 0.05
+#: polls after a peer was seen exited, to take in what it sent before it exited
+_DRAIN_POLLS = 100
 _SHM_DIR = "/dev/shm"
 #: MPICH's segment of a host's ranks: created in MPI_Init, named (in /dev/shm) until MPI_Finalize.
 MPICH_SHM_PREFIX = "mpich_shm_"
@@ -306,6 +308,10 @@ class MpiTransport(Transport):
             if now >= next_check:
                 next_check = now + _LIVENESS_EVERY_S
                 for peer in self.exited_ranks():
+                    # what it sent before it exited is in MPI's queues: polls after the exit was seen take
+                    # it in (it may have sent and exited between the last poll and the look)
+                    if any(self._test(requests) for _ in range(_DRAIN_POLLS)):
+                        return
                     self._fail(f"rank {peer} exited during {op}")
                     raise PeerExitedError(op, self.rank, peer, self.pids[peer])
             # NOTES: MPI moves a large message between two processes of a host only while both poll,

@@ -581,6 +581,28 @@ MUTANTS: Tuple[Mutant, ...] = (
         hints=("tests/buffer/test_ll_no_round_trip.py",),
     ),
     Mutant(
+        id="shm-wait-flag-before-liveness",
+        file="csrc/cpu/flags.cpp",
+        old="if (pids[i] > 0 && !process_alive(pids[i]) && flag_load(flags[i]) < targets[i]) {",
+        new="if (pids[i] > 0 && flag_load(flags[i]) < targets[i] && !process_alive(pids[i])) {",
+        description="the shm wait reads a peer's flag before it looks at the peer's process: a peer that stored "
+                    "the flag and exited in between fails a call whose data had all arrived",
+        hints=("tests/csrc/test_exit_after_store.py",),
+    ),
+    Mutant(
+        id="kernel-wait-no-load-after-exit",
+        file="csrc/cuda/protocol/wait.h",
+        old="    gone = P::peer_exited(w.pids, peer);\n    return false;",
+        new="    if (P::peer_exited(w.pids, peer)) {\n"
+            "        report<P>(w, WaitOutcome::kPeerExited, kind, peer, channel, seen, wanted);\n"
+            "        return true;\n"
+            "    }\n"
+            "    return false;",
+        description="a kernel wait (host platform) that finds its peer exited fails at once, without loading the "
+                    "flag again: a peer that stored the flag and exited after the last load fails the launch",
+        hints=("tests/csrc/test_exit_after_store.py",),
+    ),
+    Mutant(
         id="rejoin-survivors-keep-call-count",
         file="moe_comm/buffer/buffer.py",
         old="            old, self.runtime = self.runtime, runtime\n",

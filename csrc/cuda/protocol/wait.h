@@ -67,20 +67,22 @@ MC_HD void report(const Watch& w, WaitOutcome code, WaitKind kind, int peer, int
 
 // Every 256th spin of a wait: whether it must give up because another wait of the launch failed, the
 // deadline passed or (host) the peer exited; the latter two are recorded (seen / wanted: what it saw
-// and waited for).
+// and waited for). A peer found exited gets one more load first (`gone`, the wait's own): it may have
+// stored the flag after the last load and then exited, and all a dead process stored is there.
 template <class P>
 MC_HD bool gives_up(const Watch& w, int64_t spins, WaitKind kind, int peer, int channel, int64_t seen,
-                    int64_t wanted) {
+                    int64_t wanted, bool& gone) {
+    if (gone) {
+        report<P>(w, WaitOutcome::kPeerExited, kind, peer, channel, seen, wanted);
+        return true;
+    }
     if ((spins & 255) != 255) return false;
     if (failed<P>(w)) return true;
     if (P::now() > w.deadline) {
         report<P>(w, WaitOutcome::kTimeout, kind, peer, channel, seen, wanted);
         return true;
     }
-    if (P::peer_exited(w.pids, peer)) {
-        report<P>(w, WaitOutcome::kPeerExited, kind, peer, channel, seen, wanted);
-        return true;
-    }
+    gone = P::peer_exited(w.pids, peer);
     return false;
 }
 
@@ -89,10 +91,11 @@ MC_HD bool gives_up(const Watch& w, int64_t spins, WaitKind kind, int peer, int 
 template <class P>
 MC_HD int64_t wait_at_least(const Watch& w, const int64_t* flag, int64_t target, WaitKind kind, int peer,
                             int channel) {
+    bool gone = false;
     for (int64_t spins = 0;; ++spins) {
         int64_t v = P::load_acquire(flag);
         if (v >= target) return v;
-        if (gives_up<P>(w, spins, kind, peer, channel, v, target)) return INT64_MIN;
+        if (gives_up<P>(w, spins, kind, peer, channel, v, target, gone)) return INT64_MIN;
         P::relax(spins);
     }
 }
@@ -107,6 +110,7 @@ MC_HD int64_t call_signal(int64_t call, int64_t value) { return (call << 32) | v
 // the flag is read as one 64-bit load: ptxas narrows a load whose low half nobody reads.
 template <class P>
 MC_HD int64_t wait_call(const Watch& w, const int64_t* flag, int64_t call, WaitKind kind, int peer, int channel) {
+    bool gone = false;
     for (int64_t spins = 0;; ++spins) {
         const int64_t v = P::load_acquire(flag), seen = v >> 32;
         if (seen == call && (v & 0xffffffff) != 0) return v & 0xffffffff;
@@ -114,7 +118,7 @@ MC_HD int64_t wait_call(const Watch& w, const int64_t* flag, int64_t call, WaitK
             report<P>(w, WaitOutcome::kPastTarget, kind, peer, channel, seen, call);
             return INT64_MIN;
         }
-        if (gives_up<P>(w, spins, kind, peer, channel, seen, call)) return INT64_MIN;
+        if (gives_up<P>(w, spins, kind, peer, channel, seen, call, gone)) return INT64_MIN;
         P::relax(spins);
     }
 }
