@@ -219,8 +219,11 @@ def _count_asserts(script: str, folder: str) -> None:
     def write() -> None:
         sys.settrace(None)
         threading.settrace(None)  # type: ignore[arg-type]
-        with open(os.path.join(folder, f"asserts.{os.getpid()}"), "w") as f:
+        # written whole or not at all: torch's spawn kills the other ranks when one fails, maybe mid-write
+        part = os.path.join(folder, f"part.{os.getpid()}")
+        with open(part, "w") as f:
             f.write(json.dumps(sorted(hit)))
+        os.replace(part, os.path.join(folder, f"asserts.{os.getpid()}"))
 
     sys.settrace(on_call)
     threading.settrace(on_call)
