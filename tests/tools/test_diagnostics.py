@@ -11,8 +11,10 @@ from helpers.processes import describe_sessions, proc_stat, running_processes
 def test_describe_sessions_lists_the_sessions_processes_with_their_states():
     spinner = subprocess.Popen(["sh", "-c", "sleep 60 & while :; do :; done"], start_new_session=True)
     try:
-        deadline = time.monotonic() + STARTUP_S  # the shell has started its sleep
-        while not any(f[1] == str(spinner.pid) for f in running_processes().values()) and time.monotonic() < deadline:
+        # until the shell's child sleeps: just forked, before it has run sleep, it is runnable too
+        deadline = time.monotonic() + STARTUP_S
+        while not any(f[1] == str(spinner.pid) and f[0] == "S" for f in running_processes().values()) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
         report = describe_sessions([spinner.pid], sample_s=0.5)
     finally:
