@@ -37,6 +37,11 @@ def _read(path: str, limit: int = 120) -> str:
         return f"({e.strerror})"
 
 
+def command_line(pid: str) -> str:
+    """The process's command line, arguments joined by spaces ("" once it is gone)."""
+    return _read(f"/proc/{pid}/cmdline", 1000)
+
+
 def running_processes() -> dict[str, list[str]]:
     """Every process's ``proc_stat``, by pid."""
     found = {}

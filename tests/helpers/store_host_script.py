@@ -1,11 +1,14 @@
 """Rank 0 hosts the rendezvous store (init_from_env's tcp:// init, as torchrun and mpirun users get),
 then stops (SIGSTOP) or dies; the other ranks dispatch and report, one JSON line each, how long
 they took to fail and with what. Run as ``store_host_script.py SCENARIO TIMEOUT_S`` by a launcher."""
+import faulthandler
 import json
 import os
 import signal
 import sys
 import time
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack if it waits too long
 
 import torch
 import torch.distributed as dist

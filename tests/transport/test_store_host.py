@@ -19,11 +19,12 @@ from moe_comm.launch.mpiexec import find_mpiexec
 from helpers.deadlines import STARTUP_S, found_within
 from helpers.paths import HELPERS
 from helpers.ports import ATTEMPTS, free_port, port_taken
-from helpers.processes import describe_sessions
+from helpers.processes import command_line, describe_sessions, running_processes
 from helpers.transports import NO_MPI, TRANSPORTS
 
 SCRIPT = HELPERS / "store_host_script.py"
 RANKS, TIMEOUT_S = 3, 4.0
+STACKS_S = 2.0  # how long ranks past the test's deadline get to print their stacks (SIGUSR1)
 INIT_TIMEOUT_S = 60.0  # store_host_script.py's init_from_env(timeout_s=60): the rendezvous deadline
 
 
@@ -54,7 +55,7 @@ def _launch(transport: str, scenario: str) -> Optional[dict[int, dict]]:
     lines: queue.Queue = queue.Queue()
     for proc in procs:  # a stopped rank never closes its output: read every rank's at once
         threading.Thread(target=lambda out=proc.stdout: [lines.put(line) for line in out], daemon=True).start()
-    reports, store_host, taken = {}, None, False
+    reports, store_host, taken, output = {}, None, False, []
     # every survivor has reported by then: started, met within the rendezvous deadline, failed the
     # dispatch within its own
     deadline = time.monotonic() + STARTUP_S + found_within(INIT_TIMEOUT_S) + found_within(TIMEOUT_S)
@@ -64,6 +65,7 @@ def _launch(transport: str, scenario: str) -> Optional[dict[int, dict]]:
                 line = lines.get(timeout=1.0)
             except queue.Empty:
                 continue
+            output.append(line)
             if port_taken(line):
                 taken = True
                 break
@@ -75,6 +77,7 @@ def _launch(transport: str, scenario: str) -> Optional[dict[int, dict]]:
         if not taken and len(reports) < RANKS - 1:  # shown with the test's failure
             print(f"reports from ranks {sorted(reports)} only; the ranks' processes:\n"
                   + describe_sessions([proc.pid for proc in procs]))
+            print("the ranks' output, then every thread's stack:\n" + "".join(output + _stacks(procs, lines)))
     finally:
         # An mpi job ends by itself once its survivors know their reports were read (they abort it,
         # which takes the stopped rank too, and unlink MPICH's segments first): kill the store's
@@ -93,6 +96,22 @@ def _launch(transport: str, scenario: str) -> Optional[dict[int, dict]]:
         _wait(procs)
         shutil.rmtree(report_dir, ignore_errors=True)
     return None if taken else reports
+
+
+def _stacks(procs: list[subprocess.Popen], lines: queue.Queue) -> list[str]:
+    """What the ranks print within STACKS_S of SIGUSR1 (store_host_script.py prints every thread's stack):
+    sent to the script's processes of the launch's sessions, not to mpiexec."""
+    sessions = {str(proc.pid) for proc in procs}
+    for pid, fields in running_processes().items():
+        if fields[3] in sessions and SCRIPT.name in command_line(pid):
+            os.kill(int(pid), signal.SIGUSR1)
+    printed, until = [], time.monotonic() + STACKS_S
+    while time.monotonic() < until:
+        try:
+            printed.append(lines.get(timeout=0.1))
+        except queue.Empty:
+            pass
+    return printed
 
 
 def _wait(procs: list[subprocess.Popen]) -> None:
