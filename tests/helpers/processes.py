@@ -38,7 +38,8 @@ def _read(path: str, limit: int = 120) -> str:
 
 
 def command_line(pid: str) -> str:
-    """The process's command line, arguments joined by spaces ("" once it is gone)."""
+    """The process's command line, arguments joined by spaces (the read's error, in parentheses, once it is
+    gone)."""
     return _read(f"/proc/{pid}/cmdline", 1000)
 
 
