@@ -1,6 +1,7 @@
 """Rank functions for test_mpi: buffers on an mpi4py communicator, subgroups, argument errors, abort."""
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -142,3 +143,32 @@ def skip_construction(group: dist.ProcessGroup, timeout_s: float) -> Any:
     except moe_comm.CommTimeoutError as exc:
         return time.monotonic() - start, str(exc)
     return "no timeout"
+
+
+def rows_of_a_peer_that_exits(group: dist.ProcessGroup, timeout_s: float) -> Any:
+    """Rank 1 sends its row to rank 0 and exits; rank 0's wait looks for exited peers only once rank 1 is gone
+    (its exited_ranks is made to wait for that), after polls that found the row not yet there: the interleaving
+    of a peer that sends and exits between a wait's poll and its look. Rank 2 sits the exchange out. Returns
+    rank 0's received rows (the wait must take in what rank 1 sent before it exited)."""
+    from moe_comm.transport.mpi import MpiTransport
+    transport = MpiTransport(group, timeout_s)
+    rank = transport.rank
+    if rank == 2:
+        return "sat out"
+    rows, received = torch.full((3, 8), float(rank + 1)), torch.zeros(3, 8)
+    splits = [1, 1, 0]
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 polls and finds nothing first
+        transport.all_to_all(received, rows, splits, splits, op="exchange", skip=frozenset({2})).wait()
+        os._exit(0)
+    look = transport.exited_ranks
+
+    def look_once_rank_1_is_gone() -> list[int]:
+        until = time.monotonic() + timeout_s
+        while 1 not in look() and time.monotonic() < until:
+            time.sleep(0.01)
+        return look()
+
+    transport.exited_ranks = look_once_rank_1_is_gone  # type: ignore[method-assign]
+    transport.all_to_all(received, rows, splits, splits, op="exchange", skip=frozenset({2})).wait()
+    return received[:2, 0].tolist()

@@ -590,6 +590,15 @@ MUTANTS: Tuple[Mutant, ...] = (
         hints=("tests/csrc/test_exit_after_store.py",),
     ),
     Mutant(
+        id="mpi-wait-no-drain-after-exit",
+        file="moe_comm/transport/mpi.py",
+        old="_DRAIN_POLLS = 100",
+        new="_DRAIN_POLLS = 0",
+        description="an mpi wait that finds its peer exited fails at once, without polling its requests again: a "
+                    "peer that sent its rows and exited after the last poll fails a call whose rows had arrived",
+        hints=("tests/transport/test_mpi.py",),
+    ),
+    Mutant(
         id="kernel-wait-no-load-after-exit",
         file="csrc/cuda/protocol/wait.h",
         old="    gone = P::peer_exited(w.pids, peer);\n    return false;",
