@@ -17,9 +17,15 @@ when the transport is built). Ranks of one host count in a shared counters file,
 communication; ranks on other hosts count in the process group's store, which is only read on a
 helper thread with a bounded wait: a store whose host is stopped never answers, and a dead one
 raises, and neither may hold up or replace the error that names the late rank.
+
+Exit after a failure: an exchange on the group itself that failed (a deadline, a lost peer) stays posted
+in gloo, which cannot cancel it; at interpreter exit the group's teardown would wait for it until the
+group's own timeout (300 s under ``init_from_env``, 30 min by torch's default), after an exit barrier that
+cannot complete. Such a failure aborts the group at exit instead (``_abort_group_at_exit``).
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
 import os
@@ -198,9 +204,29 @@ def _wait_work(work: dist.Work, deadline: float) -> None:
     work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
 
 
+_ABORT_AT_EXIT: set[int] = set()  # ids of the groups whose abort at exit is registered
+
+
+def _abort_group_at_exit(group: dist.ProcessGroup) -> None:
+    """Registers (once per group) an abort of ``group`` at interpreter exit: a failed exchange left posted
+    on it would hold up its teardown (and ``init_from_env``'s exit barrier) until the group's timeout."""
+    if id(group) in _ABORT_AT_EXIT:
+        return
+    _ABORT_AT_EXIT.add(id(group))
+
+    def abort() -> None:
+        try:  # NOTES: private API (torch >= 2.4): aborts the group's backends and unregisters it
+            dist.distributed_c10d._abort_process_group(group)
+        except Exception:  # noqa: BLE001 (destroyed meanwhile, or a torch without it: the teardown waits)
+            pass
+
+    atexit.register(abort)
+
+
 class _CollectivePending:
-    def __init__(self, transport: "CollectiveTransport", works: list[dist.Work], op: str) -> None:
-        self._transport, self._works, self._op = transport, works, op
+    def __init__(self, transport: "CollectiveTransport", works: list[dist.Work], op: str, on_group: bool) -> None:
+        """``on_group``: the works were posted on the transport's process group itself."""
+        self._transport, self._works, self._op, self._on_group = transport, works, op, on_group
 
     def wait(self) -> None:
         works, self._works = self._works, []
@@ -210,6 +236,8 @@ class _CollectivePending:
             try:
                 _wait_work(work, deadline)
             except RuntimeError as exc:
+                if self._on_group:
+                    _abort_group_at_exit(transport.group)
                 transport.raise_failure(self._op, exc)
 
 
@@ -338,10 +366,11 @@ class CollectiveTransport(Transport):
             raise RuntimeError(f"{op}: rank {self.rank}: this Buffer's collective transport is closed (Buffer.destroy)")
         self._book.enter()
         skip = skip | self.absent
+        on_group = channel is None and not isinstance(self.group, StoreGroup)
         if self.num_ranks == 1:
             if input.numel():
                 output.copy_(input)
-            return _CollectivePending(self, [], op)
+            return _CollectivePending(self, [], op, False)
         try:
             if skip:
                 works = self._point_to_point(output, input, output_splits, input_splits, skip, channel)
@@ -355,9 +384,11 @@ class CollectiveTransport(Transport):
                 works = [dist.all_to_all_single(_as_wire(output), _as_wire(input), list(output_splits),
                                                 list(input_splits), group=self.group, async_op=True)]
         except RuntimeError as exc:
+            if on_group:
+                _abort_group_at_exit(self.group)
             self.raise_failure(op, exc)
         self._recent.append((works, output, input))
-        return _CollectivePending(self, works, op)
+        return _CollectivePending(self, works, op, on_group)
 
     def _point_to_point(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
                         input_splits: Sequence[int], skip: frozenset[int],

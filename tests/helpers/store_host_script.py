@@ -17,12 +17,17 @@ import moe_comm
 
 scenario, timeout_s = sys.argv[1], float(sys.argv[2])
 group = moe_comm.init_from_env(timeout_s=60)
-buf = moe_comm.Buffer(group, timeout_s=timeout_s)
-rank, num_ranks = buf.rank, buf.group_size
-x = torch.full((8, 64), float(rank), dtype=torch.bfloat16)
-idx = torch.arange(8 * 2).view(8, 2) % (4 * num_ranks)
-weights = torch.rand(8, 2)
-buf.dispatch(x, topk_idx=idx, topk_weights=weights, num_experts=4 * num_ranks)  # everyone is in
+try:  # everyone is in: a failure here is the test's setup failing, reported at once
+    buf = moe_comm.Buffer(group, timeout_s=timeout_s)
+    rank, num_ranks = buf.rank, buf.group_size
+    x = torch.full((8, 64), float(rank), dtype=torch.bfloat16)
+    idx = torch.arange(8 * 2).view(8, 2) % (4 * num_ranks)
+    weights = torch.rand(8, 2)
+    buf.dispatch(x, topk_idx=idx, topk_weights=weights, num_experts=4 * num_ranks)
+except Exception as exc:
+    sys.stdout.write(f"SETUP_FAILED {type(exc).__name__}: {exc}\n")
+    sys.stdout.flush()
+    raise
 pids = [None] * num_ranks
 dist.all_gather_object(pids, os.getpid(), group=group)
 if rank == 0:

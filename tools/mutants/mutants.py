@@ -599,6 +599,16 @@ MUTANTS: Tuple[Mutant, ...] = (
         hints=("tests/transport/test_mpi.py",),
     ),
     Mutant(
+        id="collective-no-abort-at-exit",
+        file="moe_comm/transport/collective.py",
+        old="                if self._on_group:\n                    _abort_group_at_exit(transport.group)\n",
+        new="",
+        description="an exchange on the process group itself that failed at its deadline (a Buffer whose "
+                    "construction timed out) leaves the group to be torn down at exit: every rank sits out "
+                    "init_from_env's 30 s exit barrier, which cannot complete, then the group's teardown",
+        hints=("tests/transport/test_exit_after_failure.py",),
+    ),
+    Mutant(
         id="kernel-wait-no-load-after-exit",
         file="csrc/cuda/protocol/wait.h",
         old="    gone = P::peer_exited(w.pids, peer);\n    return false;",

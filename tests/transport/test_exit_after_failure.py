@@ -1,0 +1,65 @@
+"""Ranks whose Buffer failed on the collective transport exit promptly: the exchange the failure left posted on
+the process group (gloo cannot cancel it) no longer holds them in init_from_env's exit barrier, which cannot
+complete (found beside two busy loops: the store-host test's ranks sat in that exit for over a minute)."""
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from helpers.deadlines import EXIT_S, MEET_S, STARTUP_S, found_within
+from helpers.paths import HELPERS
+from helpers.ports import ATTEMPTS, free_port, port_taken
+
+SCRIPT = HELPERS / "late_buffer_script.py"
+RANKS, TIMEOUT_S = 3, MEET_S
+
+
+def _launch() -> dict[int, dict]:
+    """Starts the ranks; returns, for each, its output lines with the time each came, and when it exited."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "MOE_COMM_TRANSPORT": "collective", "MOE_COMM_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(TIMEOUT_S)],
+                              env={**env, "RANK": str(r), "WORLD_SIZE": str(RANKS)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in range(RANKS)]
+    ranks = {r: {"lines": [], "exited": None} for r in range(RANKS)}
+    readers = [threading.Thread(target=lambda r=r, out=proc.stdout: ranks[r]["lines"].extend(
+        (time.monotonic(), line) for line in out), daemon=True) for r, proc in enumerate(procs)]
+    for reader in readers:
+        reader.start()
+    # started, met, the last rank late by TIMEOUT_S + 2 s, failed, then exited (the old exit: the group's timeout)
+    deadline = time.monotonic() + STARTUP_S + TIMEOUT_S + 2.0 + found_within(TIMEOUT_S) + EXIT_S
+    try:
+        while time.monotonic() < deadline and any(ranks[r]["exited"] is None for r in ranks):
+            for r, proc in enumerate(procs):
+                if ranks[r]["exited"] is None and proc.poll() is not None:
+                    ranks[r]["exited"] = time.monotonic()
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+            proc.wait()
+        for reader in readers:
+            reader.join(5)
+    return ranks
+
+
+def test_ranks_whose_buffer_failed_exit_promptly():
+    """Every rank is gone within EXIT_S of the last rank's failure (the late rank's exchange ends the one the
+    others left posted). Before, the first ranks waited out init_from_env's 30 s exit barrier, which could not
+    complete, and then the group's teardown."""
+    for _ in range(ATTEMPTS):
+        ranks = _launch()
+        if not any(port_taken(line) for rank in ranks.values() for _, line in rank["lines"]):
+            break
+    failed = {}
+    for r, rank in ranks.items():
+        output = "".join(line for _, line in rank["lines"])
+        failed[r] = [t for t, line in rank["lines"] if line.startswith("FAILED ")]
+        assert failed[r], (r, output[-4000:])
+        assert rank["exited"] is not None, (r, "still running at the test's deadline", output[-4000:])
+    last = max(times[0] for times in failed.values())
+    assert all(rank["exited"] - last < EXIT_S for rank in ranks.values()), \
+        {r: (failed[r][0] - last, rank["exited"] - last) for r, rank in ranks.items()}
