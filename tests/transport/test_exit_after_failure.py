@@ -2,6 +2,7 @@
 the process group (gloo cannot cancel it) no longer holds them in init_from_env's exit barrier, which cannot
 complete (found beside two busy loops: the store-host test's ranks sat in that exit for over a minute)."""
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -9,7 +10,7 @@ import time
 
 from helpers.deadlines import EXIT_S, MEET_S, STARTUP_S, found_within
 from helpers.paths import HELPERS
-from helpers.ports import ATTEMPTS, free_port, port_taken
+from helpers.ports import ATTEMPTS, launcher_env, port_taken
 
 SCRIPT = HELPERS / "late_buffer_script.py"
 RANKS, TIMEOUT_S = 3, MEET_S
@@ -17,9 +18,7 @@ RANKS, TIMEOUT_S = 3, MEET_S
 
 def _launch() -> dict[int, dict]:
     """Starts the ranks; returns, for each, its output lines with the time each came, and when it exited."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "MOE_COMM_TRANSPORT": "collective", "MOE_COMM_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env = launcher_env("collective")
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(TIMEOUT_S)],
                               env={**env, "RANK": str(r), "WORLD_SIZE": str(RANKS)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in range(RANKS)]
@@ -39,7 +38,7 @@ def _launch() -> dict[int, dict]:
     finally:
         for proc in procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, 9)
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         for reader in readers:
             reader.join(5)

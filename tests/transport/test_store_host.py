@@ -18,7 +18,7 @@ from moe_comm.launch.mpiexec import find_mpiexec
 
 from helpers.deadlines import MEET_S, STARTUP_S, found_within
 from helpers.paths import HELPERS
-from helpers.ports import ATTEMPTS, free_port, port_taken
+from helpers.ports import ATTEMPTS, launcher_env, port_taken
 from helpers.processes import command_line, describe_sessions, running_processes
 from helpers.transports import NO_MPI, TRANSPORTS
 
@@ -42,9 +42,7 @@ def _run(transport: str, scenario: str) -> dict[int, dict]:
 
 def _launch(transport: str, scenario: str) -> Optional[dict[int, dict]]:
     """One launch: the survivors' reports, or None when rank 0 could not bind the store's port."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "MOE_COMM_TRANSPORT": transport, "MOE_COMM_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env = launcher_env(transport)
     command = [sys.executable, str(SCRIPT), scenario, str(TIMEOUT_S)]
     env["MOE_COMM_TEST_REPORT_DIR"] = report_dir = tempfile.mkdtemp(prefix="moe_comm_store_host_")
     if transport == "mpi":
