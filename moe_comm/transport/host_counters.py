@@ -28,7 +28,8 @@ def _directory() -> str:
 
 
 class HostCounters:
-    """One int64 per host rank in the file named by ``token`` (the same on every rank of the host).
+    """Two int64 per host rank in the file named by ``token`` (the same on every rank of the host):
+    the exchanges it has entered (``values``) and those it has finished (``finished``).
 
     Every host rank opens it (creating it if first); once all have (the caller's barrier), each
     calls ``unlink`` so that the name disappears while the mapping lives on. A file whose ranks all
@@ -40,17 +41,19 @@ class HostCounters:
         sweep_stale(directory)
         name = f"{COUNTERS_PREFIX}{token}"
         self.path = os.path.join(directory, name)
-        fd = _open_or_create(directory, name, 8 * count)
+        nbytes = 2 * 8 * count
+        fd = _open_or_create(directory, name, nbytes)
         try:
             size = os.fstat(fd).st_size
-            if size != 8 * count:
-                raise RuntimeError(f"HostCounters: {self.path} has {size} bytes, expected {8 * count} "
+            if size != nbytes:
+                raise RuntimeError(f"HostCounters: {self.path} has {size} bytes, expected {nbytes} "
                                    f"({count} host ranks); the host's ranks disagree on their number")
             # NOTES: the mapping keeps the open file, and with it this rank's hold, after the fd is closed.
-            self._map = mmap.mmap(fd, 8 * count)
+            self._map = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
-        self.values = torch.frombuffer(self._map, dtype=torch.int64, count=count)
+        both = torch.frombuffer(self._map, dtype=torch.int64, count=2 * count)
+        self.values, self.finished = both[:count], both[count:]
         self._index = index
 
     @staticmethod
@@ -71,8 +74,12 @@ class HostCounters:
         return counters
 
     def store(self, value: int) -> None:
-        """Sets this rank's counter."""
+        """Sets this rank's count of exchanges entered."""
         self.values[self._index] = value
+
+    def store_finished(self, value: int) -> None:
+        """Sets this rank's count of exchanges finished."""
+        self.finished[self._index] = value
 
     def unlink(self) -> None:
         """Removes the file's name (idempotent across the host's ranks)."""

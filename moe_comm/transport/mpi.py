@@ -10,10 +10,12 @@ MPI does not move data between calls into the library (no progress thread), so a
 with ``async_finish`` or a receive hook completes when it is waited on. Waits poll ``MPI_Testall``
 and yield the core between polls, as MPI's own blocking waits spin.
 
-Faults: each rank counts the exchanges it has entered in a memory-mapped file of its host
-(``host_counters``), so a rank that misses the deadline names the host ranks that never arrived,
-and whether their process has exited. Construction duplicates the communicator with ``Idup``,
-polled like the exchanges, so a rank that never builds its buffer is a timeout too. MPI cannot
+Faults: each rank counts the exchanges it has entered, and those it has finished, in a memory-mapped
+file of its host (``host_counters``), so a rank that misses the deadline names the host ranks that
+never arrived, and whether their process has exited; a wait that finds a peer exited fails at once
+unless that peer had finished the exchange (it sent its rows and exited while another rank was late).
+Construction duplicates the communicator with ``Idup``, polled like the exchanges, so a rank that
+never builds its buffer is a timeout too. MPI cannot
 cancel a collective: after a timeout the transport refuses further exchanges, and when the buffer
 is destroyed, or the interpreter exits, it aborts the job (``MPI_Abort`` on ``COMM_WORLD``) instead
 of leaving it to hang in ``MPI_Finalize``.
@@ -124,15 +126,20 @@ _Flight = tuple[list, tuple]
 
 
 class _MpiPending:
-    """An exchange in flight (the transport keeps its tensors alive until its requests complete)."""
+    """An exchange in flight (the transport keeps its tensors alive until its requests complete);
+    ``index``: the count of exchanges this rank had entered with it."""
 
-    def __init__(self, transport: "MpiTransport", requests: list, op: str) -> None:
-        self._transport, self._requests, self._op = transport, requests, op
+    def __init__(self, transport: "MpiTransport", requests: list, op: str, index: int) -> None:
+        self._transport, self._requests, self._op, self._index = transport, requests, op, index
+        self._counted = False
 
     def wait(self) -> None:
         requests, self._requests = self._requests, []
         if requests:
-            self._transport.wait_for(requests, self._op)
+            self._transport.wait_for(requests, self._op, self._index)
+        if not self._counted:
+            self._counted = True
+            self._transport.count_finished()
 
 
 def _done(flight: _Flight) -> bool:
@@ -185,6 +192,7 @@ class MpiTransport(Transport):
         self._counters: Optional[HostCounters] = None
         self._host_ranks: list[int] = []
         self._entered = 0  # exchanges this rank has posted
+        self._finished = 0  # and those it has waited for to the end
         self.pids: list[int] = []
         self._finalizer = weakref.finalize(self, _release, self._mpi, self._comms, self._types, self._inflight)
         if isinstance(group, dist.ProcessGroup):
@@ -249,6 +257,7 @@ class MpiTransport(Transport):
                                  f"{describe(tensor)}{layout}")
         with self._requests_lock:  # posts enter their rows' exchanges from a thread of their own
             self._entered += 1
+            index = self._entered
             if self._counters is not None:
                 self._counters.store(self._entered)
         row = self._row_type(output, input)
@@ -260,7 +269,7 @@ class MpiTransport(Transport):
             requests = [comm.Ialltoallv(_spec(input, input_splits, row), _spec(output, output_splits, row))]
         with self._requests_lock:
             self._inflight[:] = [f for f in self._inflight if not _done(f)] + [(requests, (output, input))]
-        return _MpiPending(self, requests, op)
+        return _MpiPending(self, requests, op, index)
 
     def _row_type(self, output: torch.Tensor, input: torch.Tensor) -> Any:
         """The committed datatype of one row (bytes of ``input``'s trailing dimensions); None for
@@ -295,9 +304,10 @@ class MpiTransport(Transport):
         with self._requests_lock:
             return self._mpi.Request.Testall(requests)
 
-    def wait_for(self, requests: list, op: str) -> None:
+    def wait_for(self, requests: list, op: str, index: int = 0) -> None:
         """Polls ``requests`` until all complete; past the deadline raises CommTimeoutError (and marks
-        the transport failed), and PeerExitedError as soon as a host rank's process has exited."""
+        the transport failed), and PeerExitedError as soon as a host rank's process has exited, unless
+        that rank had finished this exchange (``index``, see ``count_finished``) before it exited."""
         start = time.monotonic()
         deadline, next_check = start + self.timeout_s, start + _LIVENESS_EVERY_S
         while not self._test(requests):
@@ -312,12 +322,34 @@ class MpiTransport(Transport):
                     # it in (it may have sent and exited between the last poll and the look)
                     if any(self._test(requests) for _ in range(_DRAIN_POLLS)):
                         return
+                    if self._finished_before_exit(peer, index):
+                        continue  # what is missing is a live rank's
                     self._fail(f"rank {peer} exited during {op}")
                     raise PeerExitedError(op, self.rank, peer, self.pids[peer])
             # NOTES: MPI moves a large message between two processes of a host only while both poll,
             # chunk by chunk, so a wait that sleeps between polls stalls its peers too (1 ms naps made a
             # 4-rank low-latency dispatch 11x slower). Yielding lets ranks that share a core run.
             os.sched_yield()
+
+    def count_finished(self) -> None:
+        """Counts an exchange waited for to the end, in the host's counters: a peer that sees this rank
+        exited then knows whether it took part in the peer's exchange to the end (it had finished every
+        exchange it entered, that one among them)."""
+        with self._requests_lock:
+            self._finished += 1
+            if self._counters is not None:
+                self._counters.store_finished(self._finished)
+
+    def _finished_before_exit(self, peer: int, index: int) -> bool:
+        """Whether exited host rank ``peer`` had finished every exchange it entered, this rank's
+        ``index``-th among them. Exchanges are entered in the same order on every rank that takes part
+        in them; where masks made the counts differ the answer may be wrong, which costs a wait no more
+        than its deadline (the wait goes on, and completes only with every row)."""
+        if self._counters is None or not index:
+            return False
+        at = self._host_ranks.index(peer)
+        entered, finished = int(self._counters.values[at]), int(self._counters.finished[at])
+        return finished == entered >= index
 
     def _raise_timeout(self, op: str) -> None:
         """CommTimeoutError naming the host ranks behind this one (all ranks when all share the host)."""

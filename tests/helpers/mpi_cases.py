@@ -172,3 +172,22 @@ def rows_of_a_peer_that_exits(group: dist.ProcessGroup, timeout_s: float) -> Any
     transport.exited_ranks = look_once_rank_1_is_gone  # type: ignore[method-assign]
     transport.all_to_all(received, rows, splits, splits, op="exchange", skip=frozenset({2})).wait()
     return received[:2, 0].tolist()
+
+
+def a_peer_done_and_gone_while_another_is_late(group: dist.ProcessGroup, late_s: float) -> Any:
+    """One exchange of 3 ranks in which ranks 0 and 2 send each other nothing: rank 2 finishes its part
+    with rank 1 and exits, while rank 0 posts ``late_s`` late. Rank 1's wait finds rank 2 exited while
+    rank 0's row is still missing; it must go on (rank 2 owes it nothing more) and take in both rows.
+    Returns the first column of the received rows."""
+    from moe_comm.transport.mpi import MpiTransport
+    transport = MpiTransport(group, 30.0)
+    rank = transport.rank
+    sent = [[1, 1, 0], [1, 1, 1], [0, 1, 1]]  # rows from rank i to rank j
+    send_splits, recv_splits = sent[rank], [row[rank] for row in sent]
+    rows, received = torch.full((sum(send_splits), 8), float(rank + 1)), torch.zeros(sum(recv_splits), 8)
+    if rank == 0:
+        time.sleep(late_s)
+    transport.bulk_all_to_all(received, rows, recv_splits, send_splits, op="exchange").wait()
+    if rank == 2:
+        os._exit(0)
+    return received[:, 0].tolist()

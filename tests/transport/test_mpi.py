@@ -10,9 +10,9 @@ from moe_comm import transport as transports
 from moe_comm.launch import LocalWorld
 
 from helpers.deadlines import MEET_S, before
-from helpers.mpi_cases import (bad_arguments, comm_and_group, destroy_kept, many_buffers, mpi_transport_outside_mpiexec,
-                               rows_of_a_peer_that_exits, skip_construction, subgroup,
-                               time_out_then_refuse)
+from helpers.mpi_cases import (a_peer_done_and_gone_while_another_is_late, bad_arguments, comm_and_group, destroy_kept,
+                               many_buffers, mpi_transport_outside_mpiexec, rows_of_a_peer_that_exits,
+                               skip_construction, subgroup, time_out_then_refuse)
 from helpers.tiers import exhaustive
 from helpers.transports import NO_MPI, local_world
 
@@ -106,6 +106,17 @@ def test_rows_a_peer_sent_before_it_exited_are_taken_in():
     results = info.value.results
     assert results[2] == "sat out", results
     assert results[0] == [1.0, 2.0], results  # its own row, then rank 1's
+
+
+@needs_mpi
+def test_a_peer_that_finished_and_exited_is_not_blamed_for_a_late_one():
+    """A wait that finds a peer exited goes on when that peer had finished the exchange: what is missing
+    is a live rank's, which comes later. Rank 2 exits done while rank 0 is 1.5 s late."""
+    with local_world(3, "mpi", timeout_s=60, threads_per_rank=1) as world:
+        with pytest.raises(TimeoutError, match=r"ranks \[2\] exited") as info:
+            world.run(a_peer_done_and_gone_while_another_is_late, 1.5)
+    results = info.value.results
+    assert results == {0: [1.0, 2.0], 1: [1.0, 2.0, 3.0]}, results
 
 
 @needs_mpi

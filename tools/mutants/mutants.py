@@ -599,6 +599,15 @@ MUTANTS: Tuple[Mutant, ...] = (
         hints=("tests/transport/test_mpi.py",),
     ),
     Mutant(
+        id="mpi-wait-blames-a-finished-peer",
+        file="moe_comm/transport/mpi.py",
+        old="return finished == entered >= index",
+        new="return False",
+        description="an mpi wait that finds a peer exited fails even when that peer had finished the exchange: a "
+                    "rank that sent its rows and exited while another rank was late fails its peers' call",
+        hints=("tests/transport/test_mpi.py",),
+    ),
+    Mutant(
         id="collective-no-abort-at-exit",
         file="moe_comm/transport/collective.py",
         old="                if self._on_group:\n                    _abort_group_at_exit(transport.group)\n",
