@@ -14,6 +14,8 @@ import moe_comm
 from moe_comm.ops import per_token_cast_to_fp8
 from moe_comm.transport.shm_segment import DATA, PREFIX, create_held
 
+from helpers.processes import all_gone
+
 
 def _digest(*tensors: Any) -> str:
     h = hashlib.sha256()
@@ -199,6 +201,8 @@ def masked_rank_survives(group: dist.ProcessGroup, victim: int, how: str) -> dic
     M, H, E, K = 16, 256, 4 * R, 3
     hint = moe_comm.Buffer.get_low_latency_rdma_size_hint(M, H, R, E)
     buf = moe_comm.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, enable_shrink=True, timeout_s=30)
+    pids: list[Any] = [None] * R
+    dist.all_gather_object(pids, os.getpid(), group=group)
     low_latency_digests(buf, M, H, E)  # everybody alive
     if rank == victim:
         if how == "exit":
@@ -206,8 +210,8 @@ def masked_rank_survives(group: dist.ProcessGroup, victim: int, how: str) -> dic
         return {}
     if how == "mask":
         buf.low_latency_update_mask_buffer(victim, True)
-    else:
-        time.sleep(0.5)  # the victim has exited by now
+    else:  # the next call finds it exited as it starts (a process slow to die beside a loaded machine is not)
+        assert all_gone([pids[victim]]), f"rank {victim} (pid {pids[victim]}) still runs after os._exit"
     x, idx, w = _inputs(rank, M, H, E, K, seed=7)
     alive = (idx >= 0) & (idx // (E // R) != victim)
     results = {}
