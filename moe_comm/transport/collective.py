@@ -134,7 +134,7 @@ class _ArrivalBook:
         read; a note on what could not be read). Blocks at most STORE_WAIT_S."""
         if self._counters is None:  # still meeting: nobody can tell
             return None, ""
-        counts = dict(zip(self._host_ranks, self._counters.values.tolist()))
+        counts = dict(zip(self._host_ranks, self._counters.entered.tolist()))
         others = [r for r in range(self._num_ranks) if r not in counts]
         note = self.store_trouble
         if others and self._store is not None:

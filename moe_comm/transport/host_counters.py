@@ -29,7 +29,7 @@ def _directory() -> str:
 
 class HostCounters:
     """Two int64 per host rank in the file named by ``token`` (the same on every rank of the host):
-    the exchanges it has entered (``values``) and those it has finished (``finished``).
+    the exchanges it has entered (``entered``) and those it has finished (``finished``).
 
     Every host rank opens it (creating it if first); once all have (the caller's barrier), each
     calls ``unlink`` so that the name disappears while the mapping lives on. A file whose ranks all
@@ -53,7 +53,7 @@ class HostCounters:
         finally:
             os.close(fd)
         both = torch.frombuffer(self._map, dtype=torch.int64, count=2 * count)
-        self.values, self.finished = both[:count], both[count:]
+        self.entered, self.finished = both[:count], both[count:]
         self._index = index
 
     @staticmethod
@@ -75,7 +75,7 @@ class HostCounters:
 
     def store(self, value: int) -> None:
         """Sets this rank's count of exchanges entered."""
-        self.values[self._index] = value
+        self.entered[self._index] = value
 
     def store_finished(self, value: int) -> None:
         """Sets this rank's count of exchanges finished."""

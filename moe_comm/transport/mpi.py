@@ -348,14 +348,14 @@ class MpiTransport(Transport):
         if self._counters is None or not index:
             return False
         at = self._host_ranks.index(peer)
-        entered, finished = int(self._counters.values[at]), int(self._counters.finished[at])
+        entered, finished = int(self._counters.entered[at]), int(self._counters.finished[at])
         return finished == entered >= index
 
     def _raise_timeout(self, op: str) -> None:
         """CommTimeoutError naming the host ranks behind this one (all ranks when all share the host)."""
         if self._counters is None:  # still meeting: nobody can tell
             raise CommTimeoutError(op, self.rank, self.timeout_s, None)
-        counts = self._counters.values.tolist()
+        counts = self._counters.entered.tolist()
         late = [r for r, n in zip(self._host_ranks, counts) if n < self._entered]
         exited = ", ".join(f"rank {r} (pid {self.pids[r]}) has exited" for r in late if r in self.exited_ranks())
         off_host = self.num_ranks - len(self._host_ranks)

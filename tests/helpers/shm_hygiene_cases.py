@@ -128,4 +128,4 @@ def mpich_job_shm() -> list[str]:
 
 def hold_counters(token: str, count: int) -> torch.Tensor:
     """Opens host counters ``token`` like a rank and keeps them (the caller kills the process)."""
-    return host_counters.HostCounters(token, count, 0).values
+    return host_counters.HostCounters(token, count, 0).entered
