@@ -92,6 +92,8 @@ def compile_one(variant: Variant, arch: str, nvcc: str, keep: Path | None) -> tu
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", type=Path, help="keep each variant's .cu and ptxas report in this folder")
+    parser.add_argument("--arch", choices=ARCHS, action="append", help="only this architecture (repeatable; "
+                        "default: every one)")
     args = parser.parse_args(argv)
     nvcc = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
                                     if os.environ.get("CUDA_HOME") else None)
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         args.keep.mkdir(parents=True, exist_ok=True)
     failed = total = 0
     for variant in variants():
-        for arch in ARCHS:
+        for arch in args.arch or ARCHS:
             passed, line = compile_one(variant, arch, nvcc, args.keep)
             total += 1
             failed += not passed

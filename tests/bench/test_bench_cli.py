@@ -25,6 +25,7 @@ from moe_comm.bench.transports import default_transports
 
 from helpers.paths import ROOT
 from helpers.ports import ATTEMPTS, free_port, port_taken
+from helpers.tiers import exhaustive
 
 BIN = Path(sys.executable).parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -91,6 +92,7 @@ def _assert_normal_record(record: dict, tokens: list[int], transports: list[str]
         assert sorted(cases) == sorted(["naive_dispatch", "naive_combine"] + ceilings)
 
 
+@pytest.mark.exhaustive  # the fast tier's normal runs: under torchrun and mpirun; its plot: low_latency's
 def test_normal_standalone_writes_json_and_png(tmp_path):
     out = _bench("normal", "--tokens", "16", "32", "--json", "out/n.json", "--plot", "n.png", cwd=tmp_path)
     assert "== normal: 16 tokens/rank" in out.stdout and "== normal: 32 tokens/rank" in out.stdout
@@ -102,7 +104,8 @@ def test_normal_standalone_writes_json_and_png(tmp_path):
     assert not (Path(moe_comm.__file__).parent / "moe_comm_bench_out").exists()
 
 
-@pytest.mark.parametrize("name", ["low_latency", "moe", "ops"])
+# moe's and ops' full runs (13 s and 56 s on the 2-core test machine) are the exhaustive tier's
+@pytest.mark.parametrize("name", ["low_latency", exhaustive("moe", id="moe"), exhaustive("ops", id="ops")])
 def test_benchmark_runs_once_with_the_default_json_path(tmp_path, name):
     out = _bench(name, "--plot", "p.png", cwd=tmp_path)
     assert f"== {name}:" in out.stdout
@@ -257,6 +260,7 @@ def test_routing_benchmarks_refuse_a_bad_shape_before_launching(bench, flags, me
     assert done.returncode != 0 and f"{bench}: {message}" in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.exhaustive  # torch.compile of the layer on every transport: 38 s (the layer's compile has its own tests)
 def test_moe_benchmark_times_the_compiled_layer(tmp_path):
     _bench("moe", "--compile", "--modes", "sequential", "low_latency", cwd=tmp_path)
     record = json.loads((tmp_path / "moe_comm_bench_out" / "moe.json").read_text())

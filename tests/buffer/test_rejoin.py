@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from helpers.paths import ROOT
+from helpers.tiers import exhaustive
 from helpers.rejoin_cases import refusals
 from helpers.transports import local_world
 
@@ -89,7 +90,9 @@ def test_loss_and_rejoin(tmp_path, transport, ranks_per_node):
     assert max(rec["epoch"] for rec in steps[last]) == 3, out
 
 
-@pytest.mark.parametrize("transport,ranks_per_node", [("shm", 0), ("collective", 0), ("shm", 2)],
+# two nodes: the exhaustive tier (the loss and rejoin above runs there in the fast tier)
+@pytest.mark.parametrize("transport,ranks_per_node", [("shm", 0), ("collective", 0),
+                                                      exhaustive("shm", 2, id="two_nodes")],
                          ids=["shm", "collective", "two_nodes"])
 def test_reserved_slot_and_one_replacement_at_a_time(tmp_path, transport, ranks_per_node):
     # rank 3 does not start with the job (MOE_COMM_MIN_RANKS=3: its slot is reserved) but at step 1; ranks 2

@@ -15,6 +15,7 @@ import pytest
 
 from helpers.paths import ROOT
 from helpers.ptxas import MAX_REGISTERS, NVCC, REGISTER_FILE, launch_bounds, ptxas_report
+from helpers.tiers import exhaustive
 
 KERNELS = ROOT / "csrc" / "cuda" / "device" / "kernels.cu"
 
@@ -34,7 +35,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH, /usr
                                                       "no device build of csrc/cuda to check")
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=["sm_90", exhaustive("sm_100", id="sm_100")])  # the fast tier: sm_90
 def compiled(request, tmp_path_factory) -> tuple[str, dict[str, dict[str, int]], dict[str, tuple[int, int]]]:
     """kernels.cu compiled once per architecture: (arch, ptxas report, launch bounds)."""
     if NVCC is None:

@@ -131,6 +131,7 @@ def test_low_latency_without_handshake_is_clean(stress):
     _assert_clean(_run(stress(None), "--no-handshake"))
 
 
+@pytest.mark.exhaustive  # the fast tier's planted race: the early forward head below (and the ring-tail mutant)
 def test_planted_relaxed_tail_is_reported(stress):
     """The test of the test: a ring tail published by a relaxed store lets the receiver read slots the
     sender's copy is not ordered before; TSan must say so, on the ring's payload copies."""
@@ -152,6 +153,7 @@ def test_async_launches_are_clean(stress):
     _assert_clean(_run(stress(None), "--async"))
 
 
+@pytest.mark.exhaustive  # the fast tier's run without a handshake: the low-latency one above
 def test_normal_mode_without_handshake_is_clean(stress):
     """Normal-mode calls back to back with no host rendezvous between them: the kernels' barriers alone
     keep the ranks apart (what a device launch without a host handshake relies on)."""

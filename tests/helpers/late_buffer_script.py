@@ -1,9 +1,13 @@
 """Ranks started as torchrun/mpirun would (rank 0 hosts the rendezvous store): the last rank comes to the
 Buffer's construction past its deadline, so every rank's construction fails; each prints ``FAILED <error>``
 and exits with the error. Run as ``late_buffer_script.py TIMEOUT_S`` by a launcher (RANK and WORLD_SIZE set)."""
+import faulthandler
 import os
+import signal
 import sys
 import time
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack if it waits too long
 
 import moe_comm
 

@@ -9,13 +9,15 @@ import pytest
 
 from helpers.deadlines import MEET_S, SCHEDULING_S, before
 from helpers.shrink_cases import STOPS, slow_rank, stopped_ranks
+from helpers.tiers import exhaustive
 from helpers.transports import WORLD_KINDS, local_world
 
 # every live rank must reach each call within the deadline of the others (a late one is masked)
 TIMEOUT_S = MEET_S
 
 
-@pytest.mark.parametrize("transport", WORLD_KINDS, indirect=True)
+# mpi (its 5-rank world takes 40 s on the 2-core test machine): the exhaustive tier
+@pytest.mark.parametrize("transport", [k if k != "mpi" else exhaustive(k, id=k) for k in WORLD_KINDS], indirect=True)
 def test_ranks_that_stop_calling_are_masked_everywhere(transport):
     with local_world(5, transport, timeout_s=60, threads_per_rank=1) as world:
         results = world.run(stopped_ranks, TIMEOUT_S)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers.paths import ROOT
+from helpers.tiers import exhaustive
 
 RUN = ROOT / "tools" / "deepep_tests" / "run.py"
 
@@ -60,7 +61,8 @@ def _run(script: Path, *args: str, timeout: int = 600) -> subprocess.CompletedPr
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("result", [True, False])
+# a passing script: the exhaustive tier (and every run of DeepEP's own tests through the harness)
+@pytest.mark.parametrize("result", [exhaustive(True, id="True"), False])
 def test_harness_runs_a_deepep_style_script_and_reports_failures(tmp_path, result):
     script = tmp_path / "test_style.py"
     script.write_text(SCRIPT.replace("RESULT", str(result)))

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from helpers.deadlines import EXIT_S, MEET_S, STARTUP_S, found_within
+from helpers.deadlines import EXIT_S, MEET_S, SCHEDULING_S, STARTUP_S, found_within
 from helpers.paths import HELPERS
 from helpers.ports import ATTEMPTS, launcher_env, port_taken
 
@@ -27,15 +27,25 @@ def _launch() -> dict[int, dict]:
         (time.monotonic(), line) for line in out), daemon=True) for r, proc in enumerate(procs)]
     for reader in readers:
         reader.start()
-    # started, met, the last rank late by TIMEOUT_S + 2 s, failed, then exited (the old exit: the group's timeout)
-    deadline = time.monotonic() + STARTUP_S + TIMEOUT_S + 2.0 + found_within(TIMEOUT_S) + EXIT_S
+    # started, met, the last rank late by TIMEOUT_S + 2 s and failed: then each rank has EXIT_S to be gone
+    # (the old exit waited for the group's timeout)
+    failed_by = time.monotonic() + STARTUP_S + TIMEOUT_S + 2.0 + found_within(TIMEOUT_S)
+    deadline = failed_by
     try:
         while time.monotonic() < deadline and any(ranks[r]["exited"] is None for r in ranks):
             for r, proc in enumerate(procs):
                 if ranks[r]["exited"] is None and proc.poll() is not None:
                     ranks[r]["exited"] = time.monotonic()
+            failures = [next((t for t, line in ranks[r]["lines"] if line.startswith("FAILED ")), None)
+                        for r in ranks]
+            if None not in failures:
+                deadline = max(failures) + EXIT_S + SCHEDULING_S
             time.sleep(0.05)
     finally:
+        for proc in procs:
+            if proc.poll() is None:  # its stacks, for the failure's message
+                os.killpg(proc.pid, signal.SIGUSR1)
+        time.sleep(2.0 if any(proc.poll() is None for proc in procs) else 0.0)
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -58,7 +68,7 @@ def test_ranks_whose_buffer_failed_exit_promptly():
         output = "".join(line for _, line in rank["lines"])
         failed[r] = [t for t, line in rank["lines"] if line.startswith("FAILED ")]
         assert failed[r], (r, output[-4000:])
-        assert rank["exited"] is not None, (r, "still running at the test's deadline", output[-4000:])
+        assert rank["exited"] is not None, (r, "still running at the test's deadline; its stacks:", output[-8000:])
     last = max(times[0] for times in failed.values())
     assert all(rank["exited"] - last < EXIT_S for rank in ranks.values()), \
         {r: (failed[r][0] - last, rank["exited"] - last) for r, rank in ranks.items()}
