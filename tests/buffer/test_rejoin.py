@@ -62,6 +62,7 @@ def _admissions(job: dict, steps: dict[int, list[dict]]) -> list[dict]:
     return firsts
 
 
+@pytest.mark.every_transport  # issue 47's scenario, in the fast tier on each of the three (not rotated)
 @pytest.mark.parametrize("transport,ranks_per_node", [("shm", 0), ("collective", 0), ("shm", 2)],
                          ids=["shm", "collective", "two_nodes"])
 def test_loss_and_rejoin(tmp_path, transport, ranks_per_node):
