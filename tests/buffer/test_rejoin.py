@@ -91,8 +91,8 @@ def test_loss_and_rejoin(tmp_path, transport, ranks_per_node):
     assert max(rec["epoch"] for rec in steps[last]) == 3, out
 
 
-# two nodes: the exhaustive tier (the loss and rejoin above runs there in the fast tier)
-@pytest.mark.parametrize("transport,ranks_per_node", [("shm", 0), ("collective", 0),
+# the fast tier: collective (the loss and rejoin above runs on all three there)
+@pytest.mark.parametrize("transport,ranks_per_node", [exhaustive("shm", 0, id="shm"), ("collective", 0),
                                                       exhaustive("shm", 2, id="two_nodes")],
                          ids=["shm", "collective", "two_nodes"])
 def test_reserved_slot_and_one_replacement_at_a_time(tmp_path, transport, ranks_per_node):
