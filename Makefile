@@ -122,12 +122,14 @@ $(VENV)/triton-%/.installed: | $(STAMP)
 		$(if $(filter $*,$(TRITON_LOWEST)),"$(TRITON_LOWEST_NUMPY)")
 	touch $@
 
-# $(call triton_tests,VERSION[,TIER]): the Triton tests (of the fast tier unless TIER is all) and the
+# $(call triton_tests,VERSION[,TIER]): the Triton tests (of the fast tier unless TIER is all; without the rows of
+# the other implementations, which do not use Triton) and the
 # accuracy table's Triton rows with that Triton (checked first; the other rows do not use Triton).
 define triton_tests
 	PYTHONPATH=$(abspath $(VENV)/triton-$(1)) $(PY) -c 'import numpy, triton; v = triton.__version__; \
 		print(f"== triton {v}, numpy {numpy.__version__}"); assert v == "$(1)", f"wanted triton $(1), got {v}"'
-	PYTHONPATH=$(abspath $(VENV)/triton-$(1)) $(PY) -m pytest -q --tier $(or $(2),fast) $(TRITON_TESTS)
+	PYTHONPATH=$(abspath $(VENV)/triton-$(1)) $(PY) -m pytest -q --tier $(or $(2),fast) $(TRITON_TESTS) \
+		-k "not native and not tilelang"
 	PYTHONPATH=$(abspath $(VENV)/triton-$(1)) $(PY) -m moe_comm.accuracy --impl triton
 endef
 
