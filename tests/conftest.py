@@ -51,8 +51,34 @@ def pytest_addoption(parser):
                           "every case on every world kind, and the tests marked exhaustive. Also MOE_COMM_TEST_TIER.")
 
 
+_LOOP_MS = pytest.StashKey[float]()
+
+
+def _loop_ms() -> float:
+    """Milliseconds a 10**6-step Python loop takes here (best of 3): the machine's speed, printed so that the
+    suite's wall time in one run (CI's, a developer's) can be compared with another's (docs/testing.md "Times")."""
+    best = float("inf")
+    for _ in range(3):
+        start, total = time.perf_counter(), 0
+        for i in range(10**6):
+            total += i
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
 def pytest_report_header(config):
     return f"moe-comm test tier: {tier_of(config.getoption('--tier'))} (helpers/tiers.py)"
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_LOOP_MS] = _loop_ms()  # before any test loads the machine
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Printed under -q too (make test), unlike the header."""
+    if _LOOP_MS in config.stash:
+        terminalreporter.write_line(f"machine speed at the start: a 10**6-step Python loop took "
+                                    f"{config.stash[_LOOP_MS]:.0f} ms")
 
 
 def pytest_collection_modifyitems(config, items):
