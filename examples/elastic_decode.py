@@ -106,8 +106,8 @@ def run_rank(cfg: dict[str, Any]) -> None:
     full = 0  # steps in a row with every rank in
     # NOTES: every live rank sees the same mask after a step (the shrink protocol's promise), so they all stop
     # at the same step: at least --steps, then until every rank has been in for two steps (a replacement that
-    # comes late is still admitted and checked), at most three times --steps
-    while step < cfg["steps"] or (full < 2 and step < 3 * cfg["steps"]):
+    # comes late is still admitted and checked), at most --max-steps
+    while step < cfg["steps"] or (full < 2 and step < cfg["max_steps"]):
         begin, began = time.monotonic(), time.time()
         store.set(_STEP, str(step))  # every rank sets the same: where a replacement joins
         at, how = cfg["kill"].get(rank, (None, ""))
@@ -226,7 +226,7 @@ def launch(cfg: dict[str, Any], env: Optional[dict[str, str]] = None) -> dict[st
         proc.kill()
         events.append({"rank": -1, "pid": proc.pid, "exit": "killed: the job's deadline passed"})
     records = []
-    for step in range(3 * cfg["steps"]):
+    for step in range(cfg["max_steps"]):
         records += [json.loads(store.get(k)) for k in _record_keys(store, step, events)]
     histories = {f"{r} (pid {pid})": json.loads(store.get(f"{_RECORD}/history/{r}/{pid}"))
                  for r, pid in sorted({(e["rank"], e["pid"]) for e in events if e.get("rank", -1) >= 0})
@@ -308,7 +308,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=45,
-                   help="decode steps at least; then on until every rank has been in for two steps (3x at most)")
+                   help="decode steps at least; then on until every rank has been in for two steps (--max-steps at most)")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="the most steps the loop runs (default: 3x --steps); replacements start one at a time, each "
+                        "after a start-up of seconds, so a job that waits for several may need more")
     p.add_argument("--tokens", type=int, default=8, help="decode tokens per rank and step")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=256)
@@ -331,7 +334,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--ranks-per-node", type=int, default=0, help="MOE_COMM_RANKS_PER_NODE (emulated nodes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the configuration, records and events to this file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_steps and args.max_steps < args.steps:
+        p.error(f"--max-steps must be at least --steps ({args.steps}), got {args.max_steps}")
+    return args
 
 
 def config(args: argparse.Namespace) -> dict[str, Any]:
@@ -340,11 +346,12 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
         return [part.split(":") for part in text.split(",") if part]
     return {"ranks": args.ranks, "steps": args.steps, "tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn,
             "experts": args.experts, "topk": args.topk, "timeout": args.timeout, "seed": args.seed,
-            "step_s": args.step_s,
+            "step_s": args.step_s, "max_steps": args.max_steps or 3 * args.steps,
             "kill": {int(p[0]): (int(p[1]), p[2] if len(p) > 2 else "") for p in pairs(args.kill)},
             "late": [(int(r), int(s)) for r, s in pairs(args.late)],
             "replace": [(int(p[0]), int(p[1]), len(p) > 2 and p[2] == "die") for p in pairs(args.replace)],
-            "job_timeout": 120 + args.steps * (args.step_s + 1) + 4 * args.timeout, "die_in_join": False}
+            "job_timeout": 120 + (args.max_steps or 3 * args.steps) * (args.step_s + 1) + 4 * args.timeout,
+            "die_in_join": False}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -18,7 +18,7 @@ from helpers.transports import local_world
 
 EXAMPLE = ROOT / "examples" / "elastic_decode.py"
 TIMEOUT_S = 5.0  # the Buffer's deadline in the job
-STEPS, STEP_S = 36, 0.3
+STEPS, STEP_S, MAX_STEPS = 36, 0.3, 240
 KILL = {2: 8, 1: 20}
 #: (rank, survivors' step it starts at, dies during its join)
 REPLACE = [(2, 12, False), (1, 22, True), (1, 23, False)]
@@ -29,7 +29,10 @@ def _run(tmp_path, transport: str, ranks_per_node: int = 0, steps: int = STEPS,
          replace: str = ",".join(f"{r}:{s}" + (":die" if die else "") for r, s, die in REPLACE),
          late: str = "") -> dict:
     out = tmp_path / "job.json"
+    # the replacements start one at a time, each taking 3 s to be ready idle and 13-14 s beside two busy loops:
+    # the job may run on past 3x its steps until the last one is in (it ends as soon as every rank is in)
     cmd = [sys.executable, str(EXAMPLE), "--hidden", "256", "--steps", str(steps), "--step-s", str(STEP_S),
+           "--max-steps", str(MAX_STEPS),
            "--timeout", str(TIMEOUT_S), "--transport", transport, "--json", str(out), "--kill", kill,
            "--replace", replace, "--late", late]
     if ranks_per_node:
