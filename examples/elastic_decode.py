@@ -344,14 +344,14 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
     """The job's configuration (what every process reads)."""
     def pairs(text: str) -> list[list[str]]:
         return [part.split(":") for part in text.split(",") if part]
+    max_steps = args.max_steps or 3 * args.steps
     return {"ranks": args.ranks, "steps": args.steps, "tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn,
             "experts": args.experts, "topk": args.topk, "timeout": args.timeout, "seed": args.seed,
-            "step_s": args.step_s, "max_steps": args.max_steps or 3 * args.steps,
+            "step_s": args.step_s, "max_steps": max_steps,
             "kill": {int(p[0]): (int(p[1]), p[2] if len(p) > 2 else "") for p in pairs(args.kill)},
             "late": [(int(r), int(s)) for r, s in pairs(args.late)],
             "replace": [(int(p[0]), int(p[1]), len(p) > 2 and p[2] == "die") for p in pairs(args.replace)],
-            "job_timeout": 120 + (args.max_steps or 3 * args.steps) * (args.step_s + 1) + 4 * args.timeout,
-            "die_in_join": False}
+            "job_timeout": 120 + max_steps * (args.step_s + 1) + 4 * args.timeout, "die_in_join": False}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from moe_comm.transport.collective import STORE_WAIT_S
 
-__all__ = ["EXIT_S", "LATE_S", "MEET_S", "SCHEDULING_S", "STARTUP_S", "before", "found_within", "well_before"]
+__all__ = ["EXIT_S", "LATE_S", "MEET_S", "SCHEDULING_S", "STACKS_S", "STARTUP_S", "before", "found_within",
+           "well_before"]
 
 #: How late, past the moment it could, a rank of a local world may get to run on the loaded machine
 #: (a full `make test` keeps both cores busy for minutes; the 2-15 ms measured above, times 200).
@@ -43,6 +44,10 @@ STARTUP_S = 20.0
 #: How long a process that was just ended (a closed world's rank, a killed one) may take to be gone:
 #: torch's teardown takes a few hundred ms alone, and seconds while other ranks load both cores.
 EXIT_S = 10.0
+
+#: How long a rank still running past a test's deadline gets to print every thread's stack (SIGUSR1, which the
+#: test scripts hand to faulthandler) before the test kills it.
+STACKS_S = 2.0
 
 
 def found_within(deadline_s: float) -> float:

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from helpers.deadlines import EXIT_S, MEET_S, SCHEDULING_S, STARTUP_S, found_within
+from helpers.deadlines import EXIT_S, MEET_S, SCHEDULING_S, STACKS_S, STARTUP_S, found_within
 from helpers.paths import HELPERS
 from helpers.ports import ATTEMPTS, launcher_env, port_taken
 
@@ -29,8 +29,7 @@ def _launch() -> dict[int, dict]:
         reader.start()
     # started, met, the last rank late by TIMEOUT_S + 2 s and failed: then each rank has EXIT_S to be gone
     # (the old exit waited for the group's timeout)
-    failed_by = time.monotonic() + STARTUP_S + TIMEOUT_S + 2.0 + found_within(TIMEOUT_S)
-    deadline = failed_by
+    deadline = time.monotonic() + STARTUP_S + TIMEOUT_S + 2.0 + found_within(TIMEOUT_S)
     try:
         while time.monotonic() < deadline and any(ranks[r]["exited"] is None for r in ranks):
             for r, proc in enumerate(procs):
@@ -45,7 +44,7 @@ def _launch() -> dict[int, dict]:
         for proc in procs:
             if proc.poll() is None:  # its stacks, for the failure's message
                 os.killpg(proc.pid, signal.SIGUSR1)
-        time.sleep(2.0 if any(proc.poll() is None for proc in procs) else 0.0)
+        time.sleep(STACKS_S if any(proc.poll() is None for proc in procs) else 0.0)
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -16,7 +16,7 @@ import pytest
 
 from moe_comm.launch.mpiexec import find_mpiexec
 
-from helpers.deadlines import MEET_S, STARTUP_S, found_within
+from helpers.deadlines import MEET_S, STACKS_S, STARTUP_S, found_within
 from helpers.paths import HELPERS
 from helpers.ports import ATTEMPTS, launcher_env, port_taken
 from helpers.processes import command_line, describe_sessions, running_processes
@@ -26,7 +26,6 @@ SCRIPT = HELPERS / "store_host_script.py"
 # the Buffer's deadline: its construction and first dispatch must meet every rank (MEET_S; at 4 s, a rank late
 # beside two busy loops failed the construction)
 RANKS, TIMEOUT_S = 3, MEET_S
-STACKS_S = 2.0  # how long ranks past the test's deadline get to print their stacks (SIGUSR1)
 INIT_TIMEOUT_S = 60.0  # store_host_script.py's init_from_env(timeout_s=60): the rendezvous deadline
 
 
