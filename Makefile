@@ -78,16 +78,19 @@ demo-elastic: setup
 TORCH_NPU_SPEC ?= torch-npu==2.14.0
 TORCH_NPU_OVERLAY := $(VENV)/torch-npu/.installed
 
-# The fast tier (CI): each case once, the world kinds rotated (tests/helpers/tiers.py; docs/testing.md).
+# The fast tier (CI): each case once, the world kinds rotated (tests/helpers/tiers.py; docs/testing.md), on
+# TEST_WORKERS pytest-xdist workers: much of the tier waits (on deadlines, on rank processes starting), so two
+# workers on 2 cores take about 0.7x the wall time of one (docs/testing.md "Times"); 0 runs it in this process.
 # The accuracy table and the Triton versions run beside the fast tier (test-side, its output printed after the
 # fast tier's): each is one process interpreting kernels, the fast tier waits on deadlines for much of its time and
 # is built to pass beside two busy loops, and side by side they keep CI within its 25 minutes. The trap: a job started
 # with & ignores Ctrl-C, so an interrupted make test stops it by name (make passes the TERM on to its commands).
+TEST_WORKERS ?= 2
 test: setup $(TRITON_OVERLAYS) $(TORCH_NPU_OVERLAY)
 	@mkdir -p build
 	@$(MAKE) --no-print-directory test-side > build/test-side.log 2>&1 & side=$$!; \
 	trap 'kill $$side 2>/dev/null' INT TERM HUP; \
-	MOE_COMM_REQUIRE_TOOLS=1 $(PY) -m pytest -q tests --tier fast; fast=$$?; \
+	MOE_COMM_REQUIRE_TOOLS=1 $(PY) -m pytest -q tests --tier fast -n $(TEST_WORKERS); fast=$$?; \
 	wait $$side; side=$$?; echo "== make test-side (beside the fast tier; build/test-side.log): exit $$side"; \
 	cat build/test-side.log; test $$fast = 0 && test $$side = 0
 

@@ -52,6 +52,8 @@ def pytest_addoption(parser):
 
 
 _LOOP_MS = pytest.StashKey[float]()
+_SHM_BEFORE = pytest.StashKey[set]()  # /dev/shm's entries when the session started
+_SHM_LEFT = pytest.StashKey[str]()  # what the session left there, said in the terminal summary
 
 
 def _loop_ms() -> float:
@@ -71,7 +73,11 @@ def pytest_report_header(config):
 
 
 def pytest_sessionstart(session):
+    if _is_xdist_worker(session.config):
+        return
     session.config.stash[_LOOP_MS] = _loop_ms()  # before any test loads the machine
+    if os.path.isdir(_SHM):
+        session.config.stash[_SHM_BEFORE] = set(os.listdir(_SHM))
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -79,6 +85,9 @@ def pytest_terminal_summary(terminalreporter, config):
     if _LOOP_MS in config.stash:
         terminalreporter.write_line(f"machine speed at the start: a 10**6-step Python loop took "
                                     f"{config.stash[_LOOP_MS]:.0f} ms")
+    if _SHM_LEFT in config.stash:
+        terminalreporter.write_sep("=", "/dev/shm", red=True)
+        terminalreporter.write_line(config.stash[_SHM_LEFT])
 
 
 def pytest_collection_modifyitems(config, items):
@@ -149,30 +158,41 @@ def _new_shm_entries(before: set[str]) -> dict[str, str]:
     return found
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _dev_shm_as_found():
-    """The session leaves /dev/shm as it found it: after every pooled world is closed, no entry
-    created during the session remains (moe-comm's segments and counters, MPICH's segments,
-    multiprocessing's semaphores, anything else)."""
-    before = set(os.listdir(_SHM)) if os.path.isdir(_SHM) else None
-    yield
-    if before is None:
-        return
+def _is_xdist_worker(config) -> bool:
+    """A pytest-xdist worker (make test runs the fast tier on two): the session-wide checks are the controller's."""
+    return hasattr(config, "workerinput")
+
+
+def _shm_left_by(before: set[str]) -> dict[str, str]:
+    """This session's new /dev/shm entries, once ended processes have had _SHM_SETTLE_S to let go of theirs."""
     deadline = time.monotonic() + _SHM_SETTLE_S
     while True:
         gc.collect()  # objects that own semaphores (queues of closed worlds) let go of them when collected
         left = _new_shm_entries(before)
         if not left or time.monotonic() >= deadline:
-            break
+            return left
         time.sleep(0.2)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session leaves /dev/shm as it found it: after every pooled world is closed (every worker's, under
+    pytest-xdist: this runs in the controller once they have all ended), no entry created during the session
+    remains (moe-comm's segments and counters, MPICH's segments, multiprocessing's semaphores, anything else).
+    An entry left fails the session."""
+    before = session.config.stash.get(_SHM_BEFORE, None)
+    if before is None:
+        return
+    left = _shm_left_by(before)
     if left:
-        pytest.fail(f"the test session left {len(left)} entries in {_SHM} (after {_SHM_SETTLE_S:g} s for ended "
-                    f"processes to let go; a concurrent test run on this host that leaks shows here too):\n"
-                    + "\n".join(f"  {name}: {what}" for name, what in left.items()), pytrace=False)
+        session.config.stash[_SHM_LEFT] = (
+            f"the test session left {len(left)} entries in {_SHM} (after {_SHM_SETTLE_S:g} s for ended processes to "
+            f"let go; a concurrent test run on this host that leaks shows here too):\n"
+            + "\n".join(f"  {name}: {what}" for name, what in left.items()))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
-def _world_pool(_dev_shm_as_found):
+def _world_pool():
     pool: dict[tuple[int, str], LocalWorld] = {}
     yield pool
     # Closed side by side: each close mostly waits for its ranks to leave their group and exit.
