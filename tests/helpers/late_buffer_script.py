@@ -1,6 +1,8 @@
 """Ranks started as torchrun/mpirun would (rank 0 hosts the rendezvous store): the last rank comes to the
 Buffer's construction past its deadline, so every rank's construction fails; each prints ``FAILED <error>``
-and exits with the error. Run as ``late_buffer_script.py TIMEOUT_S`` by a launcher (RANK and WORLD_SIZE set)."""
+and exits with the error; a rank still exiting STACKS_AFTER_S after that prints every thread's stack (so a slow
+exit says where its time went even when it ends before the test's deadline). Run as ``late_buffer_script.py
+TIMEOUT_S STACKS_AFTER_S`` by a launcher (RANK and WORLD_SIZE set)."""
 import faulthandler
 import os
 import signal
@@ -11,7 +13,7 @@ faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for eve
 
 import moe_comm
 
-timeout_s = float(sys.argv[1])
+timeout_s, stacks_after_s = float(sys.argv[1]), float(sys.argv[2])
 group = moe_comm.init_from_env(timeout_s=60)
 if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
     time.sleep(timeout_s + 2.0)
@@ -20,5 +22,6 @@ try:
 except Exception as exc:
     sys.stdout.write(f"FAILED {type(exc).__name__}\n")
     sys.stdout.flush()
+    faulthandler.dump_traceback_later(stacks_after_s, file=sys.stdout)  # armed through the exit's atexit handlers
     raise
 sys.stdout.write("BUILT\n")
