@@ -123,7 +123,8 @@ def _seeded_rng():
 _SHM = "/dev/shm"
 # How long processes that just ended (ranks, mpiexec jobs) may take to let go of their files (a loaded
 # machine: the fast tier beside two busy loops once found entries still held after 15 s).
-_SHM_SETTLE_S = 60.0
+# MOE_COMM_TEST_SHM_SETTLE_S shortens it for tests/tools/test_session_checks.py's planted leaks.
+_SHM_SETTLE_S = float(os.environ.get("MOE_COMM_TEST_SHM_SETTLE_S", "60"))
 
 
 def _session_pids() -> set[int]:
