@@ -94,6 +94,12 @@ def run_rank(cfg: dict[str, Any]) -> None:
         _die_once_invited([rank], 0.05)  # inside the epoch's build
     if original and cfg["kill"].get(rank, (0, ""))[1] == "invite":
         _die_once_invited([r for r in range(R) if r != rank], 0.0)  # before it connects the epoch's group
+    if not replacing:
+        # the ranks that start with the job meet first, as a launcher's rendezvous has them: the Buffer's deadline
+        # is a decode step's, and beside other load their processes come up seconds apart (imports, weights)
+        late = {r for r, _ in cfg["late"]}
+        store.set(f"elastic_decode/up/{rank}", "1")
+        store.wait([f"elastic_decode/up/{r}" for r in range(R) if r not in late], timedelta(seconds=60))
     buf = moe_comm.Buffer(dist.group.WORLD, num_rdma_bytes=moe_comm.Buffer.get_low_latency_rdma_size_hint(
         M, cfg["hidden"], R, E), low_latency_mode=True, enable_shrink=True, explicitly_destroy=True,
         timeout_s=cfg["timeout"])

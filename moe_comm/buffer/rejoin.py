@@ -136,8 +136,10 @@ class Membership:
         members, absent = self.admissions.start_members(min_ranks, begin + self.timeout_s)
         if members is None:
             raise CommTimeoutError("Buffer()", self.rank, self.timeout_s, absent,
-                                   f"fewer than min_ranks={min_ranks} ranks started: the job starts with the "
-                                   f"ranks that came once at least min_ranks did, the others' slots reserved")
+                                   f"fewer than min_ranks={min_ranks} ranks started"
+                                   + (" (this rank came after that was decided)" if self.rank in absent else "")
+                                   + ": the job starts with the ranks that came once at least min_ranks did, "
+                                     "the others' slots reserved")
         if self.rank not in members:  # the start went without it: its slot is reserved, and it fills it
             return self.join(build)
         runtime, outcome = self._enter(START_EPOCH, build, sorted(members), lambda: (), frozenset(absent))

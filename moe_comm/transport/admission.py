@@ -11,7 +11,9 @@ rendezvous store, which outlives ranks. Under ``prefix`` (one per elastic Buffer
 - ``start/...``: a job that starts short of ranks (``min_ranks``: reserved slots): each rank that starts sets
   ``start/arrived/<rank>``; the first to see every rank, or at least ``min_ranks`` at its deadline, sets
   ``start/members`` (``compare_set``), and those ranks build epoch 1 with the others absent. A rank that
-  arrives after that fills its slot as a replacement does.
+  arrives after that fills its slot as a replacement does. The first to reach its deadline with fewer than
+  ``min_ranks`` sets it to ``failed:<ranks that came>``: the start fails on every rank, one that comes later
+  included (it would otherwise start with ranks that had given up).
 - ``epoch/<e>/...``: the epoch's own gloo group (``StoreGroup``), then the commit: each member sets
   ``done/<rank>`` to ``ok`` once its side of the epoch is built, or to ``fail``; the first member to see
   every ``ok`` sets ``decision`` to ``commit``, the first to fail or to reach its deadline sets it to
@@ -37,6 +39,7 @@ COMMIT, ABORT = "commit", "abort"
 START_EPOCH = 1
 #: how often a wait looks at the store again
 _SLICE_S = 0.005
+_START_FAILED = "failed:"  # the start members word of a start that fewer than min_ranks came to, then its ranks
 
 
 class Admissions:
@@ -110,22 +113,26 @@ class Admissions:
         self.store.set(self._key("start", "arrived", self.rank), f"{host:x}:{os.getpid()}")
 
     def start_members(self, min_ranks: int, deadline: float) -> tuple[Optional[frozenset[int]], list[int]]:
-        """(The ranks the job starts with, the same on every rank, or None when fewer than ``min_ranks`` had
-        started by ``deadline``; the ranks that had not started when it was decided)."""
+        """(The ranks the job starts with, or None when fewer than ``min_ranks`` had started by the deadline of
+        the first rank to give up: the same on every rank, one that comes later included; the ranks that had not
+        started when it was decided)."""
         key = self._key("start", "members")
         arrived = [self._key("start", "arrived", r) for r in range(self.num_ranks)]
         while True:
-            here = [r for r, k in enumerate(arrived) if self.store.check([k])]
+            here = frozenset(r for r, k in enumerate(arrived) if self.store.check([k]))
             if self.store.check([key]):
-                members = _ranks(self.store.get(key).decode())
+                word = self.store.get(key).decode()
             elif len(here) == self.num_ranks or (len(here) >= min_ranks and time.monotonic() >= deadline):
-                members = _ranks(self._settle(key, _text(frozenset(here))))
+                word = self._settle(key, _text(here))
             elif time.monotonic() >= deadline:
-                return None, [r for r in range(self.num_ranks) if r not in here]
+                # the start fails for everyone: a rank that comes after this one gave up must not start with it
+                word = self._settle(key, _START_FAILED + _text(here))
             else:
                 time.sleep(_SLICE_S)
                 continue
-            return members, [r for r in range(self.num_ranks) if r not in members]
+            failed = word.startswith(_START_FAILED)
+            members = _ranks(word[len(_START_FAILED):] if failed else word)
+            return None if failed else members, [r for r in range(self.num_ranks) if r not in members]
 
     # ------------------------------------------------------------------ both sides
     def decide(self, epoch: int, built: bool, deadline: float, survivors: Iterable[int] = (),

@@ -79,6 +79,21 @@ def test_a_start_short_of_ranks_agrees_on_its_members():
     assert few.start_members(2, time.monotonic() + 0.2) == (None, [1, 2, 3])
 
 
+def test_a_rank_that_comes_after_a_failed_start_fails_too():
+    # ranks 0 and 2 give up at their deadline (min_ranks 3); rank 1 comes after that: with 3 ranks there it
+    # must not start with two that have gone, and it learns so at once, not at its own deadline
+    store = _store()
+    early = [Admissions(store, "job", r, R) for r in (0, 2)]
+    for me in early:
+        me.arrive(host=1)
+    assert [me.start_members(3, time.monotonic() + 0.2) for me in early] == [(None, [1, 3])] * 2
+    late = Admissions(store, "job", 1, R)
+    late.arrive(host=1)
+    start = time.monotonic()
+    assert late.start_members(3, start + 30.0) == (None, [1, 3])
+    assert time.monotonic() - start < well_before(30.0)
+
+
 def test_one_failure_aborts_everyone_and_survivors_leave_together():
     # rank 3 (a joiner) fails at once; rank 1 (a survivor) takes 1 s to finish its side: rank 0 and 2 abort
     # at once but wait for rank 1 before they go back to their calls
