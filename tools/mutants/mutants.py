@@ -667,6 +667,15 @@ MUTANTS: Tuple[Mutant, ...] = (
                     "the writer go on, finds the row gone and never sends its note",
         hints=("tests/transport/test_store_gather.py",),
     ),
+    Mutant(
+        id="start-failure-not-recorded",
+        file="moe_comm/transport/admission.py",
+        old="                word = self._settle(key, _START_FAILED + _text(here))\n",
+        new="                return None, [r for r in range(self.num_ranks) if r not in here]\n",
+        description="a rank that gives up a start short of ranks (fewer than min_ranks at its deadline) leaves no "
+                    "word: a rank that comes later starts with ranks that have gone and times out in their group",
+        hints=("tests/transport/test_admission.py",),
+    ),
     # ------------------------------------------------------------------ the test session's own checks (tests/conftest.py)
     Mutant(
         id="session-shm-leak-only-reported",
