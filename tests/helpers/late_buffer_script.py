@@ -1,5 +1,6 @@
 """Ranks started as torchrun/mpirun would (rank 0 hosts the rendezvous store): the last rank comes to the
-Buffer's construction past its deadline, so every rank's construction fails; each prints ``FAILED <error>``
+Buffer's construction past its deadline, so every rank's construction fails; each prints ``STARTED`` once its
+group is up (start-up on a loaded machine is not what the test bounds), then ``FAILED <error>``
 and exits with the error; a rank still exiting STACKS_AFTER_S after that prints every thread's stack (so a slow
 exit says where its time went even when it ends before the test's deadline). Run as ``late_buffer_script.py
 TIMEOUT_S STACKS_AFTER_S`` by a launcher (RANK and WORLD_SIZE set)."""
@@ -15,6 +16,8 @@ import moe_comm
 
 timeout_s, stacks_after_s = float(sys.argv[1]), float(sys.argv[2])
 group = moe_comm.init_from_env(timeout_s=60)
+sys.stdout.write("STARTED\n")
+sys.stdout.flush()
 if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
     time.sleep(timeout_s + 2.0)
 try:
